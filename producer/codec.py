@@ -1,0 +1,377 @@
+"""The wire format: pure encode/decode of tensors, request bodies and replies (contract 2 and 3).
+
+No I/O lives here, so every other language's implementation can be checked against these
+functions and the test vectors in ``docs/protocol.md``. Decoding is strict: any structural fault
+raises ``WireFormatError`` (code ``MALFORMED``, or ``TOO_LARGE`` for size limits), whose message
+says what is wrong and where. Tensor data is never copied on decode (``numpy.frombuffer``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from producer.errors import WireFormatError
+
+__all__ = [
+    "DTYPES",
+    "MAX_META_BYTES",
+    "MAX_RANK",
+    "ErrorInfo",
+    "ModelRef",
+    "Reply",
+    "RequestBody",
+    "decode_reply",
+    "decode_request",
+    "decode_tensor",
+    "encode_reply",
+    "encode_request",
+    "encode_tensor",
+    "pack_meta",
+]
+
+#: Contract dtype names to little-endian numpy dtypes.
+DTYPES: dict[str, np.dtype[Any]] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    )
+}
+_NAME_OF_KIND = {(dt.kind, dt.itemsize): name for name, dt in DTYPES.items()}
+
+MAX_META_BYTES = 4096
+MAX_RANK = 32
+# Bounds that keep a hostile body from making the unpacker allocate: no body needs more.
+_MAX_CONTAINER_LEN = 4096
+_MAX_STR_LEN = 65536
+
+_BODY_KEYS = frozenset({"inputs", "outputs", "deadline_ms", "meta", "reply_ttl_s"})
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBody:
+    """A decoded request body; ``meta_raw`` is the meta value's exact msgpack bytes."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[str, ...] | None = None
+    deadline_ms: int | None = None
+    meta_raw: bytes | None = None
+    reply_ttl_s: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """The ``error`` map of a failed reply."""
+
+    code: str
+    message: str
+    retryable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """The ``model`` map of a reply: which model file answered."""
+
+    name: str
+    version: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One reply (contract 3). ``meta_raw`` is echoed byte for byte; ``meta`` decodes it."""
+
+    rid: str
+    ok: bool
+    model: ModelRef
+    worker: str
+    timings_ms: dict[str, float]
+    outputs: dict[str, np.ndarray] | None = None
+    error: ErrorInfo | None = None
+    batch_rows: int | None = None
+    meta_raw: bytes | None = field(default=None, repr=False)
+
+    @property
+    def meta(self) -> Any:
+        """The request's ``meta`` value, or None when none was sent."""
+        return None if self.meta_raw is None else msgpack.unpackb(self.meta_raw, raw=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def encode_tensor(array: Any) -> dict[str, Any]:
+    """Return the wire map for an array: little-endian, C order, without copying when it can."""
+    arr = np.asarray(array)
+    name = _NAME_OF_KIND.get((arr.dtype.kind, arr.dtype.itemsize))
+    if name is None:
+        raise WireFormatError(
+            f"dtype {arr.dtype} cannot be sent; use one of {', '.join(DTYPES)}.", "INVALID_INPUT"
+        )
+    arr = np.ascontiguousarray(arr, dtype=DTYPES[name])
+    data = memoryview(arr).cast("B") if arr.size else b""
+    return {"dtype": name, "shape": list(arr.shape), "data": data}
+
+
+def decode_tensor(obj: Any, where: str) -> np.ndarray:
+    """Check a decoded wire map and view its data as an array; ``where`` names it in errors."""
+    if not isinstance(obj, dict):
+        raise WireFormatError(f"{where}: a tensor must be a map, got {_kind(obj)}.")
+    missing = _TENSOR_KEYS - obj.keys()
+    if missing:
+        raise WireFormatError(f"{where}: tensor is missing {_names(missing)}.")
+    extra = obj.keys() - _TENSOR_KEYS
+    if extra:
+        raise WireFormatError(f"{where}: tensor has unknown key {_names(extra)}.")
+    dtype_name = obj["dtype"]
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise WireFormatError(
+            f"{where}: unknown dtype {dtype_name!r}; expected one of {', '.join(DTYPES)}."
+        )
+    shape = _check_shape(obj["shape"], where)
+    data = obj["data"]
+    if not isinstance(data, bytes):
+        raise WireFormatError(f"{where}: data must be msgpack bin, got {_kind(data)}.")
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise WireFormatError(
+            f"{where}: data has {len(data)} bytes but shape {shape} of {dtype_name} "
+            f"needs {expected}."
+        )
+    if dtype_name == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
+        raise WireFormatError(f"{where}: bool data must hold only bytes 0 and 1.")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _check_shape(shape: Any, where: str) -> list[int]:
+    if not isinstance(shape, list):
+        raise WireFormatError(f"{where}: shape must be an array of integers, got {_kind(shape)}.")
+    if len(shape) > MAX_RANK:
+        raise WireFormatError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK}.")
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise WireFormatError(f"{where}: shape {shape!r} must hold non-negative integers only.")
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+def encode_request(
+    inputs: Mapping[str, Any],
+    *,
+    outputs: Sequence[str] | None = None,
+    deadline_ms: int | None = None,
+    meta: Any = None,
+    reply_ttl_s: int | None = None,
+) -> bytes:
+    """Encode a request body; optional keys are left out when None."""
+    if not inputs:
+        raise WireFormatError("a request needs at least one input.", "INVALID_INPUT")
+    body: dict[str, Any] = {"inputs": {name: encode_tensor(a) for name, a in inputs.items()}}
+    if outputs is not None:
+        body["outputs"] = list(outputs)
+    if deadline_ms is not None:
+        body["deadline_ms"] = int(deadline_ms)
+    if meta is not None:
+        body["meta"] = meta
+    if reply_ttl_s is not None:
+        body["reply_ttl_s"] = int(reply_ttl_s)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_request(body: bytes, max_bytes: int) -> RequestBody:
+    """Decode and check a request body; the size limit is applied before any decoding."""
+    if len(body) > max_bytes:
+        raise WireFormatError(
+            f"body is {len(body)} bytes, over max_request_bytes={max_bytes}.", "TOO_LARGE"
+        )
+    doc = _unpack(body, max_bytes, "body")
+    if not isinstance(doc, dict):
+        raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
+    extra = doc.keys() - _BODY_KEYS
+    if extra:
+        raise WireFormatError(f"body has unknown key {_names(extra)}.")
+    if "inputs" not in doc:
+        raise WireFormatError("body is missing 'inputs'.")
+    raw_inputs = doc["inputs"]
+    if not isinstance(raw_inputs, dict) or not raw_inputs:
+        raise WireFormatError("'inputs' must be a non-empty map of input name to tensor.")
+    if not all(isinstance(name, str) for name in raw_inputs):
+        raise WireFormatError("input names must be strings.")
+    inputs = {name: decode_tensor(t, f"input {name!r}") for name, t in raw_inputs.items()}
+    return RequestBody(
+        inputs=inputs,
+        outputs=_optional_names(doc.get("outputs")),
+        deadline_ms=_optional_int(doc, "deadline_ms", minimum=0),
+        meta_raw=_meta_raw(body, max_bytes) if "meta" in doc else None,
+        reply_ttl_s=_optional_int(doc, "reply_ttl_s", minimum=1),
+    )
+
+
+def _optional_names(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise WireFormatError("'outputs' must be an array of output names (strings).")
+    return tuple(value)
+
+
+def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < minimum:
+        raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def _meta_raw(body: bytes, max_bytes: int) -> bytes:
+    """Slice the meta value's own bytes out of the body, so the reply echoes it verbatim."""
+    unpacker = _unpacker(max_bytes)
+    unpacker.feed(body)
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        start = unpacker.tell()
+        unpacker.skip()
+        if key == "meta":
+            raw = body[start : unpacker.tell()]
+            if len(raw) > MAX_META_BYTES:
+                raise WireFormatError(
+                    f"'meta' is {len(raw)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
+                )
+            return raw
+    raise AssertionError("meta key vanished between two parses")  # pragma: no cover
+
+
+def pack_meta(meta: Any) -> bytes | None:
+    """Encode a meta value as it travels; None stays None."""
+    return None if meta is None else msgpack.packb(meta, use_bin_type=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies
+
+
+def encode_reply(reply: Reply) -> bytes:
+    """Encode a reply map; meta bytes are spliced in as they came, never re-encoded."""
+    fields: list[tuple[str, Any]] = [("rid", reply.rid), ("ok", reply.ok)]
+    if reply.ok:
+        outputs = reply.outputs or {}
+        fields.append(("outputs", {name: encode_tensor(a) for name, a in outputs.items()}))
+    else:
+        err = reply.error or ErrorInfo("INTERNAL", "no error detail", True)
+        fields.append(
+            ("error", {"code": err.code, "message": err.message, "retryable": err.retryable})
+        )
+    model = reply.model
+    fields.append(("model", {"name": model.name, "version": model.version, "sha256": model.sha256}))
+    fields.append(("worker", reply.worker))
+    if reply.ok and reply.batch_rows is not None:
+        fields.append(("batch_rows", reply.batch_rows))
+    fields.append(("timings_ms", dict(reply.timings_ms)))
+
+    packer = msgpack.Packer(use_bin_type=True)
+    has_meta = reply.meta_raw is not None
+    parts = [packer.pack_map_header(len(fields) + has_meta)]
+    parts.extend(packer.pack(k) + packer.pack(v) for k, v in fields)
+    if has_meta:
+        parts.append(packer.pack("meta") + bytes(reply.meta_raw or b""))
+    return b"".join(parts)
+
+
+def decode_reply(raw: bytes) -> Reply:
+    """Decode a reply element; raises WireFormatError when it is not a contract reply."""
+    doc = _unpack(raw, len(raw), "reply")
+    if not isinstance(doc, dict):
+        raise WireFormatError(f"reply must be a map, got {_kind(doc)}.")
+    try:
+        model = doc["model"]
+        outputs = None
+        error = None
+        if doc["ok"]:
+            outputs = {
+                name: decode_tensor(t, f"output {name!r}") for name, t in doc["outputs"].items()
+            }
+        else:
+            e = doc["error"]
+            error = ErrorInfo(str(e["code"]), str(e["message"]), bool(e["retryable"]))
+        return Reply(
+            rid=str(doc["rid"]),
+            ok=bool(doc["ok"]),
+            model=ModelRef(str(model["name"]), str(model["version"]), str(model["sha256"])),
+            worker=str(doc["worker"]),
+            timings_ms={str(k): float(v) for k, v in doc["timings_ms"].items()},
+            outputs=outputs,
+            error=error,
+            batch_rows=doc.get("batch_rows"),
+            meta_raw=_meta_raw(raw, len(raw)) if "meta" in doc else None,
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# msgpack, with limits
+
+
+def _unpacker(max_bytes: int) -> msgpack.Unpacker:
+    return msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        max_buffer_size=max(max_bytes, 1),
+        max_bin_len=max_bytes,
+        max_str_len=min(max_bytes, _MAX_STR_LEN),
+        max_array_len=_MAX_CONTAINER_LEN,
+        max_map_len=_MAX_CONTAINER_LEN,
+        max_ext_len=0,
+    )
+
+
+def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=min(max_bytes, _MAX_STR_LEN),
+            max_array_len=_MAX_CONTAINER_LEN,
+            max_map_len=_MAX_CONTAINER_LEN,
+            max_ext_len=0,
+        )
+    except msgpack.StackError as exc:
+        raise WireFormatError(f"{what} is nested too deeply to be msgpack we accept.") from exc
+    except (ValueError, TypeError) as exc:
+        # msgpack's errors all derive from ValueError; their text says what broke.
+        raise WireFormatError(f"{what} is not valid msgpack: {exc or type(exc).__name__}.") from exc
+
+
+def _kind(value: Any) -> str:
+    return {bytes: "bin", str: "string", dict: "map", list: "array"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _names(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys, key=str))

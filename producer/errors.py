@@ -1,0 +1,172 @@
+"""Errors raised by the producer package.
+
+Every error has one root, so callers can catch ``RedbatchError`` and nothing else::
+
+    RedbatchError
+    ├── WireFormatError        bytes that do not follow the wire format (code MALFORMED or TOO_LARGE)
+    ├── BacklogFull            the request stream is at or above the producer's max_backlog
+    ├── WaitTimeout            no reply arrived in time (also a builtin TimeoutError)
+    ├── ConnectionFailed       Redis could not be reached or refused the command
+    ├── NoWorkerInfo           a value only a live worker can tell (its row limit) is unknown
+    └── RequestFailed          the worker answered ok = false; one subclass per contract code
+        ├── MalformedRequest   MALFORMED
+        ├── InvalidInput       INVALID_INPUT
+        ├── TooLarge           TOO_LARGE
+        ├── DeadlineExceeded   DEADLINE_EXCEEDED
+        ├── Cancelled          CANCELLED
+        ├── InferenceFailed    INFERENCE_FAILED
+        ├── Poisoned           POISONED
+        └── InternalError      INTERNAL, and any code this version does not know
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ERROR_CODES",
+    "BacklogFull",
+    "Cancelled",
+    "ConnectionFailed",
+    "DeadlineExceeded",
+    "InferenceFailed",
+    "InternalError",
+    "InvalidInput",
+    "MalformedRequest",
+    "NoWorkerInfo",
+    "Poisoned",
+    "RedbatchError",
+    "RequestFailed",
+    "TooLarge",
+    "WaitTimeout",
+    "WireFormatError",
+    "error_for_code",
+]
+
+ERROR_CODES = (
+    "MALFORMED",
+    "INVALID_INPUT",
+    "TOO_LARGE",
+    "DEADLINE_EXCEEDED",
+    "CANCELLED",
+    "INFERENCE_FAILED",
+    "POISONED",
+    "INTERNAL",
+)
+
+
+class RedbatchError(Exception):
+    """Raised for every failure the redbatch packages report; the root of the tree."""
+
+
+class WireFormatError(RedbatchError):
+    """Raised when bytes do not follow the wire format; ``code`` is the contract code to answer."""
+
+    def __init__(self, message: str, code: str = "MALFORMED") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class BacklogFull(RedbatchError):
+    """Raised by submit when the request stream holds max_backlog entries or more."""
+
+    def __init__(self, backlog: int, max_backlog: int) -> None:
+        super().__init__(
+            f"Request stream backlog is {backlog}, at or above max_backlog={max_backlog}. "
+            "Retry later, raise max_backlog, or submit with wait_for_backlog=True."
+        )
+        self.backlog = backlog
+        self.max_backlog = max_backlog
+
+
+class WaitTimeout(RedbatchError, TimeoutError):
+    """Raised when no reply arrived for a request within the caller's timeout."""
+
+
+class ConnectionFailed(RedbatchError):
+    """Raised when Redis cannot be reached, refuses a login, or rejects a command."""
+
+
+class NoWorkerInfo(RedbatchError):
+    """Raised when a value only a live worker can tell (such as its row limit) is unknown."""
+
+
+class RequestFailed(RedbatchError):
+    """Raised when a worker answered a request with ok = false."""
+
+    code = "INTERNAL"
+
+    def __init__(self, rid: str, code: str, message: str, retryable: bool) -> None:
+        super().__init__(f"{code}: {message} (request {rid})")
+        self.rid = rid
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class MalformedRequest(RequestFailed):
+    """Raised when the worker could not parse the request body (MALFORMED)."""
+
+    code = "MALFORMED"
+
+
+class InvalidInput(RequestFailed):
+    """Raised when the request does not fit the model's input schema (INVALID_INPUT)."""
+
+    code = "INVALID_INPUT"
+
+
+class TooLarge(RequestFailed):
+    """Raised when the request has too many bytes or rows (TOO_LARGE)."""
+
+    code = "TOO_LARGE"
+
+
+class DeadlineExceeded(RequestFailed):
+    """Raised when the request's deadline passed before it ran (DEADLINE_EXCEEDED)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(RequestFailed):
+    """Raised when the request was cancelled before it ran (CANCELLED)."""
+
+    code = "CANCELLED"
+
+
+class InferenceFailed(RequestFailed):
+    """Raised when the runtime failed on this request even alone (INFERENCE_FAILED)."""
+
+    code = "INFERENCE_FAILED"
+
+
+class Poisoned(RequestFailed):
+    """Raised when the request was dead-lettered after max_deliveries (POISONED)."""
+
+    code = "POISONED"
+
+
+class InternalError(RequestFailed):
+    """Raised for INTERNAL, and for any code this client version does not know."""
+
+    code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[RequestFailed]] = {
+    cls.code: cls
+    for cls in (
+        MalformedRequest,
+        InvalidInput,
+        TooLarge,
+        DeadlineExceeded,
+        Cancelled,
+        InferenceFailed,
+        Poisoned,
+        InternalError,
+    )
+}
+
+
+def error_for_code(rid: str, code: str, message: str, retryable: bool) -> RequestFailed:
+    """Build the typed error for a reply's error code; unknown codes become InternalError."""
+    cls = _BY_CODE.get(code, InternalError)
+    return cls(rid, code, message, retryable)

@@ -1,0 +1,34 @@
+"""Shared fixtures: each test module gets its own private redis-server on a free port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from worker.localredis import LocalRedis
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[LocalRedis]:
+    """A redis-server started for this module alone; only this module may flush or kill it."""
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> Iterator[str]:
+    """The module's Redis URL, flushed after each test so tests do not see each other's keys."""
+    yield redis_server.url
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def rconn(redis_url: str) -> Iterator[redis.Redis]:
+    """A raw redis-py connection to the module's server (bytes in, bytes out)."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
