@@ -3,7 +3,7 @@
 Every error has one root, so callers can catch ``RedbatchError`` and nothing else::
 
     RedbatchError
-    ├── WireFormatError        bytes that do not follow the wire format (code MALFORMED or TOO_LARGE)
+    ├── WireFormatError        bytes off the wire format (code MALFORMED or TOO_LARGE)
     ├── BacklogFull            the request stream is at or above the producer's max_backlog
     ├── WaitTimeout            no reply arrived in time (also a builtin TimeoutError)
     ├── ConnectionFailed       Redis could not be reached or refused the command

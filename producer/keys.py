@@ -84,7 +84,7 @@ def workers_key(prefix: str, model: str) -> str:
 
 
 def worker_key(prefix: str, model: str, name: str) -> str:
-    """``P:{M}:worker:NAME``, one worker's validation record, expiring unless heartbeats renew it."""
+    """``P:{M}:worker:NAME``, one worker's validation record; heartbeats renew its TTL."""
     _check_model(model)
     if not is_valid_name(name):
         raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
