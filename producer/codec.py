@@ -364,13 +364,15 @@ def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
         raise WireFormatError(f"{what} is nested too deeply to be msgpack we accept.") from exc
     except (ValueError, TypeError) as exc:
         # msgpack's errors all derive from ValueError; their text says what broke.
-        raise WireFormatError(f"{what} is not valid msgpack: {exc or type(exc).__name__}.") from exc
+        detail = str(exc).rstrip(".") or type(exc).__name__
+        raise WireFormatError(f"{what} is not valid msgpack: {detail}.") from exc
+
+
+_KINDS: dict[type, str] = {bytes: "bin", str: "string", dict: "map", list: "array"}
 
 
 def _kind(value: Any) -> str:
-    return {bytes: "bin", str: "string", dict: "map", list: "array"}.get(
-        type(value), type(value).__name__
-    )
+    return _KINDS.get(type(value), type(value).__name__)
 
 
 def _names(keys: Any) -> str:

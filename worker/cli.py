@@ -1,0 +1,144 @@
+"""``redbatch-worker`` / ``python -m worker``: start a worker from a TOML config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from producer.keys import is_valid_name
+from worker.config import load_config
+from worker.errors import WorkerError
+from worker.logs import configure_logging
+from worker.service import Worker, prepare
+
+__all__ = ["main"]
+
+log = logging.getLogger("worker")
+
+_EPILOG = """\
+examples:
+  redbatch-worker --config configs/demo.toml
+  REDIS_URL=rediss://user:pass@redis:6380/0 redbatch-worker --config prod.toml --log-format json
+  redbatch-worker --config configs/demo.toml --check        # load, validate, warm up; no Redis
+  redbatch-worker --config configs/demo.toml --burst        # drain the stream, then exit
+
+The config file is TOML; configs/reference.toml documents every key. REDIS_URL in the
+environment overrides redis.url. SIGTERM or SIGINT stops reading, answers every request already
+read and exits 0; a second signal stops waiting for an unreachable Redis.
+"""
+
+
+def _default_name() -> str:
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
+    return f"{host[:100] or 'worker'}-{os.getpid()}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="redbatch-worker",
+        description="Serve an ONNX model from a Redis stream with dynamic batching.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", required=True, help="path to the worker's TOML config file")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="consumer name in the group (default: HOST-PID); [A-Za-z0-9_.:-], at most 128",
+    )
+    parser.add_argument(
+        "--log-format", choices=("plain", "json"), default="plain", help="log line format"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="lowest level logged (default INFO)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load the config and model, warm up, print the validation record and exit 0; "
+        "never touches Redis",
+    )
+    parser.add_argument(
+        "--burst",
+        action="store_true",
+        help="exit 0 once the stream is drained (batch jobs, tests) instead of waiting for more",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
+    name = args.name or _default_name()
+    if not is_valid_name(name):
+        log.error("--name %r must match [A-Za-z0-9_.:-]{1,128}", name)
+        return 2
+    try:
+        config = load_config(args.config)
+        prepared = prepare(config, name)
+    except WorkerError as exc:
+        log.error("%s", exc)
+        return 2
+    log.info("validation record", extra={"fields": _record_summary(prepared.record)})
+    if args.check:
+        print(json.dumps(prepared.record, indent=2))
+        return 0
+    client = redis.Redis.from_url(
+        config.redis.url, socket_connect_timeout=5, health_check_interval=30
+    )
+    worker = Worker(prepared, client, burst=args.burst)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.request_stop())
+    try:
+        worker.run()
+    except WorkerError as exc:
+        log.error("%s", exc)
+        return 1
+    except redis.RedisError as exc:
+        log.error("Redis at %s failed: %s", _safe_url(config.redis.url), exc)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def _record_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The record's essentials for one log line; --check prints it whole."""
+    model = record["model"]
+    return {
+        "worker": record["name"],
+        "model": f"{model['name']}@{model['version']}",
+        "sha256": model["sha256"],
+        "opset": model["opset"],
+        "onnxruntime": record["runtime"]["onnxruntime"],
+        "providers": record["runtime"]["providers"],
+        "inputs": [f"{i['name']}:{i['dtype']}{i['shape']}" for i in record["inputs"]],
+        "outputs": [f"{o['name']}:{o['dtype']}{o['shape']}" for o in record["outputs"]],
+        "max_batch_size": record["batching"]["max_batch_size"],
+        "max_wait_ms": record["batching"]["max_wait_ms"],
+        "warmup_ms": record["warmup"]["total_ms"],
+    }
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for log lines."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

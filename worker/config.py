@@ -1,0 +1,407 @@
+"""The worker's TOML config, read once at the edge into frozen dataclasses.
+
+Unknown keys and bad values raise ``ConfigError`` naming the dotted key, what it holds and what
+would be valid, before anything touches Redis or the model.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producer.keys import DEFAULT_PREFIX, is_valid_model_name
+from worker.errors import ConfigError
+
+__all__ = [
+    "PROVIDERS",
+    "BatchingConfig",
+    "DeliveryConfig",
+    "InputConfig",
+    "LimitsConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "ProviderConfig",
+    "RedisConfig",
+    "WarmupConfig",
+    "WorkerConfig",
+    "load_config",
+    "parse_config",
+]
+
+#: Provider short names accepted in ``model.providers``, with their option keys.
+PROVIDERS: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"require"}),
+    "cuda": frozenset({"require", "device_id", "gpu_mem_limit", "arena_extend_strategy"}),
+    "tensorrt": frozenset({"require", "device_id", "engine_cache_path", "fp16"}),
+}
+_DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+_ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str = _DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderConfig:
+    """One execution provider, in order of preference, with its options."""
+
+    name: str
+    require: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    path: Path
+    version: str = "1"
+    providers: tuple[ProviderConfig, ...] = (ProviderConfig("cpu"),)
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+    allow_spinning: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingConfig:
+    max_batch_size: int = 32
+    max_wait_ms: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_request_bytes: int = 16 * 1024 * 1024
+    reject_non_finite: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryConfig:
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    reply_ttl_s: int = 3600
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupConfig:
+    runs: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    port: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InputConfig:
+    """Per-input checks and warmup hints from ``[inputs.NAME]``."""
+
+    name: str
+    min: float | None = None
+    max: float | None = None
+    warmup_shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    redis: RedisConfig
+    model: ModelConfig
+    batching: BatchingConfig = BatchingConfig()
+    limits: LimitsConfig = LimitsConfig()
+    delivery: DeliveryConfig = DeliveryConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    inputs: Mapping[str, InputConfig] = field(default_factory=dict)
+    source: Path | None = None
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Read a TOML file; ``REDIS_URL`` in ``environ`` (default: os.environ) overrides redis.url."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"Cannot read config file {path}: {exc.strerror}.") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from exc
+    env = os.environ if environ is None else environ
+    return parse_config(data, base_dir=path.resolve().parent, redis_url=env.get("REDIS_URL"))
+
+
+def parse_config(
+    data: Mapping[str, Any], base_dir: Path, redis_url: str | None = None
+) -> WorkerConfig:
+    """Build a WorkerConfig from parsed TOML; paths are relative to ``base_dir``."""
+    root = _Table(data, "")
+    root.check_keys(
+        {"redis", "model", "batching", "limits", "delivery", "warmup", "metrics", "inputs"}
+    )
+    return WorkerConfig(
+        redis=_redis(root.table("redis"), redis_url),
+        model=_model(root.table("model", required=True), base_dir),
+        batching=_batching(root.table("batching")),
+        limits=_limits(root.table("limits")),
+        delivery=_delivery(root.table("delivery")),
+        warmup=_warmup(root.table("warmup")),
+        metrics=_metrics(root.table("metrics")),
+        inputs=_inputs(root.table("inputs")),
+        source=base_dir,
+    )
+
+
+def _redis(t: _Table, url_override: str | None) -> RedisConfig:
+    t.check_keys({"url", "prefix"})
+    url = url_override or t.get_str("url", _DEFAULT_REDIS_URL)
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"Config 'redis.url' has value {url!r}. Use redis://, rediss:// or unix:// URLs."
+        )
+    prefix = t.get_str("prefix", DEFAULT_PREFIX)
+    if not prefix or any(c in prefix for c in "{} \t\n"):
+        raise ConfigError(
+            f"Config 'redis.prefix' has value {prefix!r}. Use a non-empty name without braces "
+            "or spaces."
+        )
+    return RedisConfig(url=url, prefix=prefix)
+
+
+def _model(t: _Table, base_dir: Path) -> ModelConfig:
+    t.check_keys(
+        {
+            "name",
+            "path",
+            "version",
+            "providers",
+            "intra_op_threads",
+            "inter_op_threads",
+            "allow_spinning",
+            *PROVIDERS,
+        }
+    )
+    name = t.get_str("name", None)
+    if not is_valid_model_name(name):
+        raise ConfigError(
+            f"Config 'model.name' has value {name!r}. Use 1 to 64 of A-Z a-z 0-9 _ . -"
+        )
+    path = (base_dir / t.get_str("path", None)).resolve()
+    if not path.is_file():
+        raise ConfigError(
+            f"Config 'model.path' points to {path}, which does not exist. "
+            "Paths are relative to the config file."
+        )
+    names = t.get_str_list("providers", ["cpu"])
+    if not names:
+        raise ConfigError("Config 'model.providers' is empty. List at least one, e.g. ['cpu'].")
+    for n in names:
+        if n not in PROVIDERS:
+            raise ConfigError(
+                f"Config 'model.providers' has {n!r}. Valid providers: {', '.join(PROVIDERS)}."
+            )
+    for extra in set(PROVIDERS) - set(names):
+        if extra in t.data:
+            raise ConfigError(
+                f"Config has [model.{extra}] options but 'model.providers' does not list "
+                f"{extra!r}. Add it to providers or remove the table."
+            )
+    providers = tuple(_provider(n, t.table(n), base_dir) for n in names)
+    version = t.data.get("version", "1")
+    if not isinstance(version, str | int) or isinstance(version, bool):
+        raise ConfigError(f"Config 'model.version' has value {version!r}. Use a string.")
+    return ModelConfig(
+        name=name,
+        path=path,
+        version=str(version),
+        providers=providers,
+        intra_op_threads=t.get_int("intra_op_threads", 0, minimum=0),
+        inter_op_threads=t.get_int("inter_op_threads", 0, minimum=0),
+        allow_spinning=t.get_bool("allow_spinning", False),
+    )
+
+
+def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:
+    t.check_keys(PROVIDERS[name])
+    options: dict[str, Any] = {}
+    if "device_id" in t.data:
+        options["device_id"] = t.get_int("device_id", 0, minimum=0)
+    if "gpu_mem_limit" in t.data:
+        options["gpu_mem_limit"] = t.get_int("gpu_mem_limit", 0, minimum=1)
+    if "arena_extend_strategy" in t.data:
+        strategy = t.get_str("arena_extend_strategy", None)
+        if strategy not in _ARENA_STRATEGIES:
+            raise ConfigError(
+                f"Config '{t.where('arena_extend_strategy')}' has value {strategy!r}. "
+                f"Valid values: {', '.join(_ARENA_STRATEGIES)}."
+            )
+        options["arena_extend_strategy"] = strategy
+    if "engine_cache_path" in t.data:
+        options["engine_cache_path"] = str(
+            (base_dir / t.get_str("engine_cache_path", None)).resolve()
+        )
+    if "fp16" in t.data:
+        options["fp16"] = t.get_bool("fp16", False)
+    return ProviderConfig(name=name, require=t.get_bool("require", False), options=options)
+
+
+def _batching(t: _Table) -> BatchingConfig:
+    t.check_keys({"max_batch_size", "max_wait_ms"})
+    return BatchingConfig(
+        max_batch_size=t.get_int("max_batch_size", 32, minimum=1, maximum=1_000_000),
+        max_wait_ms=t.get_number("max_wait_ms", 5.0, minimum=0.0, maximum=60_000.0),
+    )
+
+
+def _limits(t: _Table) -> LimitsConfig:
+    t.check_keys({"max_request_bytes", "reject_non_finite"})
+    return LimitsConfig(
+        max_request_bytes=t.get_int(
+            "max_request_bytes", 16 * 1024 * 1024, minimum=64, maximum=2**31
+        ),
+        reject_non_finite=t.get_bool("reject_non_finite", True),
+    )
+
+
+def _delivery(t: _Table) -> DeliveryConfig:
+    t.check_keys({"claim_idle_ms", "max_deliveries", "reply_ttl_s"})
+    return DeliveryConfig(
+        claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100),
+        max_deliveries=t.get_int("max_deliveries", 3, minimum=1),
+        reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1),
+    )
+
+
+def _warmup(t: _Table) -> WarmupConfig:
+    t.check_keys({"runs"})
+    return WarmupConfig(runs=t.get_int("runs", 5, minimum=0, maximum=10_000))
+
+
+def _metrics(t: _Table) -> MetricsConfig:
+    t.check_keys({"port"})
+    return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535))
+
+
+def _inputs(t: _Table) -> dict[str, InputConfig]:
+    result = {}
+    for name in t.data:
+        it = t.table(name)
+        it.check_keys({"min", "max", "warmup_shape"})
+        lo = it.get_number("min", None)
+        hi = it.get_number("max", None)
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(
+                f"Config '{it.where('min')}' ({lo}) is above '{it.where('max')}' ({hi}). Swap them."
+            )
+        shape = it.data.get("warmup_shape")
+        if shape is not None and (
+            not isinstance(shape, list) or not all(type(d) is int and d >= 1 for d in shape)
+        ):
+            raise ConfigError(
+                f"Config '{it.where('warmup_shape')}' has value {shape!r}. Use a list of "
+                "positive integers: the input's shape without its batch dimension."
+            )
+        result[name] = InputConfig(
+            name=name, min=lo, max=hi, warmup_shape=None if shape is None else tuple(shape)
+        )
+    return result
+
+
+class _Table:
+    """One TOML table with its dotted name, so every error names the exact key."""
+
+    def __init__(self, data: Any, dotted: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"Config '{dotted}' must be a table, got {data!r}.")
+        self.data = data
+        self.dotted = dotted
+
+    def where(self, key: str) -> str:
+        return f"{self.dotted}.{key}" if self.dotted else key
+
+    def check_keys(self, allowed: set[str] | frozenset[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                section = f"[{self.dotted}]" if self.dotted else "the top level"
+                raise ConfigError(
+                    f"Config key '{self.where(key)}' is not known. "
+                    f"Valid keys in {section}: {', '.join(sorted(allowed))}."
+                )
+
+    def table(self, key: str, required: bool = False) -> _Table:
+        if key not in self.data:
+            if required:
+                raise ConfigError(f"Config needs a [{self.where(key)}] table.")
+            return _Table({}, self.where(key))
+        return _Table(self.data[key], self.where(key))
+
+    def _value(self, key: str, default: Any) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is None:
+            raise ConfigError(f"Config needs '{self.where(key)}'.")
+        return default
+
+    def get_str(self, key: str, default: str | None) -> str:
+        value = self._value(key, default)
+        if not isinstance(value, str):
+            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use a string.")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self._value(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use true or false.")
+        return value
+
+    def get_int(
+        self,
+        key: str,
+        default: int,
+        minimum: int | None = None,
+        maximum: int | None = None,
+    ) -> int:
+        value = self._value(key, default)
+        if type(value) is not int:
+            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use an integer.")
+        self._check_range(key, value, minimum, maximum)
+        return value
+
+    def get_number(
+        self,
+        key: str,
+        default: float | None,
+        minimum: float | None = None,
+        maximum: float | None = None,
+    ) -> Any:
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if type(value) not in (int, float):
+            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use a number.")
+        self._check_range(key, value, minimum, maximum)
+        return float(value)
+
+    def get_str_list(self, key: str, default: list[str]) -> list[str]:
+        value = self.data.get(key, default)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f"Config '{self.where(key)}' has value {value!r}. Use a list of strings."
+            )
+        return value
+
+    def _check_range(
+        self, key: str, value: float, minimum: float | None, maximum: float | None
+    ) -> None:
+        if minimum is not None and value < minimum:
+            raise ConfigError(
+                f"Config '{self.where(key)}' has value {value!r}. It must be >= {minimum}."
+            )
+        if maximum is not None and value > maximum:
+            raise ConfigError(
+                f"Config '{self.where(key)}' has value {value!r}. It must be <= {maximum}."
+            )

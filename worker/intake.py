@@ -1,0 +1,134 @@
+"""Intake: read entries from the stream, decode and validate each, hand them to the batcher.
+
+It runs on its own thread so that reading, decoding and validating overlap with inference, and
+it blocks on Redis (which wakes at once when data arrives) rather than polling. Its queue is
+bounded, so the worker holds a few batches of entries at most whatever the backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from producer.codec import decode_request
+from producer.errors import WireFormatError
+from producer.keys import is_valid_rid
+from worker.errors import Rejected
+from worker.retry import Outage
+from worker.schema import Schema, ValidRequest
+from worker.stream import RawEntry, RequestStream
+
+__all__ = ["Intake", "WorkItem", "admit"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkItem:
+    """One entry on its way through the worker, with whatever is known about it so far."""
+
+    entry: RawEntry
+    rid: str | None = None
+    request: ValidRequest | None = None
+    rejection: Rejected | None = None
+    dead_reason: str | None = None
+    deadline_ms: int | None = None
+    meta_raw: bytes | None = None
+    reply_ttl_s: int | None = None
+    decode_ms: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        """Rows this item adds to a batch: 0 unless it is valid and will run."""
+        return self.request.rows if self.request is not None else 0
+
+
+def admit(entry: RawEntry, schema: Schema, max_request_bytes: int) -> WorkItem:
+    """Turn a raw entry into a WorkItem: valid, rejected with a code, or bound for dead letters."""
+    started = time.perf_counter()
+    item = WorkItem(entry)
+    try:
+        _admit(item, schema, max_request_bytes)
+    except Rejected as exc:
+        item.rejection = exc
+    item.decode_ms = (time.perf_counter() - started) * 1000.0
+    return item
+
+
+def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
+    fields = item.entry.fields
+    raw_rid = fields.get(b"rid")
+    rid = raw_rid.decode("ascii", "replace") if raw_rid is not None else None
+    if rid is None or not is_valid_rid(rid):
+        item.dead_reason = (
+            "entry has no 'rid' field"
+            if rid is None
+            else f"rid {rid[:140]!r} does not match [A-Za-z0-9_.:-]{{1,128}}; no reply key is "
+            "written for it"
+        )
+        return
+    item.rid = rid
+    body = fields.get(b"body")
+    if body is None:
+        raise Rejected("MALFORMED", "the stream entry has no 'body' field.")
+    try:
+        decoded = decode_request(body, max_request_bytes)
+    except WireFormatError as exc:
+        raise Rejected(exc.code, exc.message) from exc
+    item.deadline_ms = decoded.deadline_ms
+    item.meta_raw = decoded.meta_raw
+    item.reply_ttl_s = decoded.reply_ttl_s
+    item.request = schema.validate(decoded)
+
+
+class Intake(threading.Thread):
+    """The reading thread: stream -> admit -> bounded queue, until ``stop`` is set."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        schema: Schema,
+        max_request_bytes: int,
+        out: queue.Queue[WorkItem],
+        stop: threading.Event,
+        read_count: int,
+        block_ms: int = 500,
+    ) -> None:
+        super().__init__(name="redbatch-intake", daemon=True)
+        self.stream = stream
+        self.schema = schema
+        self.max_request_bytes = max_request_bytes
+        self.out = out
+        self.stop = stop
+        self.read_count = read_count
+        self.block_ms = block_ms
+        self.idle = threading.Event()  # set when a read came back empty: the stream is drained
+        self.failure: BaseException | None = None
+        self._outage = Outage("reading requests", give_up=stop)
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                entries = self._read()
+                if not entries:
+                    self.idle.set()
+                    continue
+                self.idle.clear()
+                for entry in entries:
+                    # Entries already read are ours: hand every one over, even while stopping.
+                    self.out.put(admit(entry, self.schema, self.max_request_bytes))
+        except BaseException as exc:  # surfaced by the service, which stops the worker
+            self.failure = exc
+            log.exception("intake stopped on an unexpected error")
+            self.stop.set()
+
+    def _read(self) -> list[RawEntry]:
+        try:
+            return self._outage.call(lambda: self.stream.read(self.read_count, self.block_ms))
+        except Exception:
+            if self.stop.is_set():
+                return []
+            raise

@@ -1,0 +1,253 @@
+"""The ONNX Runtime session: providers with fallback, thread settings, and the file's identity.
+
+``Model`` is the seam the rest of the worker sees (specs in, arrays out), so batching and error
+isolation can be tested without a session; ``OnnxModel`` is the real one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from worker.config import ModelConfig, ProviderConfig
+from worker.errors import ModelError
+
+__all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "read_model_file"]
+
+log = logging.getLogger(__name__)
+
+_ORT_NAMES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_ORT_TYPES = {
+    "tensor(bool)": "bool",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16",
+    "tensor(int32)": "int32",
+    "tensor(uint32)": "uint32",
+    "tensor(int64)": "int64",
+    "tensor(uint64)": "uint64",
+    "tensor(float16)": "float16",
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+}
+
+Dim = int | str | None  # fixed size, symbolic name, or unnamed free dimension
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One model input or output as the model file declares it."""
+
+    name: str
+    dtype: np.dtype[Any]
+    dims: tuple[Dim, ...]
+
+    @property
+    def shape(self) -> list[int]:
+        """The shape with -1 for every free dimension, as error messages and records show it."""
+        return [d if isinstance(d, int) else -1 for d in self.dims]
+
+
+class Model(Protocol):
+    """What the worker needs from a runtime session."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Run one batch; raises on any runtime failure."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFile:
+    """The identity of the served file: what the validation record and replies name."""
+
+    path: Path
+    sha256: str
+    size_bytes: int
+    opsets: dict[str, int]
+    ir_version: int | None
+    producer: str
+
+
+class OnnxModel:
+    """An ONNX Runtime session built from a ModelConfig."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        import onnxruntime as ort  # heavy: imported only where a session is built
+
+        self._ort = ort
+        # Provider load failures are reported once by us, below; the runtime's own multi-line
+        # errors (and its per-node warnings) would only bury that line.
+        ort.set_default_logger_severity(4)
+        self.requested = [p.name for p in config.providers]
+        options = _session_options(ort, config)
+        chosen = self._available(config.providers)
+        try:
+            self._session = ort.InferenceSession(
+                str(config.path), sess_options=options, providers=chosen
+            )
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise ModelError(f"Cannot load model {config.path}: {exc}") from exc
+        self.providers = list(self._session.get_providers())
+        self._check_fallback(config.providers)
+        self.inputs = tuple(_spec(a, "input") for a in self._session.get_inputs())
+        self.outputs = tuple(_spec(a, "output") for a in self._session.get_outputs())
+        self.runtime_version = ort.__version__
+
+    def _available(self, providers: tuple[ProviderConfig, ...]) -> list[Any]:
+        available = set(self._ort.get_available_providers())
+        chosen: list[Any] = []
+        for p in providers:
+            ort_name = _ORT_NAMES[p.name]
+            if ort_name not in available:
+                if p.require:
+                    raise ModelError(
+                        f"Provider {p.name!r} is required (model.{p.name}.require = true) but this "
+                        f"onnxruntime build has only {sorted(available)}. Install onnxruntime-gpu "
+                        "or drop require."
+                    )
+                log.warning("provider %s is not in this onnxruntime build; skipping it", p.name)
+                continue
+            chosen.append((ort_name, _provider_options(p)) if p.options else ort_name)
+        if "CPUExecutionProvider" not in [c if isinstance(c, str) else c[0] for c in chosen]:
+            chosen.append("CPUExecutionProvider")
+        return chosen
+
+    def _check_fallback(self, providers: tuple[ProviderConfig, ...]) -> None:
+        for p in providers:
+            if _ORT_NAMES[p.name] in self.providers:
+                continue
+            if p.require:
+                raise ModelError(
+                    f"Provider {p.name!r} is required (model.{p.name}.require = true) but "
+                    "onnxruntime could not start it on this machine (no GPU, or CUDA/cuDNN "
+                    "libraries missing). Fix the machine or drop require."
+                )
+            log.warning(
+                "provider %s could not start on this machine (no GPU, or CUDA/cuDNN libraries "
+                "missing); serving with %s",
+                p.name,
+                ", ".join(self.providers),
+            )
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        return list(self._session.run(output_names, feeds))
+
+
+def _session_options(ort: Any, config: ModelConfig) -> Any:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = config.intra_op_threads
+    options.inter_op_num_threads = config.inter_op_threads
+    # Idle spinning threads cost about 15 CPU ms per request at low load on 2 cores (FACTS.md).
+    spin = "1" if config.allow_spinning else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    return options
+
+
+def _provider_options(p: ProviderConfig) -> dict[str, str]:
+    opts = dict(p.options)
+    if p.name == "tensorrt":
+        renamed: dict[str, Any] = {}
+        if "device_id" in opts:
+            renamed["device_id"] = opts["device_id"]
+        if "engine_cache_path" in opts:
+            Path(opts["engine_cache_path"]).mkdir(parents=True, exist_ok=True)
+            renamed["trt_engine_cache_enable"] = True
+            renamed["trt_engine_cache_path"] = opts["engine_cache_path"]
+        if opts.get("fp16"):
+            renamed["trt_fp16_enable"] = True
+        opts = renamed
+    return {k: str(v) for k, v in opts.items()}
+
+
+def _spec(arg: Any, what: str) -> TensorSpec:
+    dtype = _ORT_TYPES.get(arg.type)
+    if dtype is None:
+        raise ModelError(
+            f"Model {what} {arg.name!r} has type {arg.type}, which redbatch cannot carry. "
+            f"Supported: {', '.join(_ORT_TYPES)}."
+        )
+    dims = tuple(d if isinstance(d, int) or d is None else str(d) for d in (arg.shape or []))
+    return TensorSpec(arg.name, np.dtype(dtype), dims)
+
+
+def read_model_file(path: Path) -> ModelFile:
+    """Hash the file and read its opsets without the onnx package (a protobuf walk)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    head = _model_header(path)
+    return ModelFile(
+        path=path,
+        sha256=digest.hexdigest(),
+        size_bytes=path.stat().st_size,
+        opsets=head["opsets"],
+        ir_version=head["ir_version"],
+        producer=head["producer"],
+    )
+
+
+def _model_header(path: Path) -> dict[str, Any]:
+    """Read ModelProto fields 1 (ir_version), 2 (producer_name) and 8 (opset_import)."""
+    data = memoryview(path.read_bytes())
+    info: dict[str, Any] = {"opsets": {}, "ir_version": None, "producer": ""}
+    try:
+        for field_no, value in _fields(data):
+            if field_no == 1 and isinstance(value, int):
+                info["ir_version"] = value
+            elif field_no == 2 and not isinstance(value, int):
+                info["producer"] = bytes(value).decode("utf-8", "replace")
+            elif field_no == 8 and not isinstance(value, int):
+                sub = dict(_fields(value))
+                domain = bytes(sub.get(1, b"")).decode("utf-8", "replace") or "ai.onnx"
+                info["opsets"][domain] = int(sub.get(2, 0))
+    except (IndexError, ValueError):
+        log.warning("could not read opsets from %s; the record will omit them", path)
+    return info
+
+
+def _fields(buf: memoryview) -> Any:
+    """Yield (field number, int or bytes view) for one protobuf message level."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        field_no, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield field_no, value
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            yield field_no, buf[pos : pos + length]
+            pos += length
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7

@@ -1,0 +1,162 @@
+"""The validation record: exactly which model, runtime, inputs and settings a worker serves.
+
+It is logged at start and kept in Redis under ``P:{M}:worker:NAME`` with a TTL that a heartbeat
+thread renews, so ``redbatch status`` lists every live worker and forgets dead ones on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+
+from producer.keys import worker_key, workers_key
+from worker.config import WorkerConfig
+from worker.model import ModelFile, OnnxModel
+from worker.retry import TRANSIENT
+from worker.schema import Schema
+
+__all__ = ["Registry", "build_record", "utc_now"]
+
+log = logging.getLogger(__name__)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def build_record(
+    name: str,
+    config: WorkerConfig,
+    model: OnnxModel,
+    model_file: ModelFile,
+    schema: Schema,
+    warmup: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything an operator needs to know what this worker answers with."""
+    return {
+        "name": name,
+        "state": "ready",
+        "model": {
+            "name": config.model.name,
+            "version": config.model.version,
+            "sha256": model_file.sha256,
+            "path": str(model_file.path),
+            "size_bytes": model_file.size_bytes,
+            "opset": model_file.opsets.get("ai.onnx"),
+            "opsets": model_file.opsets,
+            "ir_version": model_file.ir_version,
+            "producer": model_file.producer,
+        },
+        "inputs": [
+            {
+                "name": rule.spec.name,
+                "dtype": str(rule.spec.dtype),
+                "shape": rule.spec.shape,
+                "min": rule.min,
+                "max": rule.max,
+                "reject_non_finite": rule.reject_non_finite and rule.is_float,
+            }
+            for rule in schema.inputs.values()
+        ],
+        "outputs": [
+            {"name": s.name, "dtype": str(s.dtype), "shape": s.shape}
+            for s in schema.outputs.values()
+        ],
+        "runtime": {
+            "onnxruntime": model.runtime_version,
+            "providers": model.providers,
+            "requested_providers": model.requested,
+            "intra_op_threads": config.model.intra_op_threads,
+            "inter_op_threads": config.model.inter_op_threads,
+            "allow_spinning": config.model.allow_spinning,
+        },
+        "batching": {
+            "max_batch_size": config.batching.max_batch_size,
+            "max_wait_ms": config.batching.max_wait_ms,
+            "fixed_batch": schema.fixed_batch,
+        },
+        "limits": {"max_request_bytes": config.limits.max_request_bytes},
+        "delivery": {
+            "claim_idle_ms": config.delivery.claim_idle_ms,
+            "max_deliveries": config.delivery.max_deliveries,
+            "reply_ttl_s": config.delivery.reply_ttl_s,
+        },
+        "warmup": warmup,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started_at": utc_now(),
+        "heartbeat_at": utc_now(),
+        "served": {"requests": 0, "batches": 0},
+    }
+
+
+class Registry(threading.Thread):
+    """Keeps this worker's record alive in Redis until ``stop`` is set, then removes it."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        record: dict[str, Any],
+        stop: threading.Event,
+        interval_s: float = 5.0,
+    ) -> None:
+        super().__init__(name="redbatch-heartbeat", daemon=True)
+        self.client = client
+        self.record = record
+        self.stop = stop
+        self.interval_s = interval_s
+        model = record["model"]["name"]
+        self.key = worker_key(prefix, model, record["name"])
+        self.set_key = workers_key(prefix, model)
+        self._lock = threading.Lock()
+        self._down = False
+
+    def update(self, **changes: Any) -> None:
+        """Change fields of the record (thread-safe); the next heartbeat publishes them."""
+        with self._lock:
+            for key, value in changes.items():
+                if isinstance(value, dict) and isinstance(self.record.get(key), dict):
+                    self.record[key].update(value)
+                else:
+                    self.record[key] = value
+
+    def beat(self) -> None:
+        """Publish the record now, with a TTL of three heartbeats."""
+        with self._lock:
+            self.record["heartbeat_at"] = utc_now()
+            payload = json.dumps(self.record)
+        ttl_s = max(int(self.interval_s * 3), 1)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.key, payload, ex=ttl_s)
+        pipe.sadd(self.set_key, self.record["name"])
+        pipe.execute()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.beat()
+                if self._down:
+                    self._down = False
+                    log.warning("heartbeat reached Redis again")
+            except TRANSIENT as exc:
+                if not self._down:
+                    self._down = True
+                    log.warning("heartbeat cannot reach Redis (%s); will keep trying", exc)
+
+    def remove(self) -> None:
+        """Take the record out of Redis on a clean exit."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.delete(self.key)
+            pipe.srem(self.set_key, self.record["name"])
+            pipe.execute()
+        except TRANSIENT as exc:
+            log.warning("could not remove the worker record (%s); it expires on its own", exc)

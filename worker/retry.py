@@ -1,0 +1,56 @@
+"""Retrying Redis calls through outages, with one log line per outage rather than per retry."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
+
+__all__ = ["TRANSIENT", "Outage"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Errors that mean "Redis is unreachable right now", worth retrying.
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+class Outage:
+    """Runs calls that retry with capped, jittered backoff while Redis is unreachable.
+
+    ``give_up`` is checked between tries: when it is set (a shutdown), the last error is raised.
+    """
+
+    def __init__(self, what: str, give_up: threading.Event | None = None, max_wait_s: float = 2.0):
+        self.what = what
+        self.give_up = give_up
+        self.max_wait_s = max_wait_s
+        self._down = False
+
+    def call(self, fn: Callable[[], T]) -> T:
+        retrying = Retrying(
+            retry=retry_if_exception_type(TRANSIENT),
+            wait=wait_exponential_jitter(initial=0.05, max=self.max_wait_s),
+            stop=self._should_stop,
+            before_sleep=self._note_down,
+            reraise=True,
+        )
+        result = retrying(fn)
+        if self._down:
+            self._down = False
+            log.warning("Redis reachable again; %s resumed", self.what)
+        return result
+
+    def _should_stop(self, state: RetryCallState) -> bool:
+        return self.give_up is not None and self.give_up.is_set()
+
+    def _note_down(self, state: RetryCallState) -> None:
+        if not self._down:
+            self._down = True
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("Redis unreachable during %s (%s); retrying with backoff", self.what, exc)

@@ -1,0 +1,299 @@
+"""The model's input schema, and the check every request passes before it may join a batch.
+
+The schema comes from the model file (names, dtypes, fixed and symbolic dims) plus per-input
+ranges from config. Rejections name the input, what was expected and what was received, with -1
+for free dimensions, so a caller can fix the request without reading the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from producer.codec import RequestBody
+from worker.config import InputConfig, WorkerConfig
+from worker.errors import ConfigError, ModelError, Rejected
+from worker.model import TensorSpec
+
+__all__ = ["InputRule", "Schema", "ValidRequest"]
+
+Signature = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InputRule:
+    """A model input with the value checks config adds to it."""
+
+    spec: TensorSpec
+    min: float | None
+    max: float | None
+    reject_non_finite: bool
+    warmup_shape: tuple[int, ...] | None
+
+    @property
+    def is_float(self) -> bool:
+        return self.spec.dtype.kind == "f"
+
+    def describe(self) -> str:
+        return f"{self.spec.name} ({self.spec.dtype} {self.spec.shape})"
+
+
+@dataclass(frozen=True, slots=True)
+class ValidRequest:
+    """A request that passed every check; ``signature`` groups requests that can share a run."""
+
+    inputs: dict[str, np.ndarray]
+    rows: int
+    signature: Signature
+    outputs: tuple[str, ...]
+
+
+class Schema:
+    """Checks requests against the model and config; built once at start-up."""
+
+    def __init__(
+        self,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        config: WorkerConfig,
+    ) -> None:
+        self.max_batch_size = config.batching.max_batch_size
+        self.fixed_batch = _check_batchable(inputs, outputs, self.max_batch_size)
+        _check_input_config(config.inputs, inputs)
+        self.inputs = {
+            s.name: _rule(s, config.inputs.get(s.name), config.limits.reject_non_finite)
+            for s in inputs
+        }
+        self.outputs = {s.name: s for s in outputs}
+        self.output_names = tuple(self.outputs)
+
+    # -- per request ------------------------------------------------------------------------
+
+    def validate(self, body: RequestBody) -> ValidRequest:
+        """Return the request ready to batch, or raise Rejected with the exact reason."""
+        self._check_names(body.inputs)
+        rows = self._check_rows(body.inputs)
+        symbols: dict[str, tuple[str, int]] = {}
+        ordered = {}
+        for name, rule in self.inputs.items():
+            arr = body.inputs[name]
+            _check_dtype_and_shape(rule, arr, symbols)
+            _check_values(rule, arr)
+            ordered[name] = arr
+        outputs = self._check_outputs(body.outputs)
+        signature = tuple(a.shape[1:] for a in ordered.values())
+        return ValidRequest(ordered, rows, signature, outputs)
+
+    def _check_names(self, given: Mapping[str, np.ndarray]) -> None:
+        for name in given:
+            if name not in self.inputs:
+                raise Rejected(
+                    "INVALID_INPUT",
+                    f"unknown input {name!r}; the model takes {self._expected_inputs()}.",
+                )
+        for name, rule in self.inputs.items():
+            if name not in given:
+                raise Rejected("INVALID_INPUT", f"missing input {name!r}: {rule.describe()}.")
+
+    def _expected_inputs(self) -> str:
+        return ", ".join(rule.describe() for rule in self.inputs.values())
+
+    def _check_rows(self, given: Mapping[str, np.ndarray]) -> int:
+        counts = {}
+        for name, arr in given.items():
+            if arr.ndim == 0:
+                raise Rejected(
+                    "INVALID_INPUT",
+                    f"input {name!r} is a scalar; expected shape {self.inputs[name].spec.shape}, "
+                    "whose first dimension counts the request's rows.",
+                )
+            counts[name] = arr.shape[0]
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"{n} has {c}" for n, c in counts.items())
+            raise Rejected(
+                "INVALID_INPUT", f"inputs have unequal row counts ({listed}); they must match."
+            )
+        rows = next(iter(counts.values()))
+        if rows < 1:
+            raise Rejected("INVALID_INPUT", "the request has 0 rows; send at least 1.")
+        if rows > self.max_batch_size:
+            raise Rejected(
+                "TOO_LARGE",
+                f"the request has {rows} rows; this worker's max_batch_size is "
+                f"{self.max_batch_size}. Split it (the client's map() does).",
+            )
+        return rows
+
+    def _check_outputs(self, wanted: tuple[str, ...] | None) -> tuple[str, ...]:
+        if wanted is None:
+            return self.output_names
+        if not wanted:
+            raise Rejected("INVALID_INPUT", "'outputs' is empty; leave it out to get every output.")
+        for name in wanted:
+            if name not in self.outputs:
+                raise Rejected(
+                    "INVALID_INPUT",
+                    f"unknown output {name!r}; the model has {', '.join(self.output_names)}.",
+                )
+        return tuple(dict.fromkeys(wanted))
+
+    # -- warmup data --------------------------------------------------------------------------
+
+    def synthetic_feeds(self, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """Inputs of ``rows`` rows whose values pass every check, for warmup runs."""
+        rng = np.random.default_rng(seed)
+        return {name: _synthetic(rule, rows, rng) for name, rule in self.inputs.items()}
+
+
+def _check_dtype_and_shape(
+    rule: InputRule, arr: np.ndarray, symbols: dict[str, tuple[str, int]]
+) -> None:
+    spec = rule.spec
+    if arr.dtype != spec.dtype:
+        raise Rejected(
+            "INVALID_INPUT",
+            f"input {spec.name!r}: expected dtype {spec.dtype}, got {arr.dtype}.",
+        )
+    got = list(arr.shape)
+    if arr.ndim != len(spec.dims) or any(
+        isinstance(d, int) and d != g for d, g in zip(spec.dims[1:], got[1:], strict=True)
+    ):
+        raise Rejected(
+            "INVALID_INPUT",
+            f"input {spec.name!r}: expected shape {spec.shape}, got {got}.",
+        )
+    for axis, dim in enumerate(spec.dims[1:], start=1):
+        if isinstance(dim, str):
+            seen = symbols.setdefault(dim, (spec.name, got[axis]))
+            if seen[1] != got[axis]:
+                raise Rejected(
+                    "INVALID_INPUT",
+                    f"input {spec.name!r}: dimension {axis} ({dim!r}) is {got[axis]} but input "
+                    f"{seen[0]!r} has {dim!r} = {seen[1]}; they must be equal.",
+                )
+
+
+def _check_values(rule: InputRule, arr: np.ndarray) -> None:
+    name = rule.spec.name
+    if rule.is_float and rule.reject_non_finite and arr.size:
+        finite = np.isfinite(arr)
+        if not finite.all():
+            where = _first(~finite)
+            raise Rejected(
+                "INVALID_INPUT",
+                f"input {name!r}: value {arr[where]} at {list(where)} is not finite "
+                "(limits.reject_non_finite = true).",
+            )
+    if rule.min is not None and arr.size and arr.min() < rule.min:
+        where = _first(arr < rule.min)
+        raise Rejected(
+            "INVALID_INPUT",
+            f"input {name!r}: value {arr[where]} at {list(where)} is below the minimum "
+            f"{rule.min:g} (inputs.{name}.min).",
+        )
+    if rule.max is not None and arr.size and arr.max() > rule.max:
+        where = _first(arr > rule.max)
+        raise Rejected(
+            "INVALID_INPUT",
+            f"input {name!r}: value {arr[where]} at {list(where)} is above the maximum "
+            f"{rule.max:g} (inputs.{name}.max).",
+        )
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def _rule(spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool) -> InputRule:
+    return InputRule(
+        spec=spec,
+        min=cfg.min if cfg else None,
+        max=cfg.max if cfg else None,
+        reject_non_finite=reject_non_finite,
+        warmup_shape=cfg.warmup_shape if cfg else None,
+    )
+
+
+def _check_batchable(
+    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], max_batch_size: int
+) -> int | None:
+    """Return the fixed batch size the model needs padding to, or None when it is free."""
+    fixed: set[int] = set()
+    for spec in inputs:
+        if not spec.dims:
+            raise ModelError(
+                f"Model input {spec.name!r} is a scalar; redbatch batches along the first "
+                "dimension. Export the model with a batch axis."
+            )
+        if isinstance(spec.dims[0], int):
+            fixed.add(spec.dims[0])
+    if len(fixed) > 1:
+        raise ModelError(f"Model inputs have different fixed batch sizes {sorted(fixed)}.")
+    fixed_batch = fixed.pop() if fixed else None
+    if fixed_batch is not None and fixed_batch < max_batch_size:
+        raise ConfigError(
+            f"Config 'batching.max_batch_size' is {max_batch_size} but the model's inputs have "
+            f"a fixed batch dimension of {fixed_batch}. Set batching.max_batch_size <= "
+            f"{fixed_batch}, or export the model with a dynamic batch axis."
+        )
+    for spec in outputs:
+        if not _has_batch_axis(spec, fixed_batch, max_batch_size):
+            raise ModelError(
+                f"Model output {spec.name!r} has shape {spec.shape}, with no batch dimension; "
+                "redbatch splits outputs by their first dimension. Export the model so every "
+                "output's first axis is the batch axis."
+            )
+    return fixed_batch if fixed_batch and fixed_batch > 1 else None
+
+
+def _has_batch_axis(spec: TensorSpec, fixed_batch: int | None, max_batch_size: int) -> bool:
+    if not spec.dims:
+        return False
+    first = spec.dims[0]
+    if not isinstance(first, int):
+        return True
+    if fixed_batch is not None:
+        return first == fixed_batch
+    return first == 1 and max_batch_size == 1
+
+
+def _check_input_config(
+    configured: Mapping[str, InputConfig], inputs: Sequence[TensorSpec]
+) -> None:
+    names = {s.name for s in inputs}
+    for name, cfg in configured.items():
+        if name not in names:
+            raise ConfigError(
+                f"Config [inputs.{name}] names no model input; the model's inputs are "
+                f"{', '.join(sorted(names))}."
+            )
+        spec = next(s for s in inputs if s.name == name)
+        if cfg.warmup_shape is not None and len(cfg.warmup_shape) != len(spec.dims) - 1:
+            raise ConfigError(
+                f"Config 'inputs.{name}.warmup_shape' has {len(cfg.warmup_shape)} dimensions but "
+                f"input {name!r} {spec.shape} has {len(spec.dims) - 1} besides the batch axis."
+            )
+
+
+def _synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarray:
+    spec = rule.spec
+    free = rule.warmup_shape or tuple(1 for _ in spec.dims[1:])
+    shape = (
+        rows,
+        *(d if isinstance(d, int) else f for d, f in zip(spec.dims[1:], free, strict=True)),
+    )
+    kind = spec.dtype.kind
+    if kind == "f":
+        lo = rule.min if rule.min is not None else 0.0
+        hi = rule.max if rule.max is not None else 1.0
+        return rng.uniform(lo, hi, size=shape).astype(spec.dtype)
+    if kind in "iu":
+        info: Any = np.iinfo(spec.dtype)
+        lo_i = int(max(rule.min, info.min)) if rule.min is not None else 0
+        hi_i = int(min(rule.max, info.max)) if rule.max is not None else lo_i
+        lo_i = max(lo_i, int(info.min))
+        return rng.integers(lo_i, max(hi_i, lo_i) + 1, size=shape, dtype=spec.dtype)
+    return np.zeros(shape, dtype=spec.dtype)

@@ -1,0 +1,252 @@
+"""The worker: load and warm up, report ready, then read, batch, run and answer until stopped.
+
+``run()`` reads as the table of contents; each step is a call into the module that owns it.
+Shutdown has one path: a signal sets ``stop``, intake stops reading, and everything already read
+is batched, run and answered before the worker exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from producer.codec import ErrorInfo, ModelRef, Reply, encode_reply
+from worker.batcher import Batcher
+from worker.config import WorkerConfig
+from worker.errors import Rejected, WorkerError
+from worker.execute import Outcome, run_isolated
+from worker.intake import Intake, WorkItem
+from worker.model import OnnxModel, read_model_file
+from worker.record import Registry, build_record
+from worker.retry import Outage
+from worker.schema import Schema
+from worker.stream import Finish, RequestStream
+from worker.warmup import warm_up
+
+__all__ = ["Prepared", "Worker", "prepare"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1  # how often an idle loop looks at the stop flag
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A loaded, checked and warmed model: everything done before Redis is touched."""
+
+    config: WorkerConfig
+    model: OnnxModel
+    schema: Schema
+    model_ref: ModelRef
+    record: dict[str, Any]
+
+
+def prepare(config: WorkerConfig, name: str) -> Prepared:
+    """Load the model, derive its schema, warm it up and build the validation record."""
+    model_file = read_model_file(config.model.path)
+    model = OnnxModel(config.model)
+    schema = Schema(model.inputs, model.outputs, config)
+    warmup = warm_up(model, schema, config.warmup.runs)
+    record = build_record(name, config, model, model_file, schema, warmup)
+    ref = ModelRef(config.model.name, config.model.version, model_file.sha256)
+    return Prepared(config, model, schema, ref, record)
+
+
+class Worker:
+    """Serves one model from its request stream as one consumer of the ``workers`` group."""
+
+    def __init__(self, prepared: Prepared, client: redis.Redis, *, burst: bool = False) -> None:
+        cfg = prepared.config
+        self.config = cfg
+        self.model = prepared.model
+        self.schema = prepared.schema
+        self.model_ref = prepared.model_ref
+        self.name = prepared.record["name"]
+        self.burst = burst
+        self.stop = threading.Event()
+        self.hard_stop = threading.Event()
+        self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
+        self.registry = Registry(client, cfg.redis.prefix, prepared.record, self.stop)
+        self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=2 * cfg.batching.max_batch_size)
+        self.batcher = Batcher(self.queue, cfg.batching.max_batch_size, cfg.batching.max_wait_ms)
+        self.intake = Intake(
+            self.stream,
+            self.schema,
+            cfg.limits.max_request_bytes,
+            self.queue,
+            self.stop,
+            read_count=cfg.batching.max_batch_size,
+        )
+        self._writes = Outage("writing replies", give_up=self.hard_stop)
+        self.served = {"requests": 0, "batches": 0}
+
+    def request_stop(self) -> None:
+        """First call: stop reading and finish what is held. Second call: give up on Redis."""
+        if self.stop.is_set():
+            self.hard_stop.set()
+        self.stop.set()
+
+    def run(self) -> None:
+        """Serve until stopped (or, in burst mode, until the stream is drained)."""
+        Outage("creating the consumer group", give_up=self.stop).call(self.stream.ensure_group)
+        self.registry.beat()
+        self.registry.start()
+        self.intake.start()
+        log.info("ready", extra={"fields": {"worker": self.name, "stream": self.stream.key}})
+        try:
+            while not self.stop.is_set():
+                batch = self.batcher.next_batch(_POLL_S)
+                if batch:
+                    self.process(batch)
+                elif self.burst and self._drained():
+                    break
+        finally:
+            self._drain()
+        if self.intake.failure is not None:
+            raise WorkerError(f"intake failed: {self.intake.failure}") from self.intake.failure
+
+    def _drained(self) -> bool:
+        return self.intake.idle.is_set() and self.queue.empty() and not self.batcher.holding
+
+    def _drain(self) -> None:
+        """Stop reading, then batch, run and answer every entry already read."""
+        self.stop.set()
+        self.registry.update(state="draining")
+        while self.intake.is_alive() or not self.queue.empty() or self.batcher.holding:
+            batch = self.batcher.next_batch(0.05)
+            if batch:
+                self.process(batch)
+        self.registry.join(timeout=1.0)
+        self.registry.remove()
+        log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
+
+    # -- one batch --------------------------------------------------------------------------
+
+    def process(self, batch: Sequence[WorkItem]) -> None:
+        """Answer every item of the batch: run the valid ones, reply to all, in one write."""
+        started_ms = time.time() * 1000.0
+        try:
+            finishes = self._answer(batch, started_ms)
+        except Exception:  # a bug here must not stop the worker or leave requests unanswered
+            log.exception("batch failed unexpectedly; answering its requests INTERNAL")
+            error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
+            finishes = [self._failure(item, error, started_ms) for item in batch]
+        self._writes.call(lambda: self.stream.finish(finishes))
+        self.served["requests"] += len(batch)
+        self.served["batches"] += 1
+        self.registry.update(served=dict(self.served))
+
+    def _answer(self, batch: Sequence[WorkItem], started_ms: float) -> list[Finish]:
+        finishes: list[Finish] = []
+        runnable: list[WorkItem] = []
+        for item in batch:
+            error = item.rejection or _expired(item)
+            if item.dead_reason is not None or error is not None:
+                finishes.append(self._failure(item, error, started_ms))
+            else:
+                runnable.append(item)
+        for group in _by_signature(runnable):
+            live = []
+            for item in group:  # deadlines again, just before the run
+                error = _expired(item)
+                if error is not None:
+                    finishes.append(self._failure(item, error, started_ms))
+                else:
+                    live.append(item)
+            if live:
+                outcomes = run_isolated(
+                    self.model, live, self._output_names(live), self.schema.fixed_batch
+                )
+                finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
+        return finishes
+
+    def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
+        wanted = {n for item in items if item.request is not None for n in item.request.outputs}
+        return [n for n in self.schema.output_names if n in wanted]
+
+    def _success_or_failure(self, outcome: Outcome, started_ms: float) -> Finish:
+        item = outcome.item
+        if outcome.error is not None:
+            log.warning(
+                "request failed in the runtime",
+                extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
+            )
+            return self._failure(item, outcome.error, started_ms, outcome.inference_ms)
+        reply = self._reply(
+            item, started_ms, outcome.inference_ms, outputs=outcome.outputs, rows=outcome.batch_rows
+        )
+        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item))
+
+    def _failure(
+        self, item: WorkItem, error: Rejected | None, started_ms: float, inference_ms: float = 0.0
+    ) -> Finish:
+        if item.dead_reason is not None or item.rid is None:
+            log.warning(
+                "dead-lettered an entry without a usable rid",
+                extra={
+                    "fields": {"entry": item.entry.entry_id.decode(), "reason": item.dead_reason}
+                },
+            )
+            return Finish(item.entry.entry_id, dead_reason=item.dead_reason or "no rid")
+        assert error is not None
+        info = ErrorInfo(error.code, error.message, error.retryable)
+        reply = self._reply(item, started_ms, inference_ms, error=info)
+        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item))
+
+    def _reply(
+        self,
+        item: WorkItem,
+        started_ms: float,
+        inference_ms: float,
+        *,
+        outputs: dict[str, Any] | None = None,
+        error: ErrorInfo | None = None,
+        rows: int | None = None,
+    ) -> bytes:
+        assert item.rid is not None
+        timings = {
+            "queued": round(max(started_ms - item.entry.id_ms, 0.0), 3),
+            "inference": round(inference_ms, 3),
+        }
+        return encode_reply(
+            Reply(
+                rid=item.rid,
+                ok=error is None,
+                model=self.model_ref,
+                worker=self.name,
+                timings_ms=timings,
+                outputs=outputs,
+                error=error,
+                batch_rows=rows,
+                meta_raw=item.meta_raw,
+            )
+        )
+
+    def _ttl(self, item: WorkItem) -> int:
+        own = self.config.delivery.reply_ttl_s
+        return min(item.reply_ttl_s, own) if item.reply_ttl_s else own
+
+
+def _expired(item: WorkItem) -> Rejected | None:
+    if item.deadline_ms is None or item.deadline_ms > time.time() * 1000.0:
+        return None
+    return Rejected(
+        "DEADLINE_EXCEEDED",
+        f"the request's deadline_ms {item.deadline_ms} passed before it could run.",
+    )
+
+
+def _by_signature(items: Sequence[WorkItem]) -> list[list[WorkItem]]:
+    """Group requests that can share a run (equal non-batch shapes), oldest group first."""
+    groups: dict[Any, list[WorkItem]] = {}
+    for item in items:
+        assert item.request is not None
+        groups.setdefault(item.request.signature, []).append(item)
+    return list(groups.values())
