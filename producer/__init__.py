@@ -1,0 +1,53 @@
+"""redbatch's producer library: send arrays to ONNX workers over Redis streams, get replies back.
+
+``Client`` (blocking) and ``AsyncClient`` (asyncio) share one sans-I/O core (``producer.core``);
+the wire format is ``producer.codec`` and every error derives from ``RedbatchError``.
+"""
+
+from __future__ import annotations
+
+from producer.aio import AsyncClient
+from producer.client import Client
+from producer.codec import ErrorInfo, ModelRef
+from producer.core import Chunk, Result
+from producer.errors import (
+    BacklogFull,
+    Cancelled,
+    ConnectionFailed,
+    DeadlineExceeded,
+    InferenceFailed,
+    InternalError,
+    InvalidInput,
+    MalformedRequest,
+    NoWorkerInfo,
+    Poisoned,
+    RedbatchError,
+    RequestFailed,
+    TooLarge,
+    WaitTimeout,
+    WireFormatError,
+)
+
+__all__ = [
+    "AsyncClient",
+    "BacklogFull",
+    "Cancelled",
+    "Chunk",
+    "Client",
+    "ConnectionFailed",
+    "DeadlineExceeded",
+    "ErrorInfo",
+    "InferenceFailed",
+    "InternalError",
+    "InvalidInput",
+    "MalformedRequest",
+    "ModelRef",
+    "NoWorkerInfo",
+    "Poisoned",
+    "RedbatchError",
+    "RequestFailed",
+    "Result",
+    "TooLarge",
+    "WaitTimeout",
+    "WireFormatError",
+]

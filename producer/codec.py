@@ -127,7 +127,7 @@ def encode_tensor(array: Any) -> dict[str, Any]:
             f"dtype {arr.dtype} cannot be sent; use one of {', '.join(DTYPES)}.", "INVALID_INPUT"
         )
     arr = np.ascontiguousarray(arr, dtype=DTYPES[name])
-    data = memoryview(arr).cast("B") if arr.size else b""
+    data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 
 

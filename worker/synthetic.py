@@ -6,6 +6,7 @@ ModelProto; ``save(name, path)`` writes one by name.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ def _mlp(widths: list[int], in_name: str, out_name: str, seed: int) -> tuple[lis
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
     current = in_name
-    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:], strict=False)):
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
         w = (rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)).astype(np.float32)
         b = (rng.standard_normal(fan_out) * 0.01).astype(np.float32)
         inits += [_init(f"w{i}", w), _init(f"b{i}", b)]
