@@ -28,7 +28,10 @@ def redis_url(redis_server: LocalRedis) -> Iterator[str]:
 
 @pytest.fixture
 def rconn(redis_url: str) -> Iterator[redis.Redis]:
-    """A raw redis-py connection to the module's server (bytes in, bytes out)."""
-    client = redis.Redis.from_url(redis_url)
+    """A raw redis-py connection to the module's server (bytes in, bytes out).
+
+    redis-py 8 defaults to a 5 s socket timeout; blocking waits in tests may be longer.
+    """
+    client = redis.Redis.from_url(redis_url, socket_timeout=60)
     yield client
     client.close()

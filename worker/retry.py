@@ -35,7 +35,7 @@ class Outage:
     def call(self, fn: Callable[[], T]) -> T:
         retrying = Retrying(
             retry=retry_if_exception_type(TRANSIENT),
-            wait=wait_exponential_jitter(initial=0.05, max=self.max_wait_s),
+            wait=wait_exponential_jitter(multiplier=0.05, max=self.max_wait_s, jitter=0.1),
             stop=self._should_stop,
             before_sleep=self._note_down,
             reraise=True,

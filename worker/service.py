@@ -72,6 +72,7 @@ class Worker:
         self.burst = burst
         self.stop = threading.Event()
         self.hard_stop = threading.Event()
+        self.ready = threading.Event()  # set once the worker reads from the stream
         self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
         self.registry = Registry(client, cfg.redis.prefix, prepared.record, self.stop)
         self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=2 * cfg.batching.max_batch_size)
@@ -99,6 +100,7 @@ class Worker:
         self.registry.beat()
         self.registry.start()
         self.intake.start()
+        self.ready.set()
         log.info("ready", extra={"fields": {"worker": self.name, "stream": self.stream.key}})
         try:
             while not self.stop.is_set():
@@ -108,6 +110,7 @@ class Worker:
                 elif self.burst and self._drained():
                     break
         finally:
+            self.ready.clear()
             self._drain()
         if self.intake.failure is not None:
             raise WorkerError(f"intake failed: {self.intake.failure}") from self.intake.failure

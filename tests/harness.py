@@ -1,0 +1,119 @@
+"""Helpers for end-to-end tests: write a model and config, run a real worker, send raw requests."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import redis
+
+from producer.codec import Reply, decode_reply, encode_request
+from producer.keys import reply_key, request_stream
+from worker.config import load_config
+from worker.service import Worker, prepare
+from worker.synthetic import save
+
+PREFIX = "redbatch"
+
+
+def write_config(
+    tmp_path: Path,
+    model: str,
+    redis_url: str,
+    *,
+    name: str | None = None,
+    extra: str = "",
+    batching: str = "max_batch_size = 32\nmax_wait_ms = 20",
+    model_extra: str = "",
+) -> Path:
+    """Build the named synthetic model and a config for it; returns the config path."""
+    model_path = save(model, tmp_path / f"{model}.onnx")
+    config = tmp_path / f"{name or model}.toml"
+    config.write_text(
+        f"""
+[redis]
+url = "{redis_url}"
+prefix = "{PREFIX}"
+
+[model]
+name = "{name or model}"
+path = "{model_path.name}"
+version = "7"
+providers = ["cpu"]
+{model_extra}
+
+[batching]
+{batching}
+
+[warmup]
+runs = 1
+{extra}
+"""
+    )
+    return config
+
+
+@contextlib.contextmanager
+def running_worker(config_path: Path, name: str = "w1") -> Iterator[Worker]:
+    """A real worker serving in a background thread; stopped (gracefully) on exit."""
+    config = load_config(config_path)
+    prepared = prepare(config, name)
+    client = redis.Redis.from_url(config.redis.url)
+    worker = Worker(prepared, client)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name=f"worker-{name}", daemon=True)
+    thread.start()
+    while not worker.ready.wait(0.05):
+        assert thread.is_alive(), f"worker failed to start: {failure}"
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+        client.close()
+    assert not thread.is_alive(), "worker did not stop"
+    assert not failure, failure
+
+
+def send(
+    r: redis.Redis, model: str, rid: str, inputs: Mapping[str, Any] | None = None, **kw: Any
+) -> str:
+    """XADD one request built by the codec (or a raw ``body=`` bytes)."""
+    body = kw.pop("body", None)
+    if body is None:
+        body = encode_request(inputs or {}, **kw)
+    r.xadd(request_stream(PREFIX, model), {"rid": rid, "body": body})
+    return rid
+
+
+def wait_reply(r: redis.Redis, rid: str, timeout_s: float = 20.0) -> Reply:
+    """Block on the reply list (BLPOP consumes it) and decode it."""
+    got = r.blpop([reply_key(PREFIX, rid)], timeout=timeout_s)
+    assert got is not None, f"no reply for {rid} within {timeout_s}s"
+    return decode_reply(got[1])
+
+
+def direct_run(model_path: Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same model run by a bare ONNX Runtime session, for comparison."""
+    session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, dict(feeds)), strict=True))
+
+
+def stream_is_empty(r: redis.Redis, model: str) -> bool:
+    """Nothing left: no entries in the stream and nothing pending in the group."""
+    key = request_stream(PREFIX, model)
+    groups = r.xinfo_groups(key)
+    return r.xlen(key) == 0 and all(g["pending"] == 0 for g in groups)
