@@ -13,9 +13,8 @@ import msgpack
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from harness import direct_run, running_worker, stream_is_empty
+from onnx import TensorProto, helper
 
 CONTRACT_BODY = bytes.fromhex(
     "81a6696e7075747381a17883a56474797065a7666c6f61743332a57368617065920102a464617461c4080000803f000020c0"

@@ -99,6 +99,25 @@ def heavy(seed: int = 2) -> Any:
     return _model(nodes, [_value("x", f32, ["N", 512])], [_value("y", f32, ["N", 1000])], inits)
 
 
+def slow(seed: int = 3, depth: int = 24) -> Any:
+    """x float32 [N,512] -> ``depth`` Tanh(Gemm) layers sharing one weight: slow, small file."""
+    onnx = _onnx()
+    helper, f32 = onnx.helper, onnx.TensorProto.FLOAT
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((512, 512)) / np.sqrt(512)).astype(np.float32)
+    nodes, current = [], "x"
+    for i in range(depth):
+        nodes += [
+            helper.make_node("Gemm", [current, "w"], [f"g{i}"]),
+            helper.make_node("Tanh", [f"g{i}"], [f"t{i}"]),
+        ]
+        current = f"t{i}"
+    nodes.append(helper.make_node("Identity", [current], ["y"]))
+    return _model(
+        nodes, [_value("x", f32, ["N", 512])], [_value("y", f32, ["N", 512])], [_init("w", w)]
+    )
+
+
 def multi_io(seed: int = 0) -> Any:
     """a float32 [N,3], b int64 [N,2] -> twice float32 [N,3] (a*2), total int64 [N] (sum of b)."""
     onnx = _onnx()
@@ -170,6 +189,7 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "demo": demo,
     "tiny": tiny,
     "heavy": heavy,
+    "slow": slow,
     "multi_io": multi_io,
     "gather": gather,
     "free_dim": free_dim,

@@ -1,0 +1,129 @@
+"""Workers sharing a stream, stopping on SIGTERM, and their validation records in Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from harness import running_worker, send, stream_is_empty, wait_reply, write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pipelined(rconn, model: str, count: int, make) -> list[str]:
+    pipe = rconn.pipeline(transaction=False)
+    rids = [send(pipe, model, f"{model}-{i}", make(i)) for i in range(count)]
+    pipe.execute()
+    return rids
+
+
+def test_two_workers_share_a_burst_and_answer_each_request_once(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    config = write_config(
+        tmp_path, "slow", redis_url, batching="max_batch_size = 8\nmax_wait_ms = 2"
+    )
+    x = np.random.default_rng(1).normal(size=(1, 512)).astype(np.float32)
+    with running_worker(config, name="w1"), running_worker(config, name="w2"):
+        rids = _pipelined(rconn, "slow", 160, lambda i: {"x": x})
+        replies = [wait_reply(rconn, rid) for rid in rids]
+        assert stream_is_empty(rconn, "slow")
+
+    by_worker = Counter(r.worker for r in replies)
+    assert set(by_worker) == {"w1", "w2"}, by_worker
+    assert all(r.ok for r in replies)
+    assert [r.rid for r in replies] == rids
+    assert not any(rconn.exists(f"redbatch:reply:{rid}") for rid in rids)  # BLPOP took the one
+
+
+def test_live_worker_record_is_in_redis_and_removed_on_clean_exit(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    config = write_config(
+        tmp_path, "demo", redis_url, extra="[inputs.features]\nmin = -5.0\nmax = 5.0"
+    )
+    with running_worker(config, name="recorded"):
+        names = rconn.smembers("redbatch:{demo}:workers")
+        record = json.loads(rconn.get("redbatch:{demo}:worker:recorded"))
+        ttl = rconn.ttl("redbatch:{demo}:worker:recorded")
+    assert names == {b"recorded"}
+    assert 0 < ttl <= 15
+    assert record["state"] == "ready"
+    assert record["model"]["name"] == "demo"
+    assert record["model"]["version"] == "7"
+    assert len(record["model"]["sha256"]) == 64
+    assert record["model"]["opset"] == 17
+    assert record["inputs"] == [
+        {
+            "name": "features",
+            "dtype": "float32",
+            "shape": [-1, 16],
+            "min": -5.0,
+            "max": 5.0,
+            "reject_non_finite": True,
+        }
+    ]
+    assert {o["name"] for o in record["outputs"]} == {"probs", "label"}
+    assert record["runtime"]["providers"] == ["CPUExecutionProvider"]
+    assert record["batching"]["max_batch_size"] == 32
+    assert record["warmup"]["batch_sizes"] == [1, 32]
+    assert record["pid"] == os.getpid()
+    assert not rconn.exists("redbatch:{demo}:worker:recorded")
+    assert not rconn.smembers("redbatch:{demo}:workers")
+
+
+def test_sigterm_answers_the_batch_in_hand_and_exits_zero(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a backlog far larger than the worker holds, on a slow model
+    config = write_config(
+        tmp_path, "slow", redis_url, batching="max_batch_size = 16\nmax_wait_ms = 5"
+    )
+    x = np.zeros((1, 512), np.float32)
+    rids = _pipelined(rconn, "slow", 1500, lambda i: {"x": x})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", "term"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # When SIGTERM arrives while it is serving
+        wait_reply(rconn, rids[0], timeout_s=60)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+
+    # Then it exits 0, nothing it read is left pending, and the rest waits in the stream
+    assert proc.returncode == 0, stderr
+    assert "stopped" in stderr
+    group = rconn.xinfo_groups("redbatch:{slow}:requests")[0]
+    assert group["pending"] == 0
+    left = rconn.xlen("redbatch:{slow}:requests")
+    answered = sum(rconn.llen(f"redbatch:reply:{rid}") for rid in rids[1:]) + 1
+    assert left > 0, "the backlog should outlast the worker"
+    assert answered + left == len(rids)
+
+
+def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, rconn) -> None:
+    config = write_config(tmp_path, "demo", redis_url)
+    x = np.zeros((1, 16), np.float32)
+    rids = _pipelined(rconn, "demo", 200, lambda i: {"features": x})
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "--config", str(config), "--burst"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
+    assert stream_is_empty(rconn, "demo")
