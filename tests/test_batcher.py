@@ -1,0 +1,110 @@
+"""The batch window, on a fake clock: rows count, the window opens at enqueue time, none is lost."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+
+from worker.batcher import Batcher
+from worker.errors import Rejected
+from worker.intake import WorkItem
+from worker.schema import ValidRequest
+from worker.stream import RawEntry
+
+
+class FakeTime:
+    """A clock the test moves; ``get(timeout)`` on the queue advances it instead of waiting."""
+
+    def __init__(self, wall_ms: float = 1_000_000.0) -> None:
+        self.mono = 0.0
+        self.wall = wall_ms
+
+    def clock(self) -> float:
+        return self.mono
+
+    def wall_ms(self) -> float:
+        return self.wall + self.mono * 1000.0
+
+
+class TimedQueue(queue.Queue):
+    """A queue whose blocking get advances the fake clock by the timeout when empty."""
+
+    def __init__(self, time: FakeTime) -> None:
+        super().__init__()
+        self.time = time
+
+    def get(self, block: bool = True, timeout: float | None = None) -> WorkItem:
+        try:
+            return super().get(block=False)
+        except queue.Empty:
+            if block:
+                self.time.mono += timeout or 0.0
+            raise
+
+
+def _item(seq: int, rows: int, enqueued_ms: float) -> WorkItem:
+    entry = RawEntry(f"{int(enqueued_ms)}-{seq}".encode(), {})
+    request = ValidRequest({"x": np.zeros((rows, 1))}, rows, ((1,),), ("y",))
+    return WorkItem(entry, rid=f"r{seq}", request=request)
+
+
+def _rejected(seq: int, enqueued_ms: float) -> WorkItem:
+    entry = RawEntry(f"{int(enqueued_ms)}-{seq}".encode(), {})
+    return WorkItem(entry, rid=f"bad{seq}", rejection=Rejected("MALFORMED", "x"))
+
+
+def _batcher(max_rows: int = 8, max_wait_ms: float = 10.0) -> tuple[Batcher, TimedQueue, FakeTime]:
+    t = FakeTime()
+    q = TimedQueue(t)
+    return Batcher(q, max_rows, max_wait_ms, clock=t.clock, wall_ms=t.wall_ms), q, t
+
+
+def test_full_batch_closes_at_once_without_waiting() -> None:
+    batcher, q, t = _batcher(max_rows=8)
+    for i in range(10):
+        q.put(_item(i, 1, t.wall_ms()))
+    batch = batcher.next_batch(1.0)
+    assert [b.rid for b in batch] == [f"r{i}" for i in range(8)]
+    assert t.mono == 0.0
+
+
+def test_rows_not_requests_count_and_the_overflow_waits_for_the_next_batch() -> None:
+    batcher, q, t = _batcher(max_rows=8)
+    for i, rows in enumerate([3, 4, 2, 1]):
+        q.put(_item(i, rows, t.wall_ms()))
+    first = batcher.next_batch(1.0)
+    assert [b.rows for b in first] == [3, 4]  # a third item of 2 rows would make 9
+    second = batcher.next_batch(1.0)
+    assert [b.rows for b in second] == [2, 1]
+
+
+def test_partial_batch_waits_out_the_window_from_its_enqueue_time() -> None:
+    batcher, q, t = _batcher(max_rows=8, max_wait_ms=10.0)
+    q.put(_item(0, 1, t.wall_ms() - 4.0))  # it already waited 4 ms in the stream
+    batch = batcher.next_batch(1.0)
+    assert len(batch) == 1
+    assert abs(t.mono * 1000.0 - 6.0) < 1e-6  # only the remaining 6 ms were spent
+
+
+def test_backlogged_request_older_than_the_window_does_not_wait() -> None:
+    batcher, q, t = _batcher(max_rows=8, max_wait_ms=10.0)
+    q.put(_item(0, 1, t.wall_ms() - 500.0))
+    batch = batcher.next_batch(1.0)
+    assert len(batch) == 1
+    assert t.mono == 0.0
+
+
+def test_rejected_items_ride_along_without_opening_a_window() -> None:
+    batcher, q, t = _batcher(max_rows=8, max_wait_ms=10.0)
+    q.put(_rejected(0, t.wall_ms()))
+    q.put(_rejected(1, t.wall_ms()))
+    batch = batcher.next_batch(1.0)
+    assert [b.rid for b in batch] == ["bad0", "bad1"]
+    assert t.mono == 0.0
+
+
+def test_empty_queue_returns_nothing_after_the_timeout() -> None:
+    batcher, _, t = _batcher()
+    assert batcher.next_batch(0.25) == []
+    assert t.mono == 0.25
