@@ -126,7 +126,7 @@ def encode_tensor(array: Any) -> dict[str, Any]:
         raise WireFormatError(
             f"dtype {arr.dtype} cannot be sent; use one of {', '.join(DTYPES)}.", "INVALID_INPUT"
         )
-    arr = np.ascontiguousarray(arr, dtype=DTYPES[name])
+    arr = np.require(arr, dtype=DTYPES[name], requirements="C")  # keeps 0-d arrays 0-d
     data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 
@@ -159,7 +159,10 @@ def decode_tensor(obj: Any, where: str) -> np.ndarray:
         )
     if dtype_name == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
         raise WireFormatError(f"{where}: bool data must hold only bytes 0 and 1.")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    try:
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    except ValueError as exc:  # a 0-sized shape whose other dims are too large for numpy
+        raise WireFormatError(f"{where}: shape {shape} is too large to hold.") from exc
 
 
 def _check_shape(shape: Any, where: str) -> list[int]:
@@ -327,7 +330,7 @@ def decode_reply(raw: bytes) -> Reply:
             batch_rows=doc.get("batch_rows"),
             meta_raw=_meta_raw(raw, len(raw)) if "meta" in doc else None,
         )
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
 
 
@@ -335,31 +338,41 @@ def decode_reply(raw: bytes) -> Reply:
 # msgpack, with limits
 
 
+def _limits(max_bytes: int) -> dict[str, Any]:
+    """Unpacker options that bound what a hostile body can make the decoder allocate."""
+    return {
+        "raw": False,
+        # Keys are checked where they matter (body, inputs, tensors); meta may use any key.
+        "strict_map_key": False,
+        "object_pairs_hook": _unique_map,
+        "ext_hook": _no_ext,
+        "max_bin_len": max_bytes,
+        "max_str_len": min(max_bytes, _MAX_STR_LEN),
+        "max_array_len": _MAX_CONTAINER_LEN,
+        "max_map_len": _MAX_CONTAINER_LEN,
+        "max_ext_len": 0,
+    }
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """Build a map, refusing repeated keys (which would let two readers see different values)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("a map repeats a key")
+    return result
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"ext type {code} is not accepted")
+
+
 def _unpacker(max_bytes: int) -> msgpack.Unpacker:
-    return msgpack.Unpacker(
-        raw=False,
-        strict_map_key=True,
-        max_buffer_size=max(max_bytes, 1),
-        max_bin_len=max_bytes,
-        max_str_len=min(max_bytes, _MAX_STR_LEN),
-        max_array_len=_MAX_CONTAINER_LEN,
-        max_map_len=_MAX_CONTAINER_LEN,
-        max_ext_len=0,
-    )
+    return msgpack.Unpacker(max_buffer_size=max(max_bytes, 1), **_limits(max_bytes))
 
 
 def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=max_bytes,
-            max_str_len=min(max_bytes, _MAX_STR_LEN),
-            max_array_len=_MAX_CONTAINER_LEN,
-            max_map_len=_MAX_CONTAINER_LEN,
-            max_ext_len=0,
-        )
+        return msgpack.unpackb(data, **_limits(max_bytes))
     except msgpack.StackError as exc:
         raise WireFormatError(f"{what} is nested too deeply to be msgpack we accept.") from exc
     except (ValueError, TypeError) as exc:
