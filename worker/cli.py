@@ -15,9 +15,10 @@ from typing import Any
 import redis
 
 from producer.keys import is_valid_name
-from worker.config import load_config
+from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
 from worker.logs import configure_logging
+from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker, prepare
 
 __all__ = ["main"]
@@ -87,6 +88,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = load_config(args.config)
+    except WorkerError as exc:
+        log.error("%s", exc)
+        return 2
+    metrics = Metrics()
+    serving: list[Worker] = []
+    server = None
+    if config.metrics.port and not args.check:
+        # Up before warmup, so /healthz answers and /readyz says "not ready" while warming.
+        server = MetricsServer(
+            metrics, lambda: bool(serving) and serving[0].ready.is_set(), config.metrics.port
+        )
+        server.start()
+    try:
+        return _serve(args, config, name, metrics, serving)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _serve(
+    args: argparse.Namespace,
+    config: WorkerConfig,
+    name: str,
+    metrics: Metrics,
+    serving: list[Worker],
+) -> int:
+    try:
         prepared = prepare(config, name)
     except WorkerError as exc:
         log.error("%s", exc)
@@ -98,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = redis.Redis.from_url(
         config.redis.url, socket_connect_timeout=5, health_check_interval=30
     )
-    worker = Worker(prepared, client, burst=args.burst)
+    worker = Worker(prepared, client, burst=args.burst, metrics=metrics)
+    serving.append(worker)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
     try:

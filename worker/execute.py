@@ -9,7 +9,7 @@ message, and every other request gets its result. A batch of 32 with one bad req
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +41,12 @@ def run_isolated(
     items: Sequence[WorkItem],
     output_names: list[str],
     fixed_batch: int | None = None,
+    on_run: Callable[[int, float], None] | None = None,
 ) -> list[Outcome]:
-    """Run ``items`` (equal non-batch shapes) as one batch, bisecting on failure."""
+    """Run ``items`` (equal non-batch shapes) as one batch, bisecting on failure.
+
+    ``on_run(rows, seconds)`` is called for every successful model run, for metrics.
+    """
     started = time.perf_counter()
     rows = sum(item.rows for item in items)
     try:
@@ -54,10 +58,12 @@ def run_isolated(
             return [Outcome(items[0], None, error, rows, elapsed)]
         mid = len(items) // 2
         return [
-            *run_isolated(model, items[:mid], output_names, fixed_batch),
-            *run_isolated(model, items[mid:], output_names, fixed_batch),
+            *run_isolated(model, items[:mid], output_names, fixed_batch, on_run),
+            *run_isolated(model, items[mid:], output_names, fixed_batch, on_run),
         ]
     elapsed = (time.perf_counter() - started) * 1000.0
+    if on_run is not None:
+        on_run(rows, elapsed / 1000.0)
     return _split(items, outputs, output_names, rows, elapsed)
 
 

@@ -23,6 +23,7 @@ from worker.config import WorkerConfig
 from worker.errors import Rejected, WorkerError
 from worker.execute import Outcome, run_isolated
 from worker.intake import Intake, WorkItem
+from worker.metrics import Metrics
 from worker.model import OnnxModel, read_model_file
 from worker.record import Registry, build_record
 from worker.retry import Outage
@@ -62,7 +63,14 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
 class Worker:
     """Serves one model from its request stream as one consumer of the ``workers`` group."""
 
-    def __init__(self, prepared: Prepared, client: redis.Redis, *, burst: bool = False) -> None:
+    def __init__(
+        self,
+        prepared: Prepared,
+        client: redis.Redis,
+        *,
+        burst: bool = False,
+        metrics: Metrics | None = None,
+    ) -> None:
         cfg = prepared.config
         self.config = cfg
         self.model = prepared.model
@@ -87,6 +95,8 @@ class Worker:
         )
         self._writes = Outage("writing replies", give_up=self.hard_stop)
         self.served = {"requests": 0, "batches": 0}
+        self.metrics = metrics or Metrics()
+        self.metrics.describe(prepared.record)
 
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held. Second call: give up on Redis."""
@@ -135,18 +145,29 @@ class Worker:
     def process(self, batch: Sequence[WorkItem]) -> None:
         """Answer every item of the batch: run the valid ones, reply to all, in one write."""
         started_ms = time.time() * 1000.0
+        runs: list[tuple[int, float]] = []
         try:
-            finishes = self._answer(batch, started_ms)
+            finishes = self._answer(batch, started_ms, runs)
         except Exception:  # a bug here must not stop the worker or leave requests unanswered
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
+        t0 = time.perf_counter()
         self._writes.call(lambda: self.stream.finish(finishes))
+        self.metrics.batch_done(
+            codes=[f.code for f in finishes],
+            queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
+            decode_s=[item.decode_ms / 1000.0 for item in batch],
+            runs=runs,
+            write_s=time.perf_counter() - t0,
+        )
         self.served["requests"] += len(batch)
         self.served["batches"] += 1
         self.registry.update(served=dict(self.served))
 
-    def _answer(self, batch: Sequence[WorkItem], started_ms: float) -> list[Finish]:
+    def _answer(
+        self, batch: Sequence[WorkItem], started_ms: float, runs: list[tuple[int, float]]
+    ) -> list[Finish]:
         finishes: list[Finish] = []
         runnable: list[WorkItem] = []
         for item in batch:
@@ -165,7 +186,11 @@ class Worker:
                     live.append(item)
             if live:
                 outcomes = run_isolated(
-                    self.model, live, self._output_names(live), self.schema.fixed_batch
+                    self.model,
+                    live,
+                    self._output_names(live),
+                    self.schema.fixed_batch,
+                    on_run=lambda rows, seconds: runs.append((rows, seconds)),
                 )
                 finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
         return finishes
@@ -185,7 +210,7 @@ class Worker:
         reply = self._reply(
             item, started_ms, outcome.inference_ms, outputs=outcome.outputs, rows=outcome.batch_rows
         )
-        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item))
+        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item), code="OK")
 
     def _failure(
         self, item: WorkItem, error: Rejected | None, started_ms: float, inference_ms: float = 0.0
@@ -197,11 +222,13 @@ class Worker:
                     "fields": {"entry": item.entry.entry_id.decode(), "reason": item.dead_reason}
                 },
             )
-            return Finish(item.entry.entry_id, dead_reason=item.dead_reason or "no rid")
+            return Finish(
+                item.entry.entry_id, dead_reason=item.dead_reason or "no rid", code="DEAD_LETTER"
+            )
         assert error is not None
         info = ErrorInfo(error.code, error.message, error.retryable)
         reply = self._reply(item, started_ms, inference_ms, error=info)
-        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item))
+        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item), code=error.code)
 
     def _reply(
         self,

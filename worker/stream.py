@@ -74,6 +74,7 @@ class Finish:
     reply: bytes | None = None
     reply_ttl_s: int = 3600
     dead_reason: str | None = None
+    code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
 
 
 class RequestStream:

@@ -1,0 +1,292 @@
+"""``AsyncClient``: the asyncio twin of ``Client``, a thin ``redis.asyncio`` shell around core.
+
+Same methods, same behaviour, with ``await``: ``wait_many`` and ``map`` are async iterators.
+Like ``Client``, it pipelines submits and waits on many keys at once, which is what keeps its cost
+per request low; one coroutine per request, each with its own BLPOP, would not.
+
+Example::
+
+    async with AsyncClient("demo", url) as client:
+        async for chunk in client.map({"x": big}):
+            chunk.raise_for_error()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import redis.asyncio
+from numpy.typing import ArrayLike
+
+from producer import core
+from producer.client import DEFAULT_URL
+from producer.core import Chunk, Result
+from producer.keys import DEFAULT_PREFIX
+
+__all__ = ["AsyncClient"]
+
+# The backlog wait's sleep; a module attribute so tests can see that a submit waited.
+_sleep = asyncio.sleep
+
+
+class AsyncClient:
+    """Submit requests to one model's workers and collect their replies (asyncio).
+
+    ``url`` goes to ``redis.asyncio.Redis.from_url``, or pass ``redis_client`` (then
+    ``close()`` leaves it open). See ``Client`` for backpressure and errors.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        url: str = DEFAULT_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_backlog: int | None = None,
+        wait_for_backlog: bool = False,
+        redis_client: redis.asyncio.Redis | None = None,
+    ) -> None:
+        self._settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        if redis_client is None:
+            self._redis = redis.asyncio.Redis.from_url(url, decode_responses=False)
+            self._where = core.redact_url(url)
+        else:
+            self._redis = redis_client
+            pool = redis_client.connection_pool
+            tls = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
+            self._where = core.describe_connection(pool.connection_kwargs, tls)
+        self._owns_redis = redis_client is None
+        connection_kwargs = self._redis.connection_pool.connection_kwargs
+        core.check_connection_kwargs(connection_kwargs)
+        self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
+
+    @property
+    def model(self) -> str:
+        """The model this client sends to."""
+        return self._settings.model
+
+    # -- submitting ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        inputs: Mapping[str, ArrayLike],
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        rid: str | None = None,
+        reply_ttl_s: int | None = None,
+    ) -> str:
+        """Queue one request and return its rid; ``deadline_s`` is seconds from now."""
+        sub = core.build_submission(
+            inputs,
+            outputs=outputs,
+            deadline_s=deadline_s,
+            meta=meta,
+            rid=rid,
+            reply_ttl_s=reply_ttl_s,
+            now_s=time.time(),
+        )
+        await self._send([sub])
+        return sub.rid
+
+    async def submit_many(
+        self,
+        requests: Sequence[Mapping[str, ArrayLike]],
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        reply_ttl_s: int | None = None,
+    ) -> list[str]:
+        """Queue many requests in one pipelined round trip; returns their rids in order."""
+        now_s = time.time()
+        subs = [
+            core.build_submission(
+                inputs,
+                outputs=outputs,
+                deadline_s=deadline_s,
+                meta=meta,
+                reply_ttl_s=reply_ttl_s,
+                now_s=now_s,
+            )
+            for inputs in requests
+        ]
+        if subs:
+            await self._send(subs)
+        return [sub.rid for sub in subs]
+
+    async def _send(self, subs: Sequence[core.Submission]) -> None:
+        gate = core.BacklogGate(self._settings.max_backlog, self._settings.wait_for_backlog)
+        stream = self._settings.stream
+        with self._translating():
+            if gate.active:
+                while (delay_s := gate.delay_s(await self._redis.xlen(stream))) is not None:
+                    await _sleep(delay_s)
+            pipe = self._redis.pipeline(transaction=False)
+            for sub in subs:
+                pipe.xadd(stream, sub.fields())
+            await pipe.execute()
+
+    # -- replies ---------------------------------------------------------------------------
+
+    async def poll(self, rid: str) -> Result | None:
+        """The reply of ``rid`` if it has arrived, else None; never blocks, never consumes."""
+        key = self._settings.reply_key(rid)
+        with self._translating():
+            raw = await self._redis.lindex(key, 0)
+        return None if raw is None else core.parse_reply(rid, raw)
+
+    async def wait(self, rid: str, timeout_s: float) -> Result:
+        """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
+        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        waiter.add(rid, time.monotonic())
+        while True:
+            block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
+            with self._translating():
+                item = await self._redis.blpop(waiter.keys(), block_s)
+            results = waiter.take_blpopped(item, time.monotonic())
+            if results:
+                return results[0]
+
+    def wait_many(self, rids: Sequence[str], timeout_s: float) -> AsyncIterator[Result]:
+        """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
+        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        now = time.monotonic()
+        for rid in rids:
+            waiter.add(rid, now)
+        return self._drain(waiter)
+
+    async def _drain(self, waiter: core.ReplyWaiter) -> AsyncIterator[Result]:
+        while waiter.pending:
+            for result in await self._wait_round(waiter):
+                yield result
+
+    async def _wait_round(self, waiter: core.ReplyWaiter) -> list[Result]:
+        """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
+        keys = waiter.keys()
+        with self._translating():
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.lpop(key)
+            results = waiter.take_popped(keys, await pipe.execute())
+            if results:
+                return results
+            block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
+            item = await self._redis.blpop(keys, block_s)
+        return waiter.take_blpopped(item, time.monotonic())
+
+    async def infer(
+        self,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float = 30.0,
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        rid: str | None = None,
+        reply_ttl_s: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Submit, wait and return the outputs; raises the typed RequestFailed subclass."""
+        rid = await self.submit(
+            inputs,
+            outputs=outputs,
+            deadline_s=deadline_s,
+            meta=meta,
+            rid=rid,
+            reply_ttl_s=reply_ttl_s,
+        )
+        result = await self.wait(rid, timeout_s)
+        result.raise_for_error()
+        return result.outputs or {}
+
+    def map(
+        self,
+        arrays: Mapping[str, ArrayLike],
+        *,
+        rows_per_request: int | None = None,
+        concurrency: int = 64,
+        outputs: Sequence[str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> AsyncIterator[Chunk]:
+        """Run arrays through the model in requests of at most ``rows_per_request`` rows.
+
+        An async iterator of Chunks in input order; see ``Client.map``. Bad arguments raise
+        at the call; NoWorkerInfo (no ``rows_per_request`` and no live worker) on first use.
+        """
+        plan = core.MapPlan(
+            self._settings,
+            arrays,
+            rows_per_request=rows_per_request,
+            concurrency=concurrency,
+            outputs=outputs,
+            timeout_s=timeout_s,
+        )
+        return self._run_map(plan)
+
+    async def _run_map(self, plan: core.MapPlan) -> AsyncIterator[Chunk]:
+        if plan.needs_row_limit:
+            plan.use_row_limit(core.row_limit(await self.workers(), self._settings))
+        while not plan.finished:
+            subs = plan.take(time.time())
+            if subs:
+                await self._send(subs)
+                plan.sent(subs, time.monotonic())
+            for chunk in plan.ready():
+                yield chunk
+            if plan.waiter.pending:
+                plan.answered(await self._wait_round(plan.waiter), time.monotonic())
+
+    # -- control and status ----------------------------------------------------------------
+
+    async def cancel(self, rid: str, ttl_s: int = 3600) -> None:
+        """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
+        key = self._settings.cancel_key(rid)
+        with self._translating():
+            await self._redis.set(key, b"1", ex=ttl_s)
+
+    async def backlog(self) -> int:
+        """Entries in the request stream: queued plus in progress."""
+        with self._translating():
+            return int(await self._redis.xlen(self._settings.stream))
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """The live workers' validation records, by name; forgets workers whose record expired."""
+        with self._translating():
+            members = await self._redis.smembers(self._settings.workers_key)
+            roster = core.WorkerRoster.from_members(self._settings, members)
+            raws = await self._redis.mget(roster.record_keys) if roster.record_keys else []
+            records, stale = roster.read(raws)
+            if stale:
+                await self._redis.srem(self._settings.workers_key, *stale)
+        return records
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the connections, unless the Redis client was passed in."""
+        if self._owns_redis:
+            await self._redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(model={self._settings.model!r}, url={self._where!r})"
+
+    def _translating(self) -> AbstractContextManager[None]:
+        return core.translate_redis_errors(self._where)

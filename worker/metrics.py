@@ -1,0 +1,138 @@
+"""Prometheus metrics and health endpoints: the one module that owns the metric objects.
+
+The service calls a few named events (``batch_done``, ``answered``); this module turns them into
+Prometheus series, recorded once per batch. ``/metrics`` serves them, ``/healthz`` says the
+process is alive, and ``/readyz`` says it is warm and reading from the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+
+__all__ = ["Metrics", "MetricsServer"]
+
+log = logging.getLogger(__name__)
+
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Metrics:
+    """The worker's series, in a registry of its own (so tests can run several workers)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "redbatch_requests", "Requests answered, by outcome code.", ["code"], registry=r
+        )
+        self.batch_rows = Histogram(
+            "redbatch_batch_rows", "Rows per model run.", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.batch_requests = Histogram(
+            "redbatch_batch_requests", "Requests per batch.", buckets=_ROW_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "redbatch_queue_wait_seconds",
+            "From enqueue (stream id time) to batch start.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.decode = Histogram(
+            "redbatch_decode_validate_seconds",
+            "Decoding and validating one request.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.inference = Histogram(
+            "redbatch_inference_seconds", "One model run.", buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.reply_write = Histogram(
+            "redbatch_reply_write_seconds",
+            "Writing a batch's replies, acks and deletes (one round trip).",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
+        self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
+        self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
+
+    def describe(self, record: dict[str, Any]) -> None:
+        """Publish the validation record's identity fields and warmup time."""
+        self.model.info(
+            {
+                "name": record["model"]["name"],
+                "version": record["model"]["version"],
+                "sha256": record["model"]["sha256"],
+                "providers": ",".join(record["runtime"]["providers"]),
+                "onnxruntime": record["runtime"]["onnxruntime"],
+                "worker": record["name"],
+            }
+        )
+        self.warmup.set(record["warmup"]["total_ms"] / 1000.0)
+
+    def batch_done(
+        self,
+        codes: Iterable[str],
+        queued_s: Iterable[float],
+        decode_s: Iterable[float],
+        runs: Iterable[tuple[int, float]],
+        write_s: float,
+    ) -> None:
+        """Record one batch: outcome codes, per-request waits, each run's rows and seconds."""
+        tally = Tally(codes)
+        for code, count in tally.items():
+            self.requests.labels(code=code).inc(count)
+        self.batch_requests.observe(sum(tally.values()))
+        for seconds in queued_s:
+            self.queue_wait.observe(seconds)
+        for seconds in decode_s:
+            self.decode.observe(seconds)
+        for rows, seconds in runs:
+            self.batch_rows.observe(rows)
+            self.inference.observe(seconds)
+        self.reply_write.observe(write_s)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not events
+        return
+
+
+class MetricsServer(threading.Thread):
+    """Serves /metrics, /healthz and /readyz on ``port`` (0 picks a free one) until closed."""
+
+    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool], port: int) -> None:
+        super().__init__(name="redbatch-metrics", daemon=True)
+        self._metrics_app = make_wsgi_app(metrics.registry)
+        self._is_ready = is_ready
+        self._server: WSGIServer = make_server(
+            "0.0.0.0", port, self._app, handler_class=_QuietHandler
+        )
+        self.port = self._server.server_port
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if path == "/healthz":
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        if path == "/readyz":
+            ready = self._is_ready()
+            start_response("200 OK" if ready else "503 Service Unavailable", [])
+            return [b"ready\n" if ready else b"not ready\n"]
+        return self._metrics_app(environ, start_response)
+
+    def run(self) -> None:
+        log.info("metrics on :%d (/metrics, /healthz, /readyz)", self.port)
+        self._server.serve_forever(poll_interval=0.5)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
