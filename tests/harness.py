@@ -15,6 +15,7 @@ import redis
 from producer.codec import Reply, decode_reply, encode_request
 from producer.keys import reply_key, request_stream
 from worker.config import load_config
+from worker.metrics import Metrics
 from worker.service import Worker, prepare
 from worker.synthetic import save
 
@@ -59,12 +60,14 @@ runs = 1
 
 
 @contextlib.contextmanager
-def running_worker(config_path: Path, name: str = "w1") -> Iterator[Worker]:
+def running_worker(
+    config_path: Path, name: str = "w1", metrics: Metrics | None = None
+) -> Iterator[Worker]:
     """A real worker serving in a background thread; stopped (gracefully) on exit."""
     config = load_config(config_path)
     prepared = prepare(config, name)
     client = redis.Redis.from_url(config.redis.url)
-    worker = Worker(prepared, client)
+    worker = Worker(prepared, client, metrics=metrics)
     failure: list[BaseException] = []
 
     def serve() -> None:

@@ -1,0 +1,65 @@
+"""A running worker's /metrics counts the work it did; /healthz and /readyz tell its state."""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from harness import running_worker, send, wait_reply, write_config
+
+from worker.metrics import Metrics, MetricsServer
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _value(text: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{series} not in /metrics"
+    return float(match.group(1))
+
+
+def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> None:
+    config = write_config(tmp_path, "demo", redis_url, extra="[inputs.features]\nmax = 5.0")
+    metrics = Metrics()
+    state = {"ready": False}
+    server = MetricsServer(metrics, lambda: state["ready"], port=0)
+    server.start()
+    try:
+        # While not ready, /healthz is up and /readyz says 503
+        assert _get(server.port, "/healthz") == (200, "ok\n")
+        assert _get(server.port, "/readyz")[0] == 503
+        with running_worker(config, metrics=metrics) as worker:
+            state["ready"] = worker.ready.is_set()
+            assert _get(server.port, "/readyz")[0] == 200
+            good = np.zeros((2, 16), np.float32)
+            bad = np.full((1, 16), 9.0, np.float32)
+            for i in range(6):
+                send(rconn, "demo", f"ok{i}", {"features": good})
+            for i in range(3):
+                send(rconn, "demo", f"bad{i}", {"features": bad})
+            for rid in [*(f"ok{i}" for i in range(6)), *(f"bad{i}" for i in range(3))]:
+                wait_reply(rconn, rid)
+            text = _get(server.port, "/metrics")[1]
+    finally:
+        server.close()
+
+    assert _value(text, 'redbatch_requests_total{code="OK"}') == 6
+    assert _value(text, 'redbatch_requests_total{code="INVALID_INPUT"}') == 3
+    assert _value(text, "redbatch_batch_rows_sum") == 12  # 6 requests of 2 rows
+    assert _value(text, "redbatch_batch_requests_sum") == 9
+    runs = _value(text, "redbatch_batch_rows_count")
+    assert _value(text, "redbatch_inference_seconds_count") == runs
+    assert _value(text, "redbatch_queue_wait_seconds_count") == 9
+    assert _value(text, "redbatch_decode_validate_seconds_count") == 9
+    assert _value(text, "redbatch_reply_write_seconds_count") >= 1
+    assert _value(text, "redbatch_warmup_seconds") > 0
+    assert 'redbatch_model_info{name="demo"' in text
