@@ -1,0 +1,410 @@
+"""The ``redbatch`` command line against a real Redis and a small fake worker thread."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from producer import codec, keys
+from producer.cli import RunSummary, format_summary, main, run_job
+from producer.codec import ErrorInfo, ModelRef
+from producer.core import Chunk, Result
+from producer.errors import WaitTimeout
+from worker.localredis import free_port
+
+MODEL = "demo"
+PREFIX = keys.DEFAULT_PREFIX
+SHA = "ab" * 32
+
+
+class FakeWorker(threading.Thread):
+    """Answers y = x * 2 over the contract's stream, or INVALID_INPUT for a negative value.
+
+    It reads up to 64 entries at a time and reports them as one batch, so replies carry a
+    real batch_rows.
+    """
+
+    def __init__(self, url: str, name: str = "fake-1") -> None:
+        super().__init__(daemon=True)
+        self.conn = redis.Redis.from_url(url)
+        self.name_ = name
+        self.stream = keys.request_stream(PREFIX, MODEL)
+        self.stop_event = threading.Event()
+        self.conn.xgroup_create(self.stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            # The block timeout only bounds how late stop() is noticed; data wakes it at once.
+            got = self.conn.xreadgroup(
+                keys.CONSUMER_GROUP, self.name_, {self.stream: ">"}, count=64, block=100
+            )
+            for _, entries in got or []:
+                self.answer(entries)
+
+    def answer(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        bodies = [codec.decode_request(fields[b"body"], 1 << 24) for _, fields in entries]
+        batch_rows = sum(len(b.inputs["x"]) for b in bodies)
+        pipe = self.conn.pipeline(transaction=False)
+        for (entry_id, fields), body in zip(entries, bodies, strict=True):
+            x = body.inputs["x"]
+            common = {
+                "rid": fields[b"rid"].decode(),
+                "model": codec.ModelRef(MODEL, "1", SHA),
+                "worker": self.name_,
+                "timings_ms": {"queued": 1.0, "inference": 0.5},
+            }
+            if (x < 0).any():
+                error = codec.ErrorInfo("INVALID_INPUT", "input 'x' has a negative value.")
+                reply = codec.Reply(ok=False, error=error, **common)
+            else:
+                reply = codec.Reply(ok=True, outputs={"y": x * 2}, batch_rows=batch_rows, **common)
+            key = keys.reply_key(PREFIX, common["rid"])
+            pipe.rpush(key, codec.encode_reply(reply))
+            pipe.expire(key, 60)
+            pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)
+            pipe.xdel(self.stream, entry_id)
+        pipe.execute()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=10)
+        self.conn.close()
+
+
+def worker_record(name: str, **overrides: object) -> dict[str, object]:
+    record: dict[str, object] = {
+        "name": name,
+        "state": "ready",
+        "model": {"name": MODEL, "version": "7", "sha256": SHA, "path": "/m/demo.onnx"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4], "min": -1.0, "max": 1.0}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 4]}],
+        "runtime": {"onnxruntime": "1.31.1", "providers": ["CPUExecutionProvider"]},
+        "batching": {"max_batch_size": 32, "max_wait_ms": 5},
+        "host": "box",
+        "pid": 4242,
+        "started_at": "2026-11-30T01:00:00Z",
+        "heartbeat_at": "2026-11-30T01:00:05Z",
+        "served": {"requests": 120, "batches": 10},
+    }
+    record.update(overrides)
+    return record
+
+
+def register(rconn: redis.Redis, name: str, ttl_s: int = 60) -> None:
+    rconn.set(keys.worker_key(PREFIX, MODEL, name), json.dumps(worker_record(name)), ex=ttl_s)
+    rconn.sadd(keys.workers_key(PREFIX, MODEL), name)
+
+
+@pytest.fixture
+def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
+    worker = FakeWorker(redis_url)
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+def make_inputs(rows: int, bad_rows: list[int]) -> np.ndarray:
+    x = np.random.default_rng(0).random((rows, 4), dtype=np.float32)
+    x[bad_rows, 2] = -1.0
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+
+@pytest.mark.usefixtures("fake_worker")
+def test_run_npy_writes_rows_in_order_and_lists_failed_rows(
+    redis_url: str, rconn: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a .npy with three bad rows, and a live worker record naming the one input 'x'
+    bad = [5, 1234, 2999]
+    x = make_inputs(3000, bad)
+    np.save(tmp_path / "x.npy", x)
+    register(rconn, "fake-1")
+    out = tmp_path / "y.npz"
+
+    # When it runs one row per request
+    code = main(["--redis-url", redis_url, "run", "--model", MODEL, "--input",
+                 str(tmp_path / "x.npy"), "--output", str(out), "--no-progress"])  # fmt: skip
+
+    # Then good rows are x * 2 in input order, bad rows are NaN and listed, and it exits 1
+    assert code == 1
+    y = np.load(out)["y"]
+    good = np.setdiff1d(np.arange(3000), bad)
+    np.testing.assert_array_equal(y[good], x[good] * 2)
+    assert np.isnan(y[bad]).all()
+    lines = (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
+    failures = [json.loads(line) for line in lines]
+    assert [(f["start"], f["stop"]) for f in failures] == [(r, r + 1) for r in bad]
+    assert {f["code"] for f in failures} == {"INVALID_INPUT"}
+    assert all(keys.is_valid_rid(f["rid"]) and "negative" in f["message"] for f in failures)
+    summary = capsys.readouterr().out
+    assert "2997 ok, 3 failed, 3000 total, in 3000 requests of 1 row" in summary
+    assert "rows/s" in summary
+    assert "failed      INVALID_INPUT 3; listed in" in summary
+
+
+@pytest.mark.usefixtures("fake_worker")
+def test_run_summary_reports_latency_batches_and_serving_workers(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "x.npy", make_inputs(500, []))
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input-name", "x",
+            "--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")]  # fmt: skip
+
+    assert main(argv) == 0
+
+    summary = capsys.readouterr().out
+    assert re.search(r"latency +p50 [\d.]+ ms +p90 [\d.]+ ms +p99 [\d.]+ ms", summary)
+    assert "client-side" in summary
+    assert re.search(r"batch rows +mean [\d.]+", summary)
+    assert "served by   fake-1: model demo version 1 (sha256 abababababab), 500 requests" in summary
+
+
+@pytest.mark.usefixtures("fake_worker")
+def test_run_npz_all_ok_exits_0(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x = make_inputs(2000, [])
+    np.savez(tmp_path / "in.npz", x=x)
+    out, errors = tmp_path / "out.npz", tmp_path / "errs.jsonl"
+
+    code = main(["run", "--redis-url", redis_url, "--model", MODEL, "--input",
+                 str(tmp_path / "in.npz"), "--output", str(out), "--errors", str(errors),
+                 "--rows-per-request", "7", "--no-progress"])  # fmt: skip
+
+    assert code == 0
+    np.testing.assert_array_equal(np.load(out)["y"], x * 2)
+    assert errors.read_text() == ""
+    summary = capsys.readouterr().out
+    assert "2000 ok, 0 failed" in summary
+    assert "in 286 requests of up to 7 rows" in summary
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_run_npy_without_worker_or_input_name_is_a_usage_error(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "x.npy", make_inputs(4, []))
+    code = main(["--redis-url", redis_url, "run", "--model", MODEL, "--input",
+                 str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--input-name" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "y.npz").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--input", "missing.npy", "--output", "y.npz"], "does not exist"),
+        (["--input", "x.npy", "--output", "nodir/y.npz"], "does not exist"),
+        (["--input", "x.npy", "--output", "y.npz", "--rows-per-request", "0"], "positive"),
+        (["--input", "x.npy"], "--output"),
+    ],
+)
+def test_run_bad_arguments_exit_2(
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "x.npy", make_inputs(4, []))
+    code = main(["--redis-url", redis_url, "run", "--model", MODEL, *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_refuses_inputs_a_live_worker_says_will_fail(
+    redis_url: str, rconn: redis.Redis, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    register(rconn, "host-7")
+    np.savez(tmp_path / "in.npz", z=make_inputs(4, []))
+    base = ["--redis-url", redis_url, "run", "--model", MODEL, "--output", str(tmp_path / "y.npz")]
+
+    assert main([*base, "--input", str(tmp_path / "in.npz")]) == 2
+    assert "do not match model 'demo' inputs ['x']" in capsys.readouterr().err
+
+    np.save(tmp_path / "x.npy", make_inputs(4, []))
+    assert main([*base, "--input", str(tmp_path / "x.npy"), "--rows-per-request", "33"]) == 2
+    assert "max_batch_size=32" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# run_job and the summary, with a stand-in for Client.map
+
+
+class ScriptedClient:
+    """Answers map() from a list of (batch_rows, latency_ms, error code or None), then times out."""
+
+    def __init__(self, script: list[tuple[int, float, str | None]], timeout_after: bool) -> None:
+        self.script = script
+        self.timeout_after = timeout_after
+
+    def map(self, arrays: dict[str, np.ndarray], **_: object) -> Iterator[Chunk]:
+        x = arrays["x"]
+        for i, (batch_rows, latency_ms, code) in enumerate(self.script):
+            error = ErrorInfo(code, f"row {i} is bad.") if code else None
+            outputs = None if code else {"y": x[i : i + 1] * 2}
+            result = Result(
+                rid=f"r{i}", ok=code is None, outputs=outputs, error=error, meta=None,
+                model=ModelRef(MODEL, "3", SHA), worker=f"w{i % 2}", batch_rows=batch_rows,
+                timings_ms={"queued": 1.0, "inference": 1.0},
+            )  # fmt: skip
+            yield Chunk(i, i + 1, f"r{i}", outputs, error, result, latency_ms)
+        if self.timeout_after:
+            raise WaitTimeout("No reply within 1 s for 2 request(s).")
+
+
+def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
+    script = [(1, 10.0, None), (4, 20.0, None), (4, 30.0, "INVALID_INPUT"), (16, 40.0, None)]
+    x = np.arange(6, dtype=np.float32).reshape(6, 1)
+
+    summary = run_job(ScriptedClient(script, timeout_after=True), {"x": x})
+
+    np.testing.assert_array_equal(summary.outputs["y"][[0, 1, 3]], x[[0, 1, 3]] * 2)
+    assert np.isnan(summary.outputs["y"][[2, 4, 5]]).all()
+    assert (summary.rows_ok, summary.rows_failed, summary.requests) == (3, 3, 4)
+    assert [(f.start, f.stop, f.code) for f in summary.failures] == [
+        (2, 3, "INVALID_INPUT"),
+        (4, 6, "WAIT_TIMEOUT"),
+    ]
+    assert summary.batch_rows == [1, 4, 16]
+    assert summary.latency_percentiles_ms()["p50"] == pytest.approx(25.0)
+    text = format_summary(summary, output_path="y.npz", errors_path="y.npz.errors.jsonl")
+    assert "3 ok, 3 failed, 6 total, in 4 requests" in text
+    assert re.search(r"latency +p50 25\.0 ms +p90 37\.0 ms +p99 39\.7 ms +max 40\.0 ms", text)
+    assert "batch rows  mean 7.0" in text
+    assert re.search(r"^ +4 +1 +#+$", text, re.MULTILINE)
+    assert "served by   w0: model demo version 3 (sha256 abababababab), 2 requests" in text
+    assert "failed      INVALID_INPUT 1, WAIT_TIMEOUT 1; listed in y.npz.errors.jsonl" in text
+    assert "output      y.npz: y float32 [6, 1]" in text
+
+
+def test_summary_of_a_job_where_nothing_succeeded_says_so() -> None:
+    summary = RunSummary(rows=2, requests=0, wall_s=0.5)
+
+    text = format_summary(summary, output_path="y.npz")
+
+    assert "no outputs" in text
+    assert "latency     none measured" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+def test_status_shows_backlog_consumers_dead_letters_and_live_workers(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 5 requests, 2 of them read by one consumer, a dead letter, one live worker record
+    # and one registered name whose record has expired
+    stream = keys.request_stream(PREFIX, MODEL)
+    rconn.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(5):
+        rconn.xadd(stream, {"rid": f"r{i}", "body": b"\x80"})
+    rconn.xreadgroup(keys.CONSUMER_GROUP, "host-7", {stream: ">"}, count=2)
+    dead = keys.dead_key(PREFIX, MODEL)
+    rconn.xadd(dead, {"rid": "bad id!", "body": b"", "reason": "rid breaks the pattern."})
+    register(rconn, "host-7")
+    rconn.sadd(keys.workers_key(PREFIX, MODEL), "gone-1")
+
+    code = main(["--redis-url", redis_url, "status", "--model", MODEL])
+
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "backlog (XLEN): 5" in out
+    assert "pending 2, lag 3" in out
+    consumer_row = next(line for line in out.splitlines() if line.strip().startswith("host-7"))
+    assert consumer_row.split()[1] == "2"
+    assert "Dead letters redbatch:{demo}:dead: 1" in out
+    assert "rid breaks the pattern." in out
+    assert "Workers: 1 live" in out
+    assert "removed 1 expired from the registry: gone-1" in out
+    assert "abababababab" in out
+    assert "32 rows/5 ms" in out
+    assert "input  x float32 [?, 4] range [-1.0, 1.0]" in out
+    assert "box:4242" in out
+    assert rconn.smembers(keys.workers_key(PREFIX, MODEL)) == {b"host-7"}
+
+
+def test_status_without_stream_says_so(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--model", MODEL, "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert "no requests stream yet" in out
+    assert "Dead letters redbatch:{demo}:dead: 0" in out
+    assert "no live worker" in out
+
+
+def test_status_json_parses(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stream = keys.request_stream(PREFIX, MODEL)
+    rconn.xadd(stream, {"rid": "r1", "body": b"\x80"})
+    register(rconn, "host-7")
+
+    assert main(["--redis-url", redis_url, "status", "--model", MODEL, "--json"]) == 0
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["requests"]["backlog"] == 1
+    assert doc["requests"]["group"] is None
+    assert doc["dead"]["count"] == 0
+    assert [w["name"] for w in doc["workers"]] == ["host-7"]
+    assert doc["workers"][0]["record"]["batching"]["max_batch_size"] == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# help and connection failures
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["status", "--help"]])
+def test_help_describes_each_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    assert "usage: redbatch" in out
+
+
+def test_python_dash_m_producer_is_the_same_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "producer", "status", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert "usage: redbatch status" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["status", "run"])
+def test_unreachable_redis_exits_2_with_one_line_without_password(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    np.save(tmp_path / "x.npy", make_inputs(4, []))
+    extra = ["--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")]
+    argv = ["--redis-url", url, command, "--model", MODEL, *(extra if command == "run" else [])]
+
+    code = main(argv)
+
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1
+    assert "127.0.0.1" in lines[0]
+    assert "hunter2" not in captured.err + captured.out
