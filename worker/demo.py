@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _features(rows: int) -> np.ndarray:
-    """Rows inside the demo config's [-10, 10] range, plus a few the worker must reject."""
+    """Rows inside the demo config's [-10, 10] input range, from a fixed seed."""
     x = np.random.default_rng(2024).normal(scale=2.0, size=(rows, 16)).astype(np.float32)
     return np.clip(x, -9.9, 9.9)
 
