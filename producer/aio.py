@@ -1,4 +1,5 @@
-"""``AsyncClient``: the asyncio twin of ``Client``, a thin ``redis.asyncio`` shell around core.
+"""``AsyncClient``: the asyncio twin of ``Client``, a thin ``redis.asyncio`` shell around the
+sans-I/O ``core`` and ``window``.
 
 Same methods, same behaviour, with ``await``: ``wait_many`` and ``map`` are async iterators.
 Like ``Client``, it pipelines submits and waits on many keys at once, which is what keeps its cost
@@ -24,7 +25,7 @@ import numpy as np
 import redis.asyncio
 from numpy.typing import ArrayLike
 
-from producer import core
+from producer import core, window
 from producer.client import DEFAULT_URL
 from producer.core import Chunk, Result
 from producer.keys import DEFAULT_PREFIX
@@ -145,7 +146,7 @@ class AsyncClient:
 
     async def wait(self, rid: str, timeout_s: float) -> Result:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
-        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, time.monotonic())
         while True:
             block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
@@ -157,18 +158,18 @@ class AsyncClient:
 
     def wait_many(self, rids: Sequence[str], timeout_s: float) -> AsyncIterator[Result]:
         """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
-        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        waiter = window.ReplyWaiter(self._settings, timeout_s)
         now = time.monotonic()
         for rid in rids:
             waiter.add(rid, now)
         return self._drain(waiter)
 
-    async def _drain(self, waiter: core.ReplyWaiter) -> AsyncIterator[Result]:
+    async def _drain(self, waiter: window.ReplyWaiter) -> AsyncIterator[Result]:
         while waiter.pending:
             for result in await self._wait_round(waiter):
                 yield result
 
-    async def _wait_round(self, waiter: core.ReplyWaiter) -> list[Result]:
+    async def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
         with self._translating():
@@ -220,7 +221,7 @@ class AsyncClient:
         An async iterator of Chunks in input order; see ``Client.map``. Bad arguments raise
         at the call; NoWorkerInfo (no ``rows_per_request`` and no live worker) on first use.
         """
-        plan = core.MapPlan(
+        plan = window.MapPlan(
             self._settings,
             arrays,
             rows_per_request=rows_per_request,
@@ -230,7 +231,7 @@ class AsyncClient:
         )
         return self._run_map(plan)
 
-    async def _run_map(self, plan: core.MapPlan) -> AsyncIterator[Chunk]:
+    async def _run_map(self, plan: window.MapPlan) -> AsyncIterator[Chunk]:
         if plan.needs_row_limit:
             plan.use_row_limit(core.row_limit(await self.workers(), self._settings))
         while not plan.finished:

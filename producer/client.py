@@ -1,7 +1,8 @@
-"""``Client``: the blocking client, a thin redis-py shell around ``producer.core``.
+"""``Client``: the blocking client, a thin redis-py shell around ``producer.core`` and ``window``.
 
-Every decision (what to send, how long to block, which chunk comes next) is made in ``core``;
-this module only runs the Redis commands. ``producer.aio.AsyncClient`` is its async twin.
+Every decision (what to send, how long to block, which chunk comes next) is made in ``core`` and
+``window``; this module only runs the Redis commands. ``producer.aio.AsyncClient`` is its async
+twin.
 
 Example::
 
@@ -24,7 +25,7 @@ import numpy as np
 import redis
 from numpy.typing import ArrayLike
 
-from producer import core
+from producer import core, window
 from producer.core import Chunk, Result
 from producer.keys import DEFAULT_PREFIX
 
@@ -149,7 +150,7 @@ class Client:
 
     def wait(self, rid: str, timeout_s: float) -> Result:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
-        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, time.monotonic())
         while True:
             block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
@@ -161,17 +162,17 @@ class Client:
 
     def wait_many(self, rids: Sequence[str], timeout_s: float) -> Iterator[Result]:
         """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
-        waiter = core.ReplyWaiter(self._settings, timeout_s)
+        waiter = window.ReplyWaiter(self._settings, timeout_s)
         now = time.monotonic()
         for rid in rids:
             waiter.add(rid, now)
         return self._drain(waiter)
 
-    def _drain(self, waiter: core.ReplyWaiter) -> Iterator[Result]:
+    def _drain(self, waiter: window.ReplyWaiter) -> Iterator[Result]:
         while waiter.pending:
             yield from self._wait_round(waiter)
 
-    def _wait_round(self, waiter: core.ReplyWaiter) -> list[Result]:
+    def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
         with self._translating():
@@ -226,7 +227,7 @@ class Client:
         Each refill of the window is one pipelined submit, with the same backlog check as
         ``submit_many``.
         """
-        plan = core.MapPlan(
+        plan = window.MapPlan(
             self._settings,
             arrays,
             rows_per_request=rows_per_request,
@@ -238,7 +239,7 @@ class Client:
             plan.use_row_limit(core.row_limit(self.workers(), self._settings))
         return self._run_map(plan)
 
-    def _run_map(self, plan: core.MapPlan) -> Iterator[Chunk]:
+    def _run_map(self, plan: window.MapPlan) -> Iterator[Chunk]:
         while not plan.finished:
             subs = plan.take(time.time())
             if subs:

@@ -1,15 +1,16 @@
-"""The client's logic with no I/O: what to send, what a reply means, and what map() does next.
+"""The client's logic with no I/O: what to send, what a reply means, and which workers are live.
 
 ``Client`` (``client.py``) and ``AsyncClient`` (``aio.py``) are thin shells in the sans-I/O
-style: they run the Redis commands this module asks for and feed the answers back, so the logic
-exists once and can be tested without Redis. Pieces:
+style: they run the Redis commands this module (and ``window.py``, which waits for replies and
+runs map()'s window) asks for and feed the answers back, so the logic exists once and can be
+tested without Redis. Pieces:
 
 - ``Settings``: a client's validated settings and the keys it uses.
 - ``build_submission``: a request as a stream entry (``rid``, ``body``).
 - ``BacklogGate``: from ``XLEN``, go ahead, raise ``BacklogFull``, or sleep and look again.
-- ``ReplyWaiter``: the replies still awaited, their deadlines, and how long to block.
-- ``MapPlan``: map()'s window: which rows to send next and which chunks may be yielded in order.
 - ``WorkerRoster`` and ``row_limit``: live worker records and the model's row limit.
+- ``check_connection_kwargs`` and ``block_cap_s``: what a redis-py client must be, how long it
+  may block.
 - ``translate_redis_errors``: redis-py errors to ``ConnectionFailed``, without passwords.
 """
 
@@ -35,7 +36,6 @@ from producer.errors import (
     BacklogFull,
     ConnectionFailed,
     NoWorkerInfo,
-    WaitTimeout,
     error_for_code,
 )
 
@@ -46,12 +46,11 @@ __all__ = [
     "REDIS_ERRORS",
     "BacklogGate",
     "Chunk",
-    "MapPlan",
-    "ReplyWaiter",
     "Result",
     "Settings",
     "Submission",
     "WorkerRoster",
+    "as_bytes",
     "block_cap_s",
     "build_submission",
     "check_connection_kwargs",
@@ -139,7 +138,7 @@ def _raise_for_error(rid: str, ok: bool, error: ErrorInfo | None) -> None:
 
 def parse_reply(rid: str, raw: bytes | str) -> Result:
     """Decode the reply element of request ``rid``; raises WireFormatError if it is not one."""
-    reply = codec.decode_reply(_as_bytes(raw))
+    reply = codec.decode_reply(as_bytes(raw))
     return Result(
         rid=rid,
         ok=reply.ok,
@@ -153,7 +152,8 @@ def parse_reply(rid: str, raw: bytes | str) -> Result:
     )
 
 
-def _as_bytes(value: bytes | str) -> bytes:
+def as_bytes(value: bytes | str) -> bytes:
+    """``value``, which must be bytes; TypeError for text, which a decoding client returns."""
     # redis-py is typed to hand back bytes or str; the shells connect with decode_responses off.
     if isinstance(value, str):
         raise TypeError(
@@ -273,211 +273,6 @@ class BacklogGate:
 
 
 # ---------------------------------------------------------------------------------------------
-# Waiting for replies
-
-
-def check_connection_kwargs(connection_kwargs: Mapping[str, Any]) -> None:
-    """Refuse a redis-py client that decodes responses to text: bodies and replies are bytes."""
-    if connection_kwargs.get("decode_responses"):
-        raise ValueError(
-            "The Redis client was created with decode_responses=True; redbatch needs raw bytes. "
-            "Create it with decode_responses=False (the default)."
-        )
-
-
-def block_cap_s(socket_timeout_s: float | None) -> float:
-    """The longest blocking command that cannot trip the connection's socket timeout."""
-    if socket_timeout_s is None or socket_timeout_s <= 0:
-        return MAX_BLOCK_S
-    return min(MAX_BLOCK_S, socket_timeout_s / 2)
-
-
-class ReplyWaiter:
-    """The replies still awaited, each with its own monotonic deadline.
-
-    A shell asks for ``keys()``, pops them (a pipelined LPOP, or a BLPOP of ``block_s()``
-    seconds when none was ready), and hands the answers to ``take_popped``/``take_blpopped``,
-    which return the Results and forget their keys. A BLPOP that comes back empty after a
-    deadline has passed raises WaitTimeout, so every request gets at least one look.
-    """
-
-    def __init__(self, settings: Settings, timeout_s: float) -> None:
-        if timeout_s < 0:
-            raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
-        self._settings = settings
-        self.timeout_s = timeout_s
-        # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
-        self._pending: dict[bytes, tuple[str, float]] = {}
-
-    @property
-    def pending(self) -> int:
-        """How many replies are still awaited."""
-        return len(self._pending)
-
-    def add(self, rid: str, now: float) -> None:
-        """Await ``rid``'s reply until ``now + timeout_s``; ValueError for a bad rid."""
-        key = self._settings.reply_key(rid).encode()
-        self._pending.setdefault(key, (rid, now + self.timeout_s))
-
-    def keys(self) -> list[bytes]:
-        """The reply keys still awaited, oldest first."""
-        return list(self._pending)
-
-    def block_s(self, now: float, cap_s: float) -> float:
-        """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``."""
-        first = min(deadline for _, deadline in self._pending.values())
-        # Redis counts in milliseconds, and a timeout of 0 would block forever.
-        return max(round(min(first - now, cap_s), 3), 0.001)
-
-    def take_popped(
-        self, keys_: Sequence[bytes], raws: Sequence[bytes | str | None]
-    ) -> list[Result]:
-        """Results for the keys whose LPOP returned an element, in the order of ``keys_``."""
-        return [
-            self._take(key, raw) for key, raw in zip(keys_, raws, strict=True) if raw is not None
-        ]
-
-    def take_blpopped(self, item: Sequence[bytes | str] | None, now: float) -> list[Result]:
-        """The Result in a BLPOP answer (``[key, element]``); if it timed out, none, or
-        WaitTimeout when a deadline has passed by ``now``."""
-        if not item:
-            self._raise_if_late(now)
-            return []
-        key, raw = item
-        return [self._take(_as_bytes(key), raw)]
-
-    def _take(self, key: bytes, raw: bytes | str) -> Result:
-        rid, _ = self._pending.pop(key)
-        return parse_reply(rid, raw)
-
-    def _raise_if_late(self, now: float) -> None:
-        late = [rid for rid, deadline in self._pending.values() if deadline <= now]
-        if not late:
-            return
-        shown = ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
-        raise WaitTimeout(
-            f"No reply within {self.timeout_s:g} s for {len(late)} request(s) to model "
-            f"{self._settings.model!r}: {shown}. A worker may be down or behind; "
-            "'redbatch status' shows the backlog and the live workers."
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# map()
-
-
-class MapPlan:
-    """map()'s state: rows to send next, requests in flight, and chunks ready in input order.
-
-    At most ``concurrency`` requests are in flight, and at most ``2 * concurrency`` are held
-    between being sent and being yielded, so a slow first request cannot make the plan buffer
-    the whole input. The shell loops: ``take()`` and send, ``sent()``, yield ``ready()``, then
-    wait on ``waiter`` and hand its Results to ``answered()``, until ``finished``.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        arrays: Mapping[str, ArrayLike],
-        *,
-        rows_per_request: int | None,
-        concurrency: int,
-        outputs: Sequence[str] | None,
-        timeout_s: float,
-    ) -> None:
-        if type(concurrency) is not int or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}.")
-        self._arrays, self.rows = _leading_rows(arrays)
-        self._concurrency = concurrency
-        self._outputs = outputs
-        self._rows_per_request = 0
-        self._next_start = 0
-        self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
-        self._sent_at: dict[str, float] = {}  # rid -> monotonic send time
-        self._answered: dict[int, Chunk] = {}  # start -> chunk
-        self._next_yield = 0  # start of the next chunk to yield
-        self._held = 0  # requests sent and not yet yielded
-        self.waiter = ReplyWaiter(settings, timeout_s)
-        if rows_per_request is not None:
-            self.use_row_limit(rows_per_request)
-
-    @property
-    def needs_row_limit(self) -> bool:
-        """True when the caller gave no rows_per_request and there are rows to send."""
-        return self._rows_per_request == 0 and self.rows > 0
-
-    def use_row_limit(self, rows_per_request: int) -> None:
-        """Send at most ``rows_per_request`` rows per request."""
-        if type(rows_per_request) is not int or rows_per_request < 1:
-            raise ValueError(
-                f"rows_per_request must be a positive integer, got {rows_per_request!r}."
-            )
-        self._rows_per_request = rows_per_request
-
-    @property
-    def finished(self) -> bool:
-        """True once every row has been yielded (at once for zero rows)."""
-        return self._next_yield >= self.rows
-
-    def take(self, now_s: float) -> list[Submission]:
-        """The requests to send now to fill the window; ``now_s`` is the Unix time."""
-        if self.needs_row_limit:
-            raise RuntimeError("MapPlan.use_row_limit() must be called before take().")
-        room = min(self._concurrency - len(self._in_flight), 2 * self._concurrency - self._held)
-        subs = []
-        while room > 0 and self._next_start < self.rows:
-            start = self._next_start
-            stop = min(start + self._rows_per_request, self.rows)
-            inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
-            sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
-            self._in_flight[sub.rid] = (start, stop)
-            self._next_start = stop
-            self._held += 1
-            subs.append(sub)
-            room -= 1
-        return subs
-
-    def sent(self, subs: Iterable[Submission], now: float) -> None:
-        """Start the reply clock of requests that reached the stream (``now`` is monotonic)."""
-        for sub in subs:
-            self.waiter.add(sub.rid, now)
-            self._sent_at[sub.rid] = now
-
-    def answered(self, results: Iterable[Result], now: float) -> None:
-        """Record replies that arrived by ``now`` (monotonic); failed ones keep ``error``."""
-        for result in results:
-            start, stop = self._in_flight.pop(result.rid)
-            latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
-            self._answered[start] = Chunk(
-                start, stop, result.rid, result.outputs, result.error, result, latency_ms
-            )
-
-    def ready(self) -> list[Chunk]:
-        """The answered chunks that come next in input order, removed from the plan."""
-        chunks = []
-        while (chunk := self._answered.pop(self._next_yield, None)) is not None:
-            chunks.append(chunk)
-            self._next_yield = chunk.stop
-            self._held -= 1
-        return chunks
-
-
-def _leading_rows(arrays: Mapping[str, ArrayLike]) -> tuple[dict[str, np.ndarray], int]:
-    """The inputs as arrays, and the row count they share."""
-    if not arrays:
-        raise ValueError("map() needs at least one input array.")
-    as_arrays = {name: np.asarray(a) for name, a in arrays.items()}
-    for name, a in as_arrays.items():
-        if a.ndim == 0:
-            raise ValueError(f"map() splits inputs by rows; input {name!r} is a scalar.")
-    rows = {name: a.shape[0] for name, a in as_arrays.items()}
-    if len(set(rows.values())) > 1:
-        listed = ", ".join(f"{name!r} has {n}" for name, n in rows.items())
-        raise ValueError(f"map() needs every input to have the same number of rows: {listed}.")
-    return as_arrays, next(iter(rows.values()))
-
-
-# ---------------------------------------------------------------------------------------------
 # Worker registry
 
 
@@ -493,7 +288,7 @@ class WorkerRoster:
     def from_members(cls, settings: Settings, members: Iterable[bytes | str]) -> WorkerRoster:
         """Sort the set's members; ones that are not valid names can hold no record."""
         names, junk = [], []
-        for member in sorted(_as_bytes(m) for m in members):
+        for member in sorted(as_bytes(m) for m in members):
             name = member.decode("utf-8", "replace")
             if keys.is_valid_name(name):
                 names.append(name)
@@ -542,6 +337,22 @@ def row_limit(records: Iterable[Mapping[str, Any]], settings: Settings) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Connections and their errors
+
+
+def check_connection_kwargs(connection_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a redis-py client that decodes responses to text: bodies and replies are bytes."""
+    if connection_kwargs.get("decode_responses"):
+        raise ValueError(
+            "The Redis client was created with decode_responses=True; redbatch needs raw bytes. "
+            "Create it with decode_responses=False (the default)."
+        )
+
+
+def block_cap_s(socket_timeout_s: float | None) -> float:
+    """The longest blocking command that cannot trip the connection's socket timeout."""
+    if socket_timeout_s is None or socket_timeout_s <= 0:
+        return MAX_BLOCK_S
+    return min(MAX_BLOCK_S, socket_timeout_s / 2)
 
 
 def redact_url(url: str) -> str:

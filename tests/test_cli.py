@@ -15,10 +15,11 @@ import pytest
 import redis
 
 from producer import codec, keys
-from producer.cli import RunSummary, format_summary, main, run_job
+from producer.cli import main
 from producer.codec import ErrorInfo, ModelRef
 from producer.core import Chunk, Result
 from producer.errors import WaitTimeout
+from producer.job import RunSummary, format_summary, run_job
 from worker.localredis import free_port
 
 MODEL = "demo"

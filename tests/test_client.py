@@ -19,7 +19,7 @@ import redis
 
 import producer
 from producer import client as client_module
-from producer import codec, core, keys
+from producer import codec, core, keys, window
 from producer.client import Client
 from producer.codec import ErrorInfo, ModelRef, Reply
 from producer.errors import (
@@ -466,8 +466,8 @@ def fake_reply(rid: str, rows: int) -> bytes:
     return codec.encode_reply(reply)
 
 
-def make_plan(rows: int, rows_per_request: int, concurrency: int) -> core.MapPlan:
-    return core.MapPlan(
+def make_plan(rows: int, rows_per_request: int, concurrency: int) -> window.MapPlan:
+    return window.MapPlan(
         SETTINGS,
         {"x": np.zeros((rows, 1), np.float32)},
         rows_per_request=rows_per_request,
@@ -477,13 +477,13 @@ def make_plan(rows: int, rows_per_request: int, concurrency: int) -> core.MapPla
     )
 
 
-def send(plan: core.MapPlan) -> list[core.Submission]:
+def send(plan: window.MapPlan) -> list[core.Submission]:
     subs = plan.take(now_s=0)
     plan.sent(subs, now=0)
     return subs
 
 
-def reply(plan: core.MapPlan, subs: list[core.Submission]) -> None:
+def reply(plan: window.MapPlan, subs: list[core.Submission]) -> None:
     """Feed replies for ``subs`` through the plan's waiter, as a pipelined LPOP would."""
     reply_keys = [SETTINGS.reply_key(s.rid).encode() for s in subs]
     raws = [fake_reply(s.rid, 1) for s in subs]
@@ -525,7 +525,7 @@ def test_map_plan_holds_at_most_twice_concurrency_behind_a_slow_head() -> None:
 
 
 def test_reply_waiter_blocks_until_the_first_deadline_then_times_out() -> None:
-    waiter = core.ReplyWaiter(SETTINGS, timeout_s=5)
+    waiter = window.ReplyWaiter(SETTINGS, timeout_s=5)
     waiter.add("a", now=100)
     waiter.add("b", now=101)
     assert waiter.block_s(now=100, cap_s=2) == 2

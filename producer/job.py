@@ -1,0 +1,388 @@
+"""One batch job: an input file's rows sent through a model, the replies stacked, the job measured.
+
+This is the library half of ``redbatch run``, kept apart from the argument parsing in
+``producer.cli`` so that a job can be run and reported from Python (the tests do) without argv,
+and so that neither half outgrows one module: ``load_inputs`` reads the .npy/.npz (memory-mapped
+where it can be), ``run_job`` feeds the rows through ``Client.map`` and stacks the replies in
+input order, ``format_summary`` is the report, and ``write_outputs``/``write_errors`` write the
+results atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from producer.codec import ErrorInfo
+from producer.core import Chunk
+from producer.errors import RedbatchError, WaitTimeout
+
+__all__ = [
+    "FailedRequest",
+    "Mapper",
+    "RunSummary",
+    "UsageError",
+    "format_summary",
+    "leading_rows",
+    "load_inputs",
+    "one_line",
+    "run_job",
+    "write_errors",
+    "write_outputs",
+]
+
+
+class UsageError(RedbatchError):
+    """Raised when the command cannot run as asked (bad option, unreadable file); exit 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+@dataclass(frozen=True, slots=True)
+class FailedRequest:
+    """Rows ``start:stop`` that failed: a request answered ok = false, or (code WAIT_TIMEOUT,
+    no rid) the rows left when a reply did not come in time."""
+
+    start: int
+    stop: int
+    rid: str | None
+    code: str
+    message: str
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """What a job did: rows, requests, timing, batches, who served it, and the stacked outputs.
+
+    ``latencies_ms`` holds one latency per answered request, measured client-side from sending
+    the request to receiving its reply. ``batch_rows`` holds, per successful request, the rows
+    of the batch it ran in (from the reply).
+    """
+
+    rows: int
+    rows_per_request: int | None = None
+    requests: int = 0
+    rows_failed: int = 0
+    wall_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    batch_rows: list[int] = field(default_factory=list)
+    served: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)
+    error_codes: Counter[str] = field(default_factory=Counter)
+    failures: list[FailedRequest] = field(default_factory=list)
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def fail(self, failure: FailedRequest) -> None:
+        """Count a failed request and list it."""
+        self.rows_failed += failure.stop - failure.start
+        self.error_codes[failure.code] += 1
+        self.failures.append(failure)
+
+    @property
+    def rows_ok(self) -> int:
+        return self.rows - self.rows_failed
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.rows_failed == 0
+
+    def latency_percentiles_ms(self) -> dict[str, float]:
+        """p50, p90, p99 and max of the per-request latencies (empty when there are none)."""
+        if not self.latencies_ms:
+            return {}
+        values = np.percentile(self.latencies_ms, [50, 90, 99, 100])
+        return dict(zip(("p50", "p90", "p99", "max"), (float(v) for v in values), strict=True))
+
+
+class Mapper(Protocol):
+    """What run_job needs of a client: ``Client.map``."""
+
+    def map(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        *,
+        rows_per_request: int | None,
+        concurrency: int,
+        outputs: Sequence[str] | None,
+        timeout_s: float,
+    ) -> Iterable[Chunk]: ...
+
+
+def run_job(
+    client: Mapper,
+    arrays: Mapping[str, np.ndarray],
+    *,
+    rows_per_request: int | None = 1,
+    concurrency: int = 256,
+    outputs: Sequence[str] | None = None,
+    timeout_s: float = 60.0,
+    on_rows: Callable[[int], object] | None = None,
+) -> RunSummary:
+    """Send every row of ``arrays`` through ``client.map`` and stack the replies in input order.
+
+    Rows of failed requests are NaN in float outputs and zero otherwise, and are listed in
+    ``failures``. When no reply comes within ``timeout_s``, map() stops; the rows not yet
+    answered become one failure with code ``WAIT_TIMEOUT`` (a client-side code, no rid).
+    ``on_rows(n)`` is called as rows come back (a progress bar's ``update``).
+    """
+    n_rows = leading_rows(arrays)
+    summary = RunSummary(rows=n_rows, rows_per_request=rows_per_request)
+    stacker = _Stacker(n_rows)
+    done = 0
+    started = time.monotonic()
+    chunks = client.map(
+        arrays,
+        rows_per_request=rows_per_request,
+        concurrency=concurrency,
+        outputs=list(outputs) if outputs is not None else None,
+        timeout_s=timeout_s,
+    )
+    try:
+        for chunk in chunks:
+            summary.requests += 1
+            _record_reply(summary, chunk)
+            if chunk.ok:
+                stacker.put(chunk.start, chunk.stop, chunk.outputs or {})
+            else:
+                err = chunk.error or ErrorInfo("INTERNAL", "the reply carried no error detail.")
+                summary.fail(
+                    FailedRequest(chunk.start, chunk.stop, chunk.rid, err.code, err.message)
+                )
+            done = chunk.stop
+            if on_rows is not None:
+                on_rows(chunk.stop - chunk.start)
+    except WaitTimeout as exc:
+        summary.fail(FailedRequest(done, n_rows, None, "WAIT_TIMEOUT", one_line(exc)))
+    summary.wall_s = time.monotonic() - started
+    summary.outputs = stacker.arrays
+    return summary
+
+
+def _record_reply(summary: RunSummary, chunk: Chunk) -> None:
+    """Take the latency, the batch size and the serving worker from one answered chunk."""
+    summary.latencies_ms.append(chunk.latency_ms)
+    result = chunk.result
+    if result.ok and result.batch_rows is not None:
+        summary.batch_rows.append(int(result.batch_rows))
+    model = result.model
+    summary.served[(result.worker, model.name, model.version, model.sha256)] += 1
+
+
+class _Stacker:
+    """Output arrays allocated on the first successful reply, filled in place by row range."""
+
+    def __init__(self, n_rows: int) -> None:
+        self.n_rows = n_rows
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def put(self, start: int, stop: int, outputs: Mapping[str, np.ndarray]) -> None:
+        for name, part in outputs.items():
+            target = self.arrays.get(name)
+            if target is None:
+                fill = np.nan if np.issubdtype(part.dtype, np.inexact) else 0
+                target = np.full((self.n_rows, *part.shape[1:]), fill, dtype=part.dtype)
+                self.arrays[name] = target
+            if part.shape[1:] != target.shape[1:] or len(part) != stop - start:
+                raise RedbatchError(
+                    f"output {name!r} for rows {start}:{stop} has shape {part.shape}, which does "
+                    f"not stack with {target.shape}; outputs whose shape varies between "
+                    "requests cannot be written as one array."
+                )
+            target[start:stop] = part
+
+
+def leading_rows(arrays: Mapping[str, np.ndarray]) -> int:
+    """The row count every input shares; UsageError when there is none or they differ."""
+    if not arrays:
+        raise UsageError("no input arrays to send.")
+    rows = {name: (a.shape[0] if a.ndim else -1) for name, a in arrays.items()}
+    counts = set(rows.values())
+    if len(counts) != 1 or min(counts) < 1:
+        detail = ", ".join(f"{n} has {r if r >= 0 else 'no'} rows" for n, r in rows.items())
+        raise UsageError(f"every input needs the same number of rows (at least 1): {detail}.")
+    return counts.pop()
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary
+
+
+def format_summary(
+    summary: RunSummary, *, output_path: str | None = None, errors_path: str | None = None
+) -> str:
+    """The report ``redbatch run`` prints (and the demo prints) after a job."""
+    s = summary
+    size = ""
+    if s.rows_per_request == 1:
+        size = " of 1 row"
+    elif s.rows_per_request is not None:
+        size = f" of up to {s.rows_per_request} rows"
+    lines = [
+        f"rows        {s.rows_ok} ok, {s.rows_failed} failed, {s.rows} total, "
+        f"in {s.requests} requests{size}",
+        f"wall        {s.wall_s:.2f} s, throughput {s.rows_per_s:,.0f} rows/s "
+        f"({s.requests / s.wall_s if s.wall_s else 0:,.0f} requests/s)",
+    ]
+    pct = s.latency_percentiles_ms()
+    if pct:
+        lines.append(
+            "latency     "
+            + "  ".join(f"{k} {v:.1f} ms" for k, v in pct.items())
+            + "  (per request, client-side: sent to reply received)"
+        )
+    else:
+        lines.append("latency     none measured (no request was answered)")
+    if s.batch_rows:
+        lines.append(
+            f"batch rows  mean {np.mean(s.batch_rows):.1f} "
+            "(rows in the batch each successful request ran in, from its reply)"
+        )
+        lines.append(f"  {'batch rows':>10}  {'requests':>8}")
+        lines += [
+            f"  {label:>10}  {count:>8}  {bar}".rstrip()
+            for label, count, bar in _histogram(s.batch_rows)
+        ]
+    for (worker, model, version, sha), count in sorted(s.served.items()):
+        lines.append(
+            f"served by   {worker}: model {model} version {version} "
+            f"(sha256 {sha[:12]}), {count} requests"
+        )
+    if s.error_codes:
+        codes = ", ".join(f"{code} {n}" for code, n in s.error_codes.most_common())
+        where = f"; listed in {errors_path}" if errors_path else ""
+        lines.append(f"failed      {codes}{where}")
+        first = s.failures[0]
+        lines.append(f"  first: rows {first.start}:{first.stop} {first.code}: {first.message}")
+    if output_path is not None:
+        shapes = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in s.outputs.items())
+        lines.append(f"output      {output_path}: {shapes or 'no outputs (no request succeeded)'}")
+    return "\n".join(lines)
+
+
+def _histogram(values: Sequence[int], width: int = 40) -> list[tuple[str, int, str]]:
+    """Counts per value when there are few distinct values, else per power-of-two bucket
+    (1, 2-3, 4-7, ...), each with a bar of '#' scaled to the largest count."""
+    distinct = Counter(int(v) for v in values)
+    if len(distinct) <= 12:
+        buckets = [(str(v), distinct[v]) for v in sorted(distinct)]
+    else:
+        by_exp = Counter(max(int(v), 1).bit_length() - 1 for v in values)
+        buckets = []
+        for exp in range(min(by_exp), max(by_exp) + 1):
+            low, high = 1 << exp, (1 << (exp + 1)) - 1
+            buckets.append((f"{low}-{high}", by_exp.get(exp, 0)))
+    top = max(n for _, n in buckets)
+    return [(label, n, "#" * max(1 if n else 0, round(width * n / top))) for label, n in buckets]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def load_inputs(path: Path, input_name: Callable[[], str]) -> dict[str, np.ndarray]:
+    """Read .npy (one input, named by ``input_name()``) or .npz; memory-mapped where it can be."""
+    if not path.is_file():
+        raise UsageError(f"input file {str(path)!r} does not exist.")
+    try:
+        if path.suffix == ".npy":
+            return {input_name(): np.load(path, mmap_mode="r", allow_pickle=False)}
+        if path.suffix == ".npz":
+            return _load_npz(path)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise UsageError(f"cannot read {str(path)!r}: {exc}") from exc
+    raise UsageError(f"input file {str(path)!r} must end in .npy or .npz.")
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    """Members stored uncompressed (np.savez) are memory-mapped; compressed ones are read."""
+    arrays: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(path) as zf, path.open("rb") as raw:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            name = info.filename.removesuffix(".npy")
+            mapped = _mapped_member(zf, info, raw)
+            arrays[name] = _read_member(zf, info) if mapped is None else mapped
+    if not arrays:
+        raise UsageError(f"{str(path)!r} holds no arrays.")
+    return arrays
+
+
+def _mapped_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, raw: Any) -> np.ndarray | None:
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    with zf.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(member)
+        else:
+            return None
+        header_len = member.tell()
+    if dtype.hasobject:
+        raise ValueError(f"array {info.filename!r} holds Python objects, which cannot be sent")
+    raw.seek(info.header_offset)
+    local = raw.read(30)
+    data_at = info.header_offset + 30 + int.from_bytes(local[26:28], "little")
+    data_at += int.from_bytes(local[28:30], "little") + header_len
+    order: Literal["C", "F"] = "F" if fortran else "C"
+    if not int(np.prod(shape)):
+        return np.zeros(shape, dtype=dtype, order=order)
+    return np.memmap(raw.name, dtype=dtype, mode="r", shape=shape, order=order, offset=data_at)
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+    with zf.open(info) as member:
+        return np.lib.format.read_array(member, allow_pickle=False)
+
+
+def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
+    """Write through a temporary file in the same directory, then rename over ``path``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:
+    """Write the stacked outputs as one .npz, atomically."""
+    arrays: dict[str, Any] = dict(outputs)
+    _write_atomic(path, lambda fh: np.savez(fh, **arrays), binary=True)
+
+
+def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:
+    """One JSON line per failed request: start, stop, rid, code, message (empty when none)."""
+
+    def write(fh: Any) -> None:
+        for f in failures:
+            row = {"start": f.start, "stop": f.stop, "rid": f.rid, "code": f.code}
+            fh.write(json.dumps({**row, "message": f.message}) + "\n")
+
+    _write_atomic(path, write, binary=False)
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message with its whitespace collapsed, or its type's name when empty."""
+    return " ".join(str(exc).split()) or type(exc).__name__

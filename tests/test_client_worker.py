@@ -1,0 +1,120 @@
+"""The client library and CLI against a real worker: map, infer, typed errors, status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from harness import direct_run, running_worker, write_config
+
+from producer import AsyncClient, Client
+from producer.cli import main as redbatch
+from producer.errors import InvalidInput, TooLarge
+
+ROOT = Path(__file__).resolve().parents[1]
+RANGE = "[inputs.features]\nmin = -10.0\nmax = 10.0"
+
+
+@pytest.fixture
+def demo_config(tmp_path: Path, redis_url: str) -> Path:
+    return write_config(tmp_path, "demo", redis_url, extra=RANGE)
+
+
+def test_map_over_thousands_of_rows_equals_a_direct_run(
+    demo_config: Path, redis_url: str, tmp_path: Path
+) -> None:
+    x = np.random.default_rng(9).normal(size=(3000, 16)).astype(np.float32)
+    x[1234, 5] = 50.0  # one row out of range
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        chunks = list(client.map({"features": x}, rows_per_request=8, concurrency=32))
+
+    assert [c.start for c in chunks] == list(range(0, 3000, 8))
+    failed = [c for c in chunks if not c.ok]
+    assert [(c.start, c.stop) for c in failed] == [(1232, 1240)]
+    assert failed[0].error.code == "INVALID_INPUT"
+    want = direct_run(tmp_path / "demo.onnx", {"features": x})
+    for c in chunks:
+        if c.ok:
+            np.testing.assert_allclose(
+                c.outputs["probs"], want["probs"][c.start : c.stop], atol=1e-6
+            )
+            np.testing.assert_array_equal(c.outputs["label"], want["label"][c.start : c.stop])
+    assert np.mean([c.result.batch_rows for c in chunks if c.ok]) > 8
+
+
+def test_map_defaults_to_the_workers_row_limit(demo_config: Path, redis_url: str) -> None:
+    x = np.zeros((100, 16), np.float32)
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        chunks = list(client.map({"features": x}))
+    assert [c.stop - c.start for c in chunks] == [32, 32, 32, 4]
+
+
+def test_infer_raises_the_typed_error_from_the_worker(demo_config: Path, redis_url: str) -> None:
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        out = client.infer({"features": np.zeros((2, 16), np.float32)}, timeout_s=10)
+        with pytest.raises(InvalidInput, match=r"input 'features': expected shape \[-1, 16\]"):
+            client.infer({"features": np.zeros((1, 15), np.float32)}, timeout_s=10)
+        with pytest.raises(TooLarge, match="max_batch_size is 32"):
+            client.infer({"features": np.zeros((33, 16), np.float32)}, timeout_s=10)
+    assert out["probs"].shape == (2, 4)
+    assert out["label"].dtype == np.int64
+
+
+def test_async_client_gets_the_same_answers(demo_config: Path, redis_url: str) -> None:
+    x = np.random.default_rng(2).normal(size=(5, 16)).astype(np.float32)
+
+    async def run() -> list[dict[str, np.ndarray]]:
+        async with AsyncClient("demo", redis_url) as client:
+            return await asyncio.gather(
+                *(client.infer({"features": x[i : i + 1]}) for i in range(5))
+            )
+
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        sync = [client.infer({"features": x[i : i + 1]}) for i in range(5)]
+        got = asyncio.run(run())
+    for a, b in zip(sync, got, strict=True):
+        np.testing.assert_array_equal(a["probs"], b["probs"])
+
+
+def test_status_shows_the_live_workers_validation_record(
+    demo_config: Path, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with running_worker(demo_config, name="status-probe"):
+        assert redbatch(["--redis-url", redis_url, "status", "--model", "demo", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert redbatch(["--redis-url", redis_url, "status", "--model", "demo"]) == 0
+        table = capsys.readouterr().out
+    text = json.dumps(doc)
+    assert "status-probe" in text
+    assert "CPUExecutionProvider" in text
+    assert "status-probe" in table
+    assert "features" in table
+
+
+def test_json_logs_are_one_object_per_line(demo_config: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "--config",
+            str(demo_config),
+            "--check",
+            "--log-format",
+            "json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert {"warmup done", "validation record"} <= {line["msg"] for line in lines}
+    assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
