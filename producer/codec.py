@@ -9,6 +9,7 @@ says what is wrong and where. Tensor data is never copied on decode (``numpy.fro
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "ErrorInfo",
     "ModelRef",
     "Reply",
+    "ReplyEncoder",
     "RequestBody",
     "decode_reply",
     "decode_request",
@@ -278,29 +280,126 @@ def pack_meta(meta: Any) -> bytes | None:
 
 def encode_reply(reply: Reply) -> bytes:
     """Encode a reply map; meta bytes are spliced in as they came, never re-encoded."""
-    fields: list[tuple[str, Any]] = [("rid", reply.rid), ("ok", reply.ok)]
-    if reply.ok:
-        outputs = reply.outputs or {}
-        fields.append(("outputs", {name: encode_tensor(a) for name, a in outputs.items()}))
-    else:
-        err = reply.error or ErrorInfo("INTERNAL", "no error detail", True)
-        fields.append(
-            ("error", {"code": err.code, "message": err.message, "retryable": err.retryable})
-        )
-    model = reply.model
-    fields.append(("model", {"name": model.name, "version": model.version, "sha256": model.sha256}))
-    fields.append(("worker", reply.worker))
-    if reply.ok and reply.batch_rows is not None:
-        fields.append(("batch_rows", reply.batch_rows))
-    fields.append(("timings_ms", dict(reply.timings_ms)))
+    return ReplyEncoder(reply.model, reply.worker).encode(
+        reply.rid,
+        outputs=reply.outputs if reply.ok else None,
+        error=None if reply.ok else reply.error or ErrorInfo("INTERNAL", "no detail", True),
+        batch_rows=reply.batch_rows,
+        timings_ms=reply.timings_ms,
+        meta_raw=reply.meta_raw,
+    )
 
-    packer = msgpack.Packer(use_bin_type=True)
-    has_meta = reply.meta_raw is not None
-    parts = [packer.pack_map_header(len(fields) + has_meta)]
-    parts.extend(packer.pack(k) + packer.pack(v) for k, v in fields)
-    if has_meta:
-        parts.append(packer.pack("meta") + bytes(reply.meta_raw or b""))
+
+class ReplyEncoder:
+    """Encodes one worker's replies; the parts replies share are packed once.
+
+    Replies are written field by field from pre-packed pieces: the model and worker maps once
+    per worker, each tensor's header once per (name, dtype, shape), and tensor data goes in as
+    a buffer. A reply costs a few lookups and one join, not building and packing nested maps.
+    """
+
+    _MAX_HEADS = 4096
+
+    def __init__(self, model: ModelRef, worker: str) -> None:
+        model_map = {"name": model.name, "version": model.version, "sha256": model.sha256}
+        self._shared = _KEY["model"] + _packb(model_map) + _KEY["worker"] + _packb(worker)
+        self._heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
+
+    def encode(
+        self,
+        rid: str,
+        *,
+        outputs: Mapping[str, np.ndarray] | None = None,
+        error: ErrorInfo | None = None,
+        batch_rows: int | None = None,
+        timings_ms: Mapping[str, float],
+        meta_raw: bytes | None = None,
+    ) -> bytes:
+        """One reply: ``outputs`` when ok, else ``error``; ``meta_raw`` spliced in verbatim."""
+        ok = error is None
+        with_rows = ok and batch_rows is not None
+        count = 6 + with_rows + (meta_raw is not None)
+        parts: list[bytes | memoryview] = [_map_header(count), _KEY["rid"], _packb(rid), _KEY["ok"]]
+        if ok:
+            tensors = outputs or {}
+            parts += [b"\xc3", _KEY["outputs"], _map_header(len(tensors))]
+            for name, array in tensors.items():
+                parts += self._tensor(name, array)
+        else:
+            assert error is not None
+            detail = {"code": error.code, "message": error.message, "retryable": error.retryable}
+            parts += [b"\xc2", _KEY["error"], _packb(detail)]
+        parts.append(self._shared)
+        if with_rows:
+            parts += [_KEY["batch_rows"], _packb(batch_rows)]
+        parts += [_KEY["timings_ms"], _pack_timings(timings_ms)]
+        if meta_raw is not None:
+            parts += [_KEY["meta"], meta_raw]
+        return b"".join(parts)
+
+    def _tensor(self, name: str, array: Any) -> list[bytes | memoryview]:
+        """The output's name and tensor map; data as a buffer (no copy when contiguous)."""
+        arr = array
+        if not (
+            type(arr) is np.ndarray
+            and arr.flags.c_contiguous
+            and (arr.dtype.kind, arr.dtype.itemsize) in _NAME_OF_KIND
+            and arr.dtype.byteorder in "=<|"
+            and arr.ndim
+        ):
+            wire = encode_tensor(array)
+            arr = np.frombuffer(wire["data"], DTYPES[wire["dtype"]]).reshape(wire["shape"])
+        key = (name, arr.dtype.str, arr.shape)
+        head = self._heads.get(key)
+        if head is None:
+            dtype_name = _NAME_OF_KIND[(arr.dtype.kind, arr.dtype.itemsize)]
+            head = b"".join(
+                [
+                    _packb(name),
+                    b"\x83",
+                    _KEY["dtype"],
+                    _PACKED_DTYPE[dtype_name],
+                    _KEY["shape"],
+                    _packb(list(arr.shape)),
+                    _KEY["data"],
+                ]
+            )
+            if len(self._heads) >= self._MAX_HEADS:
+                self._heads.clear()
+            self._heads[key] = head
+        data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
+        return [head, _bin_header(len(data)), data]
+
+
+def _packb(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+_KEY_NAMES = ("rid", "ok", "outputs", "error", "model", "worker", "batch_rows", "timings_ms")
+_KEY = {k: _packb(k) for k in (*_KEY_NAMES, "meta", "dtype", "shape", "data")}
+_PACKED_DTYPE = {name: _packb(name) for name in DTYPES}
+_FLOAT64 = struct.Struct(">d")
+
+
+def _pack_timings(timings_ms: Mapping[str, float]) -> bytes:
+    """The timings map, byte for byte as msgpack packs it, with floats packed directly."""
+    parts = [_map_header(len(timings_ms))]
+    for key, value in timings_ms.items():
+        parts.append(_packb(key))
+        parts.append(b"\xcb" + _FLOAT64.pack(value) if type(value) is float else _packb(value))
     return b"".join(parts)
+
+
+def _map_header(n: int) -> bytes:
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+
+
+def _bin_header(n: int) -> bytes:
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def decode_reply(raw: bytes) -> Reply:

@@ -150,10 +150,16 @@ def test_reply_ttl_is_the_smaller_of_request_and_worker(scaler, rconn) -> None:
         {"inputs": {"x": _tensor(np.ones((1, 2), np.float32))}, "reply_ttl_s": 60},
         use_bin_type=True,
     )
+    longer = msgpack.packb(
+        {"inputs": {"x": _tensor(np.ones((1, 2), np.float32))}, "reply_ttl_s": 100_000},
+        use_bin_type=True,
+    )
     with running_worker(config):
         rconn.xadd(STREAM, {"rid": "ttl", "body": body})
+        rconn.xadd(STREAM, {"rid": "ttl-longer", "body": longer})
         rconn.xadd(STREAM, {"rid": "ttl-default", "body": CONTRACT_BODY})
         rconn.xadd(STREAM, {"rid": "marker", "body": CONTRACT_BODY})
-        _blpop(rconn, "marker")  # answered in order: the two before it are written too
+        _blpop(rconn, "marker")  # answered in order: the ones before it are written too
     assert 0 < rconn.ttl("redbatch:reply:ttl") <= 60
+    assert 60 < rconn.ttl("redbatch:reply:ttl-longer") <= 3600  # the worker's own is smaller
     assert 60 < rconn.ttl("redbatch:reply:ttl-default") <= 3600

@@ -221,3 +221,29 @@ def test_deadline_in_the_future_runs_and_meta_is_echoed_on_errors_too(multi_io, 
     assert ok.meta == {"k": [1, "v"]}
     assert not err.ok
     assert err.meta == b"\x01\x02"
+
+
+def test_cancelled_request_is_answered_without_running(multi_io, rconn) -> None:
+    rconn.set("redbatch:cancel:changed-mind", 1, ex=60)
+    with running_worker(multi_io):
+        send(rconn, "multi_io", "changed-mind", _ok_inputs(), meta="m")
+        send(rconn, "multi_io", "kept", _ok_inputs())
+        cancelled = wait_reply(rconn, "changed-mind")
+        kept = wait_reply(rconn, "kept")
+    assert cancelled.error is not None
+    assert cancelled.error.code == "CANCELLED"
+    assert cancelled.meta == "m"
+    assert kept.ok
+    assert stream_is_empty(rconn, "multi_io")
+
+
+def test_entry_with_thousands_of_fields_and_no_rid_is_dead_lettered(multi_io, rconn) -> None:
+    fields = {f"f{i}": b"x" for i in range(4000)}
+    with running_worker(multi_io):
+        rconn.xadd("redbatch:{multi_io}:requests", fields)
+        send(rconn, "multi_io", "after-odd", _ok_inputs())
+        assert wait_reply(rconn, "after-odd").ok
+    [(_, dead)] = rconn.xrange("redbatch:{multi_io}:dead")
+    assert dead[b"reason"] == b"entry has no 'rid' field"
+    assert len(dead) == 65  # the first 64 fields, then the reason
+    assert stream_is_empty(rconn, "multi_io")

@@ -127,3 +127,15 @@ def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, 
     assert done.returncode == 0, done.stderr
     assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
     assert stream_is_empty(rconn, "demo")
+
+
+def test_worker_survives_flushall_and_serves_again(tmp_path: Path, redis_url: str, rconn) -> None:
+    config = write_config(tmp_path, "demo", redis_url)
+    x = np.zeros((1, 16), np.float32)
+    with running_worker(config) as worker:
+        send(rconn, "demo", "before-flush", {"features": x})
+        assert wait_reply(rconn, "before-flush").ok
+        rconn.flushall()  # the group and the stream are gone under the worker's blocked read
+        send(rconn, "demo", "after-flush", {"features": x})
+        assert wait_reply(rconn, "after-flush").ok
+        assert worker.intake.is_alive()

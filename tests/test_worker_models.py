@@ -118,6 +118,19 @@ def test_fixed_batch_model_is_padded_and_sliced(tmp_path: Path, redis_url: str, 
     np.testing.assert_array_equal(reply.outputs["y"], np.maximum(x, 0))
 
 
+def test_rows_not_requests_fill_a_batch(tmp_path: Path, redis_url: str, rconn) -> None:
+    # Given four requests of 10 rows each in one window, at max_batch_size 32
+    config = write_config(tmp_path, "free_dim", redis_url, batching=SLOW_WINDOW)
+    requests = [(f"ten-{i}", {"x": np.full((10, 2), float(i), np.float32)}) for i in range(4)]
+    with running_worker(config):
+        _send_all(rconn, "free_dim", requests)
+        replies = [wait_reply(rconn, rid) for rid, _ in requests]
+    # Then three ran together (30 rows) and the fourth, which would make 40, ran next
+    assert [r.batch_rows for r in replies] == [30, 30, 30, 10]
+    for (_, inputs), reply in zip(requests, replies, strict=True):
+        np.testing.assert_array_equal(reply.outputs["doubled"], inputs["x"] * 2)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_multi_row_requests_count_rows_toward_the_batch(
     tmp_path: Path, redis_url: str, rconn, rows: int

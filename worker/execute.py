@@ -17,8 +17,9 @@ import numpy as np
 from worker.errors import Rejected
 from worker.intake import WorkItem
 from worker.model import Model
+from worker.schema import Schema
 
-__all__ = ["Outcome", "run_isolated"]
+__all__ = ["Outcome", "run_batch", "run_isolated"]
 
 
 @dataclass(slots=True)
@@ -36,21 +37,47 @@ class _RunFailed(Exception):
     """Raised when a run raised, or returned outputs whose rows do not match the batch."""
 
 
+def run_batch(
+    model: Model,
+    schema: Schema,
+    items: Sequence[WorkItem],
+    output_names: list[str],
+    on_run: Callable[[int, float], None] | None = None,
+) -> list[Outcome]:
+    """Screen the values of a sub-batch (equal non-batch shapes), then run it isolated.
+
+    Requests with a bad value are answered INVALID_INPUT and taken out before the run, so they
+    never reach the runtime; the batch is assembled once unless one was taken out.
+    """
+    requests = [item.request for item in items if item.request is not None]
+    feeds = _concat(items)
+    rejected = schema.screen(feeds, requests)
+    if not rejected:
+        return run_isolated(model, items, output_names, schema.fixed_batch, on_run, feeds)
+    outcomes = [Outcome(items[i], None, error, 0, 0.0) for i, error in rejected.items()]
+    rest = [item for i, item in enumerate(items) if i not in rejected]
+    if rest:
+        outcomes += run_isolated(model, rest, output_names, schema.fixed_batch, on_run)
+    return outcomes
+
+
 def run_isolated(
     model: Model,
     items: Sequence[WorkItem],
     output_names: list[str],
     fixed_batch: int | None = None,
     on_run: Callable[[int, float], None] | None = None,
+    feeds: dict[str, np.ndarray] | None = None,
 ) -> list[Outcome]:
     """Run ``items`` (equal non-batch shapes) as one batch, bisecting on failure.
 
+    ``feeds`` are the items' inputs already concatenated, when the caller has them.
     ``on_run(rows, seconds)`` is called for every successful model run, for metrics.
     """
     started = time.perf_counter()
     rows = sum(item.rows for item in items)
     try:
-        outputs = _run(model, items, rows, output_names, fixed_batch)
+        outputs = _run(model, feeds or _concat(items), rows, output_names, fixed_batch)
     except _RunFailed as exc:
         if len(items) == 1:
             elapsed = (time.perf_counter() - started) * 1000.0
@@ -69,12 +96,13 @@ def run_isolated(
 
 def _run(
     model: Model,
-    items: Sequence[WorkItem],
+    feeds: dict[str, np.ndarray],
     rows: int,
     output_names: list[str],
     fixed_batch: int | None,
 ) -> list[np.ndarray]:
-    feeds = _assemble(items, fixed_batch)
+    if fixed_batch and rows < fixed_batch:
+        feeds = {name: _pad(arr, fixed_batch) for name, arr in feeds.items()}
     try:
         outputs = model.run(feeds, output_names)
     except Exception as exc:  # the runtime raises untyped errors; their text is the message
@@ -90,18 +118,20 @@ def _run(
     return [out[:rows] for out in outputs]
 
 
-def _assemble(items: Sequence[WorkItem], fixed_batch: int | None) -> dict[str, np.ndarray]:
-    """Concatenate the items' inputs (one copy), padding to a fixed batch by repeating row 0."""
-    first = items[0].request
-    assert first is not None
-    feeds = {}
-    for name in first.inputs:
-        parts = [item.request.inputs[name] for item in items if item.request is not None]
-        rows = sum(p.shape[0] for p in parts)
-        if fixed_batch and rows < fixed_batch:
-            parts.append(np.repeat(parts[0][:1], fixed_batch - rows, axis=0))
-        feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    return feeds
+def _concat(items: Sequence[WorkItem]) -> dict[str, np.ndarray]:
+    """Each input of the items, concatenated in order: the batch's one copy."""
+    requests = [item.request for item in items if item.request is not None]
+    return {
+        name: requests[0].inputs[name]
+        if len(requests) == 1
+        else np.concatenate([r.inputs[name] for r in requests])
+        for name in requests[0].inputs
+    }
+
+
+def _pad(arr: np.ndarray, rows: int) -> np.ndarray:
+    """Fill a fixed-batch model's unused rows by repeating the first row (always valid input)."""
+    return np.concatenate([arr, np.repeat(arr[:1], rows - arr.shape[0], axis=0)])
 
 
 def _split(

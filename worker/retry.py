@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
 __all__ = ["TRANSIENT", "Outage"]
 
@@ -18,6 +18,13 @@ T = TypeVar("T")
 
 #: Errors that mean "Redis is unreachable right now", worth retrying.
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
+def _transient(exc: BaseException) -> bool:
+    """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry."""
+    if isinstance(exc, TRANSIENT):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("OOM", "BUSY"))
 
 
 class Outage:
@@ -34,7 +41,7 @@ class Outage:
 
     def call(self, fn: Callable[[], T]) -> T:
         retrying = Retrying(
-            retry=retry_if_exception_type(TRANSIENT),
+            retry=retry_if_exception(_transient),
             wait=wait_exponential_jitter(multiplier=0.05, max=self.max_wait_s, jitter=0.1),
             stop=self._should_stop,
             before_sleep=self._note_down,

@@ -69,11 +69,21 @@ class Schema:
         }
         self.outputs = {s.name: s for s in outputs}
         self.output_names = tuple(self.outputs)
+        self._value_checked = [
+            (name, rule)
+            for name, rule in self.inputs.items()
+            if rule.min is not None
+            or rule.max is not None
+            or (rule.is_float and rule.reject_non_finite)
+        ]
 
     # -- per request ------------------------------------------------------------------------
 
     def validate(self, body: RequestBody) -> ValidRequest:
-        """Return the request ready to batch, or raise Rejected with the exact reason."""
+        """Check names, dtypes, shapes, rows and outputs; raise Rejected with the exact reason.
+
+        Values (ranges, NaN and infinity) are checked per batch by ``screen``, before the run.
+        """
         self._check_names(body.inputs)
         rows = self._check_rows(body.inputs)
         symbols: dict[str, tuple[str, int]] = {}
@@ -81,7 +91,6 @@ class Schema:
         for name, rule in self.inputs.items():
             arr = body.inputs[name]
             _check_dtype_and_shape(rule, arr, symbols)
-            _check_values(rule, arr)
             ordered[name] = arr
         outputs = self._check_outputs(body.outputs)
         signature = tuple(a.shape[1:] for a in ordered.values())
@@ -139,6 +148,31 @@ class Schema:
                     f"unknown output {name!r}; the model has {', '.join(self.output_names)}.",
                 )
         return tuple(dict.fromkeys(wanted))
+
+    def screen(
+        self, feeds: Mapping[str, np.ndarray], requests: Sequence[ValidRequest]
+    ) -> dict[int, Rejected]:
+        """Check the values of a batch about to run; returns rejections by request index.
+
+        ``feeds`` are the requests' inputs concatenated in order. One vectorised pass over the
+        whole batch settles the common case where every value is fine; only when it finds a bad
+        value are the requests checked one by one, for their own exact messages.
+        """
+        try:
+            for name, rule in self._value_checked:
+                _check_values(rule, feeds[name])
+        except Rejected:
+            pass
+        else:
+            return {}
+        rejected = {}
+        for index, request in enumerate(requests):
+            try:
+                for name, rule in self._value_checked:
+                    _check_values(rule, request.inputs[name])
+            except Rejected as exc:
+                rejected[index] = exc
+        return rejected
 
     # -- warmup data --------------------------------------------------------------------------
 

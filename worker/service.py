@@ -17,11 +17,11 @@ from typing import Any
 
 import redis
 
-from producer.codec import ErrorInfo, ModelRef, Reply, encode_reply
+from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
 from worker.batcher import Batcher
 from worker.config import WorkerConfig
 from worker.errors import Rejected, WorkerError
-from worker.execute import Outcome, run_isolated
+from worker.execute import Outcome, run_batch
 from worker.intake import Intake, WorkItem
 from worker.metrics import Metrics
 from worker.model import OnnxModel, read_model_file
@@ -30,6 +30,7 @@ from worker.retry import Outage
 from worker.schema import Schema
 from worker.stream import Finish, RequestStream
 from worker.warmup import warm_up
+from worker.writer import Batch, ReplyWriter
 
 __all__ = ["Prepared", "Worker", "prepare"]
 
@@ -93,7 +94,9 @@ class Worker:
             self.stop,
             read_count=cfg.batching.max_batch_size,
         )
-        self._writes = Outage("writing replies", give_up=self.hard_stop)
+        self.writer = ReplyWriter(self.stream, self.hard_stop, self._written, self.stop.set)
+        self._encoder = ReplyEncoder(self.model_ref, self.name)
+        self._reads = Outage("checking cancel keys", give_up=self.hard_stop)
         self.served = {"requests": 0, "batches": 0}
         self.metrics = metrics or Metrics()
         self.metrics.describe(prepared.record)
@@ -106,11 +109,14 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stopped (or, in burst mode, until the stream is drained)."""
-        Outage("creating the consumer group", give_up=self.stop).call(self.stream.ensure_group)
-        self.registry.beat()
+        starting = Outage("starting up", give_up=self.stop)
+        starting.call(self.stream.ensure_group)
+        starting.call(self.registry.beat)
         self.registry.start()
+        self.writer.start()
         self.intake.start()
         self.ready.set()
+        self.metrics.ready.set(1)
         log.info("ready", extra={"fields": {"worker": self.name, "stream": self.stream.key}})
         try:
             while not self.stop.is_set():
@@ -121,21 +127,33 @@ class Worker:
                     break
         finally:
             self.ready.clear()
+            self.metrics.ready.set(0)
             self._drain()
-        if self.intake.failure is not None:
-            raise WorkerError(f"intake failed: {self.intake.failure}") from self.intake.failure
+        for part, failure in (("intake", self.intake.failure), ("writer", self.writer.failure)):
+            if failure is not None:
+                raise WorkerError(f"{part} failed: {failure}") from failure
 
     def _drained(self) -> bool:
-        return self.intake.idle.is_set() and self.queue.empty() and not self.batcher.holding
+        return (
+            self.intake.idle.is_set()
+            and self.queue.empty()
+            and not self.batcher.holding
+            and self.writer.idle()
+        )
 
     def _drain(self) -> None:
         """Stop reading, then batch, run and answer every entry already read."""
         self.stop.set()
         self.registry.update(state="draining")
-        while self.intake.is_alive() or not self.queue.empty() or self.batcher.holding:
+        while self.writer.failure is None and (
+            self.intake.is_alive() or not self.queue.empty() or self.batcher.holding
+        ):
             batch = self.batcher.next_batch(0.05)
             if batch:
                 self.process(batch)
+        if self.writer.failure is not None:
+            return  # what is left stays pending in Redis; run() raises the writer's error
+        self.writer.close()
         self.registry.join(timeout=1.0)
         self.registry.remove()
         log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
@@ -143,7 +161,8 @@ class Worker:
     # -- one batch --------------------------------------------------------------------------
 
     def process(self, batch: Sequence[WorkItem]) -> None:
-        """Answer every item of the batch: run the valid ones, reply to all, in one write."""
+        """Answer every item of the batch: run the valid ones, then hand all replies to the
+        writer, which finishes the batch in one round trip while the next one runs."""
         started_ms = time.time() * 1000.0
         runs: list[tuple[int, float]] = []
         try:
@@ -152,16 +171,25 @@ class Worker:
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
-        t0 = time.perf_counter()
-        self._writes.call(lambda: self.stream.finish(finishes))
-        self.metrics.batch_done(
-            codes=[f.code for f in finishes],
-            queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
-            decode_s=[item.decode_ms / 1000.0 for item in batch],
-            runs=runs,
-            write_s=time.perf_counter() - t0,
+        self.writer.submit(
+            Batch(
+                finishes,
+                queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
+                decode_s=[item.decode_ms / 1000.0 for item in batch],
+                runs=runs,
+            )
         )
-        self.served["requests"] += len(batch)
+
+    def _written(self, batch: Batch, write_s: float) -> None:
+        """Called on the writer's thread once a batch is in Redis."""
+        self.metrics.batch_done(
+            codes=[f.code for f in batch.finishes],
+            queued_s=batch.queued_s,
+            decode_s=batch.decode_s,
+            runs=batch.runs,
+            write_s=write_s,
+        )
+        self.served["requests"] += len(batch.finishes)
         self.served["batches"] += 1
         self.registry.update(served=dict(self.served))
 
@@ -176,6 +204,7 @@ class Worker:
                 finishes.append(self._failure(item, error, started_ms))
             else:
                 runnable.append(item)
+        runnable = self._without_cancelled(runnable, finishes, started_ms)
         for group in _by_signature(runnable):
             live = []
             for item in group:  # deadlines again, just before the run
@@ -185,15 +214,29 @@ class Worker:
                 else:
                     live.append(item)
             if live:
-                outcomes = run_isolated(
+                outcomes = run_batch(
                     self.model,
+                    self.schema,
                     live,
                     self._output_names(live),
-                    self.schema.fixed_batch,
                     on_run=lambda rows, seconds: runs.append((rows, seconds)),
                 )
                 finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
         return finishes
+
+    def _without_cancelled(
+        self, items: list[WorkItem], finishes: list[Finish], started_ms: float
+    ) -> list[WorkItem]:
+        """Answer CANCELLED for requests whose cancel key exists as the batch is formed."""
+        rids = [item.rid for item in items if item.rid is not None]
+        cancelled = self._reads.call(lambda: self.stream.cancelled(rids))
+        if not cancelled:
+            return items
+        error = Rejected("CANCELLED", "the request was cancelled (its cancel key was set).")
+        finishes.extend(
+            self._failure(item, error, started_ms) for item in items if item.rid in cancelled
+        )
+        return [item for item in items if item.rid not in cancelled]
 
     def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
         wanted = {n for item in items if item.request is not None for n in item.request.outputs}
@@ -202,10 +245,11 @@ class Worker:
     def _success_or_failure(self, outcome: Outcome, started_ms: float) -> Finish:
         item = outcome.item
         if outcome.error is not None:
-            log.warning(
-                "request failed in the runtime",
-                extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
-            )
+            if outcome.error.code == "INFERENCE_FAILED":
+                log.warning(
+                    "request failed in the runtime",
+                    extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
+                )
             return self._failure(item, outcome.error, started_ms, outcome.inference_ms)
         reply = self._reply(
             item, started_ms, outcome.inference_ms, outputs=outcome.outputs, rows=outcome.batch_rows
@@ -245,18 +289,13 @@ class Worker:
             "queued": round(max(started_ms - item.entry.id_ms, 0.0), 3),
             "inference": round(inference_ms, 3),
         }
-        return encode_reply(
-            Reply(
-                rid=item.rid,
-                ok=error is None,
-                model=self.model_ref,
-                worker=self.name,
-                timings_ms=timings,
-                outputs=outputs,
-                error=error,
-                batch_rows=rows,
-                meta_raw=item.meta_raw,
-            )
+        return self._encoder.encode(
+            item.rid,
+            outputs=outputs,
+            error=error,
+            batch_rows=rows,
+            timings_ms=timings,
+            meta_raw=item.meta_raw,
         )
 
     def _ttl(self, item: WorkItem) -> int:

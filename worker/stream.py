@@ -1,9 +1,10 @@
 """Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
 
 The finish step is one Lua script per batch: for each entry still pending on this consumer it
-writes the reply (only if none exists), copies dead letters, acknowledges and deletes. One round
-trip, atomic, and fenced: an entry that another consumer has claimed is left to that consumer, so
-a request never gets two different replies. (On Redis 8.2, XACKDEL could replace XACK + XDEL.)
+copies dead letters (their first 64 fields plus ``reason``), writes the reply (only if none
+exists), acknowledges and deletes. One round trip, atomic, and fenced: an entry that another
+consumer has claimed is left to that consumer, so a request never gets two different replies.
+(On Redis 8.2, XACKDEL could replace XACK + XDEL.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, dead_key, reply_key, request_stream
+from producer.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
 
 __all__ = ["Finish", "RawEntry", "RequestStream"]
 
@@ -29,15 +30,24 @@ for i = 0, n - 1 do
   local base = 4 + i * 5
   local id, ri, ttl, payload, reason =
     ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
-  local pending = redis.call('XPENDING', stream, group, id, id, 1)
-  if pending[1] and pending[1][2] == me then
+  -- pcall: after FLUSHALL or a restart without persistence the group is gone (NOGROUP).
+  local pending = redis.pcall('XPENDING', stream, group, id, id, 1)
+  if type(pending) == 'table' and pending[1] and pending[1][2] == me then
     if reason ~= '' then
       local entry = redis.call('XRANGE', stream, id, id)
-      local fields = {}
-      if entry[1] then fields = entry[1][2] end
-      table.insert(fields, 'reason')
-      table.insert(fields, reason)
-      redis.call('XADD', dead, '*', unpack(fields))
+      local copy = {}
+      if entry[1] then
+        local fields = entry[1][2]
+        for j = 1, math.min(#fields, 128), 2 do
+          if fields[j] ~= 'reason' then
+            table.insert(copy, fields[j])
+            table.insert(copy, fields[j + 1])
+          end
+        end
+      end
+      table.insert(copy, 'reason')
+      table.insert(copy, reason)
+      redis.call('XADD', dead, '*', unpack(copy))
     end
     if ri > 0 and redis.call('EXISTS', KEYS[2 + ri]) == 0 then
       redis.call('RPUSH', KEYS[2 + ri], payload)
@@ -104,10 +114,11 @@ class RequestStream:
                 CONSUMER_GROUP, self.consumer, {self.key: ">"}, count=count, block=block_ms
             )
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            # NOGROUP: the group is gone; UNBLOCKED: the stream was deleted under a blocked read.
+            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             log.warning(
-                "consumer group missing on %s (Redis restarted or flushed); recreating it",
+                "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
                 self.key,
             )
             self.ensure_group()
@@ -116,6 +127,13 @@ class RequestStream:
             return []
         _, entries = reply[0]
         return [RawEntry(eid, fields) for eid, fields in entries if fields is not None]
+
+    def cancelled(self, rids: Sequence[str]) -> set[str]:
+        """The request ids whose cancel key exists: one MGET for the whole batch."""
+        if not rids:
+            return set()
+        values = self.client.mget([cancel_key(self.prefix, rid) for rid in rids])
+        return {rid for rid, value in zip(rids, values, strict=True) if value is not None}
 
     def finish(self, items: Sequence[Finish]) -> int:
         """Reply, dead-letter, ack and delete in one script call; returns entries finished."""
@@ -138,7 +156,8 @@ class RequestStream:
         done = int(self._finish(keys=keys, args=args))
         if done < len(items):
             log.warning(
-                "%d of %d entries were no longer pending on %s; another worker owns them",
+                "%d of %d entries were no longer pending on %s (claimed by another worker, or "
+                "the stream was flushed); their replies were not written",
                 len(items) - done,
                 len(items),
                 self.consumer,

@@ -1,0 +1,95 @@
+"""The reply writer: finishes batches in Redis on its own thread.
+
+Writing a batch's replies is one round trip that mostly waits on Redis; on this thread it
+overlaps with the next batch's inference instead of delaying it. The queue holds at most two
+batches, so a slow Redis slows the worker down rather than letting answers pile up in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from worker.errors import WorkerError
+from worker.retry import Outage
+from worker.stream import Finish, RequestStream
+
+__all__ = ["Batch", "ReplyWriter"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch's finish steps, with what metrics want to know once it is written."""
+
+    finishes: Sequence[Finish]
+    queued_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    runs: list[tuple[int, float]] = field(default_factory=list)
+
+
+class ReplyWriter(threading.Thread):
+    """Takes finished batches and writes them, retrying through Redis outages."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        give_up: threading.Event,
+        on_written: Callable[[Batch, float], None],
+        on_failure: Callable[[], None],
+        depth: int = 2,
+    ) -> None:
+        super().__init__(name="redbatch-writer", daemon=True)
+        self.stream = stream
+        self.on_written = on_written
+        self.on_failure = on_failure
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
+        self._outage = Outage("writing replies", give_up=give_up)
+        self.failure: BaseException | None = None
+
+    def submit(self, batch: Batch) -> None:
+        """Queue a batch for writing; blocks while two batches already wait."""
+        self._put(batch)
+
+    def idle(self) -> bool:
+        """True when every submitted batch has been written."""
+        return self._queue.unfinished_tasks == 0
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        if self.is_alive():
+            self._put(None)
+            self.join()
+
+    def _put(self, item: Batch | None) -> None:
+        while True:
+            if self.failure is not None:
+                raise WorkerError(f"the reply writer stopped: {self.failure}") from self.failure
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                started = time.perf_counter()
+                self._outage.call(functools.partial(self.stream.finish, batch.finishes))
+                self.on_written(batch, time.perf_counter() - started)
+            except BaseException as exc:  # surfaced by the service, which stops the worker
+                self.failure = exc
+                log.exception("reply writer stopped; the unwritten entries stay pending")
+                self.on_failure()
+                return
+            finally:
+                self._queue.task_done()
