@@ -108,3 +108,39 @@ def test_empty_queue_returns_nothing_after_the_timeout() -> None:
     batcher, _, t = _batcher()
     assert batcher.next_batch(0.25) == []
     assert t.mono == 0.25
+
+
+def test_lone_requests_stop_paying_for_the_window_once_waiting_brings_nothing() -> None:
+    # Given one caller that sends the next request only after each answer
+    batcher, q, t = _batcher(max_rows=8, max_wait_ms=10.0)
+    spent = []
+    for i in range(6):
+        q.put(_item(i, 1, t.wall_ms()))
+        before = t.mono
+        assert len(batcher.next_batch(1.0)) == 1
+        spent.append(round((t.mono - before) * 1000.0, 6))
+    # Then the first batches wait out the window, and once waiting has shown no gain, none do
+    assert spent[:3] == [10.0, 10.0, 10.0]
+    assert spent[3:] == [0.0, 0.0, 0.0]
+
+
+def test_every_sixteenth_batch_still_waits_to_notice_more_traffic() -> None:
+    batcher, q, t = _batcher(max_rows=8, max_wait_ms=10.0)
+    waits = 0
+    for i in range(3 + 32):
+        q.put(_item(i, 1, t.wall_ms()))
+        before = t.mono
+        batcher.next_batch(1.0)
+        waits += t.mono > before
+    assert waits == 3 + 2  # the three that taught it, then one probe in each 16
+
+
+def test_fixed_window_when_adaptive_waiting_is_off() -> None:
+    t = FakeTime()
+    q = TimedQueue(t)
+    batcher = Batcher(q, 8, 10.0, clock=t.clock, wall_ms=t.wall_ms, adaptive=False)
+    for i in range(6):
+        q.put(_item(i, 1, t.wall_ms()))
+        before = t.mono
+        batcher.next_batch(1.0)
+        assert round((t.mono - before) * 1000.0, 6) == 10.0

@@ -4,6 +4,11 @@ The window is kept on this process's monotonic clock, not on Redis blocking time
 100 ms floor (FACTS.md). It opens when the oldest gathered request was enqueued (its stream id
 time), so a request that already waited in the stream does not wait again; with a backlog the
 batch fills at once and never waits.
+
+Waiting is adaptive: the batcher keeps an average of how many requests arrived while a batch
+waited. When waiting stops paying (a trickle, or one caller waiting on each answer before it
+sends the next) it closes batches at once, so a lone request costs the model's own time, not the
+window; every 16th batch still waits, to notice when traffic picks up.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from worker.intake import WorkItem
 
 __all__ = ["Batcher"]
 
+_GAIN_WEIGHT = 0.25  # weight of the newest batch in the moving average
+_MIN_GAIN = 0.5  # below this many requests gained per wait, waiting is not worth it
+_PROBE_EVERY = 16
+
 
 class Batcher:
     """Takes WorkItems from the intake queue and hands out batches of at most ``max_rows`` rows."""
@@ -27,13 +36,17 @@ class Batcher:
         max_wait_ms: float,
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], float] = lambda: time.time() * 1000.0,
+        adaptive: bool = True,
     ) -> None:
         self.source = source
         self.max_rows = max_rows
         self.max_wait_ms = max_wait_ms
         self.clock = clock
         self.wall_ms = wall_ms
+        self.adaptive = adaptive
         self._held: WorkItem | None = None
+        self._gain = 1.0  # moving average of requests gained per batch that waited
+        self._skips = 0
 
     @property
     def holding(self) -> bool:
@@ -47,11 +60,18 @@ class Batcher:
             return []
         batch, rows = [first], first.rows
         deadline = self._deadline(first) if rows else None
+        waited, gained = False, 0
         while rows < self.max_rows:
-            wait_s = 0.0 if deadline is None else deadline - self.clock()
-            item = self._take(wait_s)
+            item = self._take(0.0)
             if item is None:
-                break
+                wait_s = 0.0 if deadline is None else deadline - self.clock()
+                if wait_s <= 0 or not self._worth_waiting():
+                    break
+                waited = True
+                item = self._take(wait_s)
+                if item is None:
+                    break
+                gained += 1
             if rows + item.rows > self.max_rows:
                 self._held = item
                 break
@@ -59,7 +79,19 @@ class Batcher:
             rows += item.rows
             if deadline is None and item.rows:
                 deadline = self._deadline(item)
+        if waited:
+            self._gain += _GAIN_WEIGHT * (gained - self._gain)
         return batch
+
+    def _worth_waiting(self) -> bool:
+        """Wait while waiting has been bringing requests; otherwise probe now and then."""
+        if not self.adaptive or self._gain >= _MIN_GAIN:
+            return True
+        self._skips += 1
+        if self._skips >= _PROBE_EVERY:
+            self._skips = 0
+            return True
+        return False
 
     def _deadline(self, oldest: WorkItem) -> float:
         """Monotonic time at which the window opened by ``oldest`` closes."""

@@ -72,6 +72,7 @@ class ModelConfig:
 class BatchingConfig:
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
+    adaptive_wait: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +251,11 @@ def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:
 
 
 def _batching(t: _Table) -> BatchingConfig:
-    t.check_keys({"max_batch_size", "max_wait_ms"})
+    t.check_keys({"max_batch_size", "max_wait_ms", "adaptive_wait"})
     return BatchingConfig(
         max_batch_size=t.get_int("max_batch_size", 32, minimum=1, maximum=1_000_000),
         max_wait_ms=t.get_number("max_wait_ms", 5.0, minimum=0.0, maximum=60_000.0),
+        adaptive_wait=t.get_bool("adaptive_wait", True),
     )
 
 

@@ -80,6 +80,7 @@ def build_record(
         "batching": {
             "max_batch_size": config.batching.max_batch_size,
             "max_wait_ms": config.batching.max_wait_ms,
+            "adaptive_wait": config.batching.adaptive_wait,
             "fixed_batch": schema.fixed_batch,
         },
         "limits": {"max_request_bytes": config.limits.max_request_bytes},

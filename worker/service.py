@@ -85,7 +85,12 @@ class Worker:
         self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
         self.registry = Registry(client, cfg.redis.prefix, prepared.record, self.stop)
         self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=2 * cfg.batching.max_batch_size)
-        self.batcher = Batcher(self.queue, cfg.batching.max_batch_size, cfg.batching.max_wait_ms)
+        self.batcher = Batcher(
+            self.queue,
+            cfg.batching.max_batch_size,
+            cfg.batching.max_wait_ms,
+            adaptive=cfg.batching.adaptive_wait,
+        )
         self.intake = Intake(
             self.stream,
             self.schema,
