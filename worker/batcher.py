@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 
 from worker.intake import WorkItem
@@ -27,11 +28,15 @@ _PROBE_EVERY = 16
 
 
 class Batcher:
-    """Takes WorkItems from the intake queue and hands out batches of at most ``max_rows`` rows."""
+    """Takes WorkItems from the intake queue and hands out batches of at most ``max_rows`` rows.
+
+    Intake hands items over a read at a time (a list per XREADGROUP), which keeps the lock and
+    thread hand-offs per batch rather than per request.
+    """
 
     def __init__(
         self,
-        source: queue.Queue[WorkItem],
+        source: queue.Queue[list[WorkItem]],
         max_rows: int,
         max_wait_ms: float,
         clock: Callable[[], float] = time.monotonic,
@@ -44,14 +49,14 @@ class Batcher:
         self.clock = clock
         self.wall_ms = wall_ms
         self.adaptive = adaptive
-        self._held: WorkItem | None = None
+        self._buffer: deque[WorkItem] = deque()
         self._gain = 1.0  # moving average of requests gained per batch that waited
         self._skips = 0
 
     @property
     def holding(self) -> bool:
-        """True while an item that did not fit the last batch waits for the next one."""
-        return self._held is not None
+        """True while items taken from intake wait for a batch."""
+        return bool(self._buffer)
 
     def next_batch(self, timeout_s: float) -> list[WorkItem]:
         """Block up to ``timeout_s`` for a first item, then gather; [] when none came."""
@@ -73,7 +78,7 @@ class Batcher:
                     break
                 gained += 1
             if rows + item.rows > self.max_rows:
-                self._held = item
+                self._buffer.appendleft(item)  # first in line for the next batch
                 break
             batch.append(item)
             rows += item.rows
@@ -99,12 +104,12 @@ class Batcher:
         return self.clock() + (self.max_wait_ms - age_ms) / 1000.0
 
     def _take(self, timeout_s: float) -> WorkItem | None:
-        if self._held is not None:
-            item, self._held = self._held, None
-            return item
-        try:
-            if timeout_s <= 0:
-                return self.source.get_nowait()
-            return self.source.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        if not self._buffer:
+            try:
+                if timeout_s <= 0:
+                    self._buffer.extend(self.source.get_nowait())
+                else:
+                    self._buffer.extend(self.source.get(timeout=timeout_s))
+            except queue.Empty:
+                return None
+        return self._buffer.popleft() if self._buffer else None

@@ -85,14 +85,14 @@ def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
 
 
 class Intake(threading.Thread):
-    """The reading thread: stream -> admit -> bounded queue, until ``stop`` is set."""
+    """The reading thread: stream -> admit -> bounded queue (a list per read), until ``stop``."""
 
     def __init__(
         self,
         stream: RequestStream,
         schema: Schema,
         max_request_bytes: int,
-        out: queue.Queue[WorkItem],
+        out: queue.Queue[list[WorkItem]],
         stop: threading.Event,
         read_count: int,
         block_ms: int = 500,
@@ -117,13 +117,31 @@ class Intake(threading.Thread):
                     self.idle.set()
                     continue
                 self.idle.clear()
-                for entry in entries:
-                    # Entries already read are ours: hand every one over, even while stopping.
-                    self.out.put(admit(entry, self.schema, self.max_request_bytes))
+                items = [admit(e, self.schema, self.max_request_bytes) for e in entries]
+                self._mark_cancelled(items)
+                # Entries already read are ours: hand every one over, even while stopping.
+                self.out.put(items)
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _mark_cancelled(self, items: list[WorkItem]) -> None:
+        """Reject requests whose cancel key exists: one MGET per read, off the main thread."""
+        runnable = [item for item in items if item.request is not None and item.rid is not None]
+        rids = [item.rid for item in runnable if item.rid is not None]
+        try:
+            cancelled = self._outage.call(lambda: self.stream.cancelled(rids))
+        except Exception:
+            if not self.stop.is_set():
+                raise
+            cancelled = set()  # stopping during an outage: run them rather than drop them
+        for item in runnable:
+            if item.rid in cancelled:
+                item.request = None
+                item.rejection = Rejected(
+                    "CANCELLED", "the request was cancelled (its cancel key was set)."
+                )
 
     def _read(self) -> list[RawEntry]:
         try:

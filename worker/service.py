@@ -84,7 +84,8 @@ class Worker:
         self.ready = threading.Event()  # set once the worker reads from the stream
         self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
         self.registry = Registry(client, cfg.redis.prefix, prepared.record, self.stop)
-        self.queue: queue.Queue[WorkItem] = queue.Queue(maxsize=2 * cfg.batching.max_batch_size)
+        # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
+        self.queue: queue.Queue[list[WorkItem]] = queue.Queue(maxsize=2)
         self.batcher = Batcher(
             self.queue,
             cfg.batching.max_batch_size,
@@ -101,7 +102,6 @@ class Worker:
         )
         self.writer = ReplyWriter(self.stream, self.hard_stop, self._written, self.stop.set)
         self._encoder = ReplyEncoder(self.model_ref, self.name)
-        self._reads = Outage("checking cancel keys", give_up=self.hard_stop)
         self.served = {"requests": 0, "batches": 0}
         self.metrics = metrics or Metrics()
         self.metrics.describe(prepared.record)
@@ -209,7 +209,6 @@ class Worker:
                 finishes.append(self._failure(item, error, started_ms))
             else:
                 runnable.append(item)
-        runnable = self._without_cancelled(runnable, finishes, started_ms)
         for group in _by_signature(runnable):
             live = []
             for item in group:  # deadlines again, just before the run
@@ -228,20 +227,6 @@ class Worker:
                 )
                 finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
         return finishes
-
-    def _without_cancelled(
-        self, items: list[WorkItem], finishes: list[Finish], started_ms: float
-    ) -> list[WorkItem]:
-        """Answer CANCELLED for requests whose cancel key exists as the batch is formed."""
-        rids = [item.rid for item in items if item.rid is not None]
-        cancelled = self._reads.call(lambda: self.stream.cancelled(rids))
-        if not cancelled:
-            return items
-        error = Rejected("CANCELLED", "the request was cancelled (its cancel key was set).")
-        finishes.extend(
-            self._failure(item, error, started_ms) for item in items if item.rid in cancelled
-        )
-        return [item for item in items if item.rid not in cancelled]
 
     def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
         wanted = {n for item in items if item.request is not None for n in item.request.outputs}
