@@ -46,8 +46,13 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
                 send(rconn, "demo", f"ok{i}", {"features": good})
             for i in range(3):
                 send(rconn, "demo", f"bad{i}", {"features": bad})
+            rconn.xadd("redbatch:{demo}:requests", {"rid": "bad id!", "body": b""})
             for rid in [*(f"ok{i}" for i in range(6)), *(f"bad{i}" for i in range(3))]:
                 wait_reply(rconn, rid)
+            worker.stop.set()  # stop reading, so the next entry stays in the stream
+            worker.intake.join()
+            rconn.xadd("redbatch:{demo}:requests", {"rid": "queued", "body": b""})
+            worker._sample_stream()  # what the heartbeat does every 5 s
         # A batch's metrics are recorded once it is written; after a stop, all of them are.
         text = _get(server.port, "/metrics")[1]
     finally:
@@ -56,11 +61,15 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, 'redbatch_requests_total{code="OK"}') == 6
     assert _value(text, 'redbatch_requests_total{code="INVALID_INPUT"}') == 3
     assert _value(text, "redbatch_batch_rows_sum") == 12  # 6 requests of 2 rows
-    assert _value(text, "redbatch_batch_requests_sum") == 9
+    assert _value(text, "redbatch_batch_requests_sum") == 10  # 9 answered, 1 dead letter
     runs = _value(text, "redbatch_batch_rows_count")
     assert _value(text, "redbatch_inference_seconds_count") == runs
-    assert _value(text, "redbatch_queue_wait_seconds_count") == 9
-    assert _value(text, "redbatch_decode_validate_seconds_count") == 9
+    assert _value(text, "redbatch_queue_wait_seconds_count") == 10
+    assert _value(text, "redbatch_decode_validate_seconds_count") == 10
     assert _value(text, "redbatch_reply_write_seconds_count") >= 1
     assert _value(text, "redbatch_warmup_seconds") > 0
+    assert _value(text, "redbatch_backlog") == 1
+    assert _value(text, "redbatch_pending") == 0
+    assert _value(text, "redbatch_dead_letters") == 1
+    assert _value(text, 'redbatch_requests_total{code="DEAD_LETTER"}') == 1
     assert 'redbatch_model_info{name="demo"' in text

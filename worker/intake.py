@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from producer.codec import decode_request
@@ -96,6 +97,7 @@ class Intake(threading.Thread):
         stop: threading.Event,
         read_count: int,
         block_ms: int = 500,
+        on_outage: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(name="redbatch-intake", daemon=True)
         self.stream = stream
@@ -107,7 +109,7 @@ class Intake(threading.Thread):
         self.block_ms = block_ms
         self.idle = threading.Event()  # set when a read came back empty: the stream is drained
         self.failure: BaseException | None = None
-        self._outage = Outage("reading requests", give_up=stop)
+        self._outage = Outage("reading requests", give_up=stop, on_down=on_outage)
 
     def run(self) -> None:
         try:

@@ -60,6 +60,26 @@ class Metrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.backlog = Gauge(
+            "redbatch_backlog", "Entries in the request stream (XLEN): unfinished work.", registry=r
+        )
+        self.pending = Gauge(
+            "redbatch_pending", "Entries read by a worker and not yet answered.", registry=r
+        )
+        self.lag = Gauge(
+            "redbatch_group_lag",
+            "Entries not yet read by the group (-1 when Redis cannot tell, after deletes).",
+            registry=r,
+        )
+        self.dead_letters = Gauge(
+            "redbatch_dead_letters", "Entries in the dead-letter stream.", registry=r
+        )
+        self.redis_outages = Counter(
+            "redbatch_redis_outages",
+            "Times Redis became unreachable, one per outage, by what the worker was doing.",
+            ["during"],
+            registry=r,
+        )
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
@@ -77,6 +97,17 @@ class Metrics:
             }
         )
         self.warmup.set(record["warmup"]["total_ms"] / 1000.0)
+
+    def stream_seen(self, backlog: int, pending: int, lag: int | None, dead: int) -> None:
+        """Record the stream's state, sampled by the heartbeat."""
+        self.backlog.set(backlog)
+        self.pending.set(pending)
+        self.lag.set(-1 if lag is None else lag)
+        self.dead_letters.set(dead)
+
+    def redis_down(self, during: str) -> None:
+        """Count one Redis outage noticed while ``during`` (reading or writing)."""
+        self.redis_outages.labels(during=during).inc()
 
     def batch_done(
         self,

@@ -2,6 +2,7 @@
 
 It is logged at start and kept in Redis under ``P:{M}:worker:NAME`` with a TTL that a heartbeat
 thread renews, so ``redbatch status`` lists every live worker and forgets dead ones on its own.
+The heartbeat also runs ``on_beat`` (the worker samples the stream's state for metrics there).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -108,8 +110,10 @@ class Registry(threading.Thread):
         record: dict[str, Any],
         stop: threading.Event,
         interval_s: float = 5.0,
+        on_beat: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="redbatch-heartbeat", daemon=True)
+        self.on_beat = on_beat
         self.client = client
         self.record = record
         self.stop = stop
@@ -144,6 +148,8 @@ class Registry(threading.Thread):
         while not self.stop.wait(self.interval_s):
             try:
                 self.beat()
+                if self.on_beat is not None:
+                    self.on_beat()
                 if self._down:
                     self._down = False
                     log.warning("heartbeat reached Redis again")

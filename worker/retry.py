@@ -33,8 +33,15 @@ class Outage:
     ``give_up`` is checked between tries: when it is set (a shutdown), the last error is raised.
     """
 
-    def __init__(self, what: str, give_up: threading.Event | None = None, max_wait_s: float = 2.0):
+    def __init__(
+        self,
+        what: str,
+        give_up: threading.Event | None = None,
+        max_wait_s: float = 2.0,
+        on_down: Callable[[str], None] | None = None,
+    ):
         self.what = what
+        self.on_down = on_down
         self.give_up = give_up
         self.max_wait_s = max_wait_s
         self._down = False
@@ -59,5 +66,7 @@ class Outage:
     def _note_down(self, state: RetryCallState) -> None:
         if not self._down:
             self._down = True
+            if self.on_down is not None:
+                self.on_down(self.what)
             exc = state.outcome.exception() if state.outcome else None
             log.warning("Redis unreachable during %s (%s); retrying with backoff", self.what, exc)

@@ -83,7 +83,10 @@ class Worker:
         self.hard_stop = threading.Event()
         self.ready = threading.Event()  # set once the worker reads from the stream
         self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
-        self.registry = Registry(client, cfg.redis.prefix, prepared.record, self.stop)
+        self.metrics = metrics or Metrics()
+        self.registry = Registry(
+            client, cfg.redis.prefix, prepared.record, self.stop, on_beat=self._sample_stream
+        )
         # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
         self.queue: queue.Queue[list[WorkItem]] = queue.Queue(maxsize=2)
         self.batcher = Batcher(
@@ -99,12 +102,23 @@ class Worker:
             self.queue,
             self.stop,
             read_count=cfg.batching.max_batch_size,
+            on_outage=self.metrics.redis_down,
         )
-        self.writer = ReplyWriter(self.stream, self.hard_stop, self._written, self.stop.set)
+        self.writer = ReplyWriter(
+            self.stream,
+            self.hard_stop,
+            self._written,
+            self.stop.set,
+            on_outage=self.metrics.redis_down,
+        )
         self._encoder = ReplyEncoder(self.model_ref, self.name)
         self.served = {"requests": 0, "batches": 0}
-        self.metrics = metrics or Metrics()
         self.metrics.describe(prepared.record)
+
+    def _sample_stream(self) -> None:
+        """Heartbeat hook: the stream's backlog, pending, lag and dead letters for metrics."""
+        s = self.stream.stats()
+        self.metrics.stream_seen(s.backlog, s.pending, s.lag, s.dead)
 
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held. Second call: give up on Redis."""
@@ -117,6 +131,7 @@ class Worker:
         starting = Outage("starting up", give_up=self.stop)
         starting.call(self.stream.ensure_group)
         starting.call(self.registry.beat)
+        starting.call(self._sample_stream)
         self.registry.start()
         self.writer.start()
         self.intake.start()

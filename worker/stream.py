@@ -18,7 +18,7 @@ import redis
 
 from producer.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
 
-__all__ = ["Finish", "RawEntry", "RequestStream"]
+__all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,16 @@ class RawEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamStats:
+    """The request stream as the group sees it."""
+
+    backlog: int
+    pending: int
+    lag: int | None
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """What to do with one entry: reply (encoded) and/or dead-letter it, then ack and delete."""
 
@@ -127,6 +137,28 @@ class RequestStream:
             return []
         _, entries = reply[0]
         return [RawEntry(eid, fields) for eid, fields in entries if fields is not None]
+
+    def stats(self) -> StreamStats:
+        """Backlog, pending and lag of the group, and dead letters: one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self.key)
+        pipe.xinfo_groups(self.key)
+        pipe.xlen(self.dead_key)
+        backlog, groups, dead = pipe.execute(raise_on_error=False)
+        group = (
+            next(
+                (g for g in groups if g.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
+                None,
+            )
+            if isinstance(groups, list)
+            else None
+        )
+        return StreamStats(
+            backlog=int(backlog) if isinstance(backlog, int) else 0,
+            pending=int(group["pending"]) if group else 0,
+            lag=group.get("lag") if group else None,
+            dead=int(dead) if isinstance(dead, int) else 0,
+        )
 
     def cancelled(self, rids: Sequence[str]) -> set[str]:
         """The request ids whose cancel key exists: one MGET for the whole batch."""

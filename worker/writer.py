@@ -44,13 +44,14 @@ class ReplyWriter(threading.Thread):
         on_written: Callable[[Batch, float], None],
         on_failure: Callable[[], None],
         depth: int = 2,
+        on_outage: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(name="redbatch-writer", daemon=True)
         self.stream = stream
         self.on_written = on_written
         self.on_failure = on_failure
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
-        self._outage = Outage("writing replies", give_up=give_up)
+        self._outage = Outage("writing replies", give_up=give_up, on_down=on_outage)
         self.failure: BaseException | None = None
 
     def submit(self, batch: Batch) -> None:
