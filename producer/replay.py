@@ -1,0 +1,450 @@
+"""``redbatch replay``: send dead-lettered requests to the request stream again.
+
+A dead letter (``P:{M}:dead``) keeps the original entry's fields, ``rid`` and ``body``, plus the
+``reason`` it died. ``replay`` reads them oldest first, up to the dead stream's last entry when it
+started (so a request that dies again during the replay is not replayed twice), and adds each one
+to ``P:{M}:requests`` as a fresh request with exactly the two fields of the protocol:
+
+- ``new_ids`` (the default): a new request id (UUID4 hex), as the protocol asks of any retry.
+  Works for every dead letter with a body, including those whose ``rid`` was missing or broken.
+  The old id's caller will not see the answer; the report maps old ids to new ones.
+- ``same_ids``: the old request id, so whoever looks up ``P:reply:R`` finds the new answer.
+  A reply is never replaced, so an old error reply (the ``POISONED`` answer) is deleted first;
+  a dead letter whose id already has an ok reply, or a reply that cannot be read, is skipped.
+  Dead letters without a valid id need new ids.
+
+With ``delete`` each dead letter that was re-sent is removed (``XDEL``). Each page of dead letters
+is re-sent, its old replies removed and its dead letters deleted in one ``MULTI``, so a failure
+never leaves a dead letter deleted without its request re-sent. A dry run changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from producer import codec, core, keys
+from producer.errors import ConnectionFailed, WireFormatError
+
+__all__ = [
+    "PAGE_SIZE",
+    "ReplayReport",
+    "Resent",
+    "Skipped",
+    "add_arguments",
+    "format_report",
+    "replay",
+    "report_to_json",
+    "run_command",
+]
+
+#: Dead letters read, and re-sent in one MULTI, per round trip.
+PAGE_SIZE = 256
+
+_EXIT_OK, _EXIT_SKIPPED = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class Resent:
+    """A dead letter sent again: its entry, the old and the new request id, the new entry."""
+
+    dead_entry: str
+    old_rid: str | None
+    rid: str
+    entry_id: str | None  # None on a dry run
+    reply_removed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A dead letter left as it was, and why."""
+
+    dead_entry: str
+    rid: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """What one replay did."""
+
+    model: str
+    prefix: str
+    dead_key: str
+    stream_key: str
+    same_ids: bool
+    delete: bool
+    dry_run: bool
+    examined: int
+    resent: tuple[Resent, ...] = field(default=())
+    skipped: tuple[Skipped, ...] = field(default=())
+
+    @property
+    def deleted(self) -> int:
+        """Dead letters removed (``delete`` and not a dry run)."""
+        return len(self.resent) if self.delete and not self.dry_run else 0
+
+
+def _new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class _Plan:
+    dead_entry: str
+    old_rid: str | None
+    rid: str
+    body: bytes
+    remove_reply: bool = False
+
+
+def replay(
+    conn: redis.Redis,
+    model: str,
+    prefix: str = keys.DEFAULT_PREFIX,
+    *,
+    same_ids: bool = False,
+    limit: int | None = None,
+    delete: bool = False,
+    dry_run: bool = False,
+    new_rid: Callable[[], str] = _new_rid,
+) -> ReplayReport:
+    """Re-send up to ``limit`` dead letters of ``model``; Redis errors raise ConnectionFailed."""
+    dead_key = keys.dead_key(prefix, model)
+    stream_key = keys.request_stream(prefix, model)
+    resent: list[Resent] = []
+    skipped: list[Skipped] = []
+    examined = 0
+    try:
+        newest = conn.xrevrange(dead_key, "+", "-", count=1)
+        if newest:
+            end = _text(newest[0][0])
+            start = "-"
+            taken: set[str] = set()
+            while limit is None or examined < limit:
+                count = PAGE_SIZE if limit is None else min(PAGE_SIZE, limit - examined)
+                page = conn.xrange(dead_key, start, end, count=count)
+                if not page:
+                    break
+                examined += len(page)
+                start = "(" + _text(page[-1][0])
+                plans = _plan_page(page, same_ids, new_rid, taken, skipped)
+                if same_ids:
+                    plans = _check_replies(conn, prefix, plans, skipped)
+                resent += _send(conn, stream_key, dead_key, prefix, plans, delete, dry_run)
+                if _text(page[-1][0]) == end:
+                    break
+    except redis.RedisError as exc:
+        raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
+    return ReplayReport(
+        model=model,
+        prefix=prefix,
+        dead_key=dead_key,
+        stream_key=stream_key,
+        same_ids=same_ids,
+        delete=delete,
+        dry_run=dry_run,
+        examined=examined,
+        resent=tuple(resent),
+        skipped=tuple(skipped),
+    )
+
+
+def _plan_page(
+    page: Sequence[tuple[Any, Mapping[Any, Any] | None]],
+    same_ids: bool,
+    new_rid: Callable[[], str],
+    taken: set[str],
+    skipped: list[Skipped],
+) -> list[_Plan]:
+    """What to send for each dead letter of a page; the others go to ``skipped``."""
+    plans = []
+    for raw_id, raw_fields in page:
+        entry = _text(raw_id)
+        fields = {_text(k): v for k, v in (raw_fields or {}).items()}
+        old = _rid(fields.get("rid"))
+        shown = old if old is not None else _shown_rid(fields.get("rid"))
+        body = fields.get("body")
+        if not isinstance(body, bytes):
+            skipped.append(Skipped(entry, shown, "no body field: nothing to send"))
+            continue
+        if not same_ids:
+            plans.append(_Plan(entry, shown, new_rid(), body))
+            continue
+        if old is None:
+            reason = (
+                "no rid field; use --new-ids"
+                if fields.get("rid") is None
+                else "rid does not match [A-Za-z0-9_.:-]{1,128}; use --new-ids"
+            )
+            skipped.append(Skipped(entry, shown, reason))
+        elif old in taken:
+            skipped.append(Skipped(entry, old, "rid already re-sent by this replay"))
+        else:
+            taken.add(old)
+            plans.append(_Plan(entry, old, old, body))
+    return plans
+
+
+def _check_replies(
+    conn: redis.Redis, prefix: str, plans: list[_Plan], skipped: list[Skipped]
+) -> list[_Plan]:
+    """With same ids: an old error reply is to be removed; an ok or unreadable one blocks."""
+    if not plans:
+        return plans
+    pipe = conn.pipeline(transaction=False)
+    for plan in plans:
+        pipe.lindex(keys.reply_key(prefix, plan.rid), 0)
+    kept = []
+    for plan, raw in zip(plans, pipe.execute(), strict=True):
+        if raw is None:
+            kept.append(plan)
+            continue
+        try:
+            reply = codec.decode_reply(raw)
+        except WireFormatError:
+            skipped.append(
+                Skipped(plan.dead_entry, plan.rid, "its reply key holds an unreadable reply")
+            )
+            continue
+        if reply.ok:
+            skipped.append(
+                Skipped(
+                    plan.dead_entry,
+                    plan.rid,
+                    "already answered ok; --new-ids runs it again without losing that answer",
+                )
+            )
+            continue
+        plan.remove_reply = True
+        kept.append(plan)
+    return kept
+
+
+def _send(
+    conn: redis.Redis,
+    stream_key: str,
+    dead_key: str,
+    prefix: str,
+    plans: list[_Plan],
+    delete: bool,
+    dry_run: bool,
+) -> list[Resent]:
+    """One MULTI per page: remove old replies, add the requests, delete the dead letters."""
+    if dry_run or not plans:
+        return [Resent(p.dead_entry, p.old_rid, p.rid, None, p.remove_reply) for p in plans]
+    pipe = conn.pipeline(transaction=True)
+    positions = []
+    for plan in plans:
+        if plan.remove_reply:
+            pipe.delete(keys.reply_key(prefix, plan.rid))
+        positions.append(len(pipe.command_stack))
+        pipe.xadd(stream_key, {"rid": plan.rid, "body": plan.body})
+        if delete:
+            pipe.xdel(dead_key, plan.dead_entry)
+    results = pipe.execute()
+    return [
+        Resent(p.dead_entry, p.old_rid, p.rid, _text(results[i]), p.remove_reply)
+        for p, i in zip(plans, positions, strict=True)
+    ]
+
+
+def _rid(value: Any) -> str | None:
+    """The dead letter's request id when it is one a key may be built from."""
+    if not isinstance(value, bytes):
+        return None
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text if keys.is_valid_rid(text) else None
+
+
+def _shown_rid(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = _text(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def report_to_json(report: ReplayReport) -> dict[str, Any]:
+    """The report as JSON values."""
+    return {
+        "model": report.model,
+        "prefix": report.prefix,
+        "dead_key": report.dead_key,
+        "stream_key": report.stream_key,
+        "ids": "same" if report.same_ids else "new",
+        "dry_run": report.dry_run,
+        "examined": report.examined,
+        "resent": [
+            {
+                "dead_entry": r.dead_entry,
+                "old_rid": r.old_rid,
+                "rid": r.rid,
+                "entry_id": r.entry_id,
+                "reply_removed": r.reply_removed,
+            }
+            for r in report.resent
+        ],
+        "skipped": [
+            {"dead_entry": s.dead_entry, "rid": s.rid, "reason": s.reason} for s in report.skipped
+        ],
+        "deleted": report.deleted,
+    }
+
+
+def format_report(report: ReplayReport) -> str:
+    """The readable report ``redbatch replay`` prints."""
+    ids = "same request ids" if report.same_ids else "new request ids"
+    lines = [f"replay {report.dead_key} -> {report.stream_key} ({ids})"]
+    if report.dry_run:
+        lines.append("dry run: nothing was sent, removed or deleted")
+    if not report.examined:
+        return "\n".join([*lines, "no dead letters"])
+    removed = sum(r.reply_removed for r in report.resent)
+    verb = "would re-send" if report.dry_run else "re-sent"
+    summary = (
+        f"examined {report.examined} dead letters: {verb} {len(report.resent)}, "
+        f"skipped {len(report.skipped)}"
+    )
+    if removed:
+        summary += f"; {'would remove' if report.dry_run else 'removed'} {removed} old replies"
+    if report.delete:
+        count = len(report.resent) if report.dry_run else report.deleted
+        summary += f"; {'would delete' if report.dry_run else 'deleted'} {count} dead letters"
+    lines.append(summary)
+    if report.resent:
+        rows = [["DEAD ENTRY", "OLD RID", "RID", "REQUEST ENTRY", "OLD REPLY"]]
+        rows += [
+            [
+                r.dead_entry,
+                r.old_rid or "-",
+                r.rid,
+                r.entry_id or "-",
+                "removed" if r.reply_removed else "-",
+            ]
+            for r in report.resent
+        ]
+        lines += _table(rows)
+    if report.skipped:
+        lines.append("skipped:")
+        rows = [["DEAD ENTRY", "RID", "REASON"]]
+        rows += [[s.dead_entry, s.rid or "-", s.reason] for s in report.skipped]
+        lines += _table(rows)
+    return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+_HELP = """\
+Re-send a model's dead-lettered requests (P:{M}:dead) to its request stream, oldest first, and
+report what was sent: old and new request ids, the new entries, and each dead letter skipped
+with the reason.
+
+--new-ids (the default) gives each request a new id, as any retry should have; callers waiting
+on the old id do not see the answer, so use the printed mapping. --same-ids keeps the old ids:
+a reply is never replaced, so the old error reply (POISONED) is deleted first, and dead letters
+whose id already has an ok reply are skipped; entries without a valid rid need --new-ids.
+--delete removes each dead letter that was re-sent. Inspect dead letters first with
+`redbatch status`: a request that killed workers may kill them again.
+Exit status: 0 when every dead letter examined was re-sent, 1 when some were skipped, 2 when the
+command could not run.
+
+examples:
+  redbatch replay --model demo --from-dead --dry-run
+  redbatch replay --model demo --from-dead --limit 10 --delete
+  redbatch replay --model demo --from-dead --same-ids --delete --json
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def _model_name(text: str) -> str:
+    if not keys.is_valid_model_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_.-]{{1,64}}")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``redbatch replay`` options (``producer.cli`` registers the subcommand)."""
+    parser.description = _HELP
+    add = parser.add_argument
+    add("--model", required=True, type=_model_name, help="model name")
+    add(
+        "--from-dead",
+        action="store_true",
+        required=True,
+        help="re-send from the model's dead-letter stream (the one source for now)",
+    )
+    ids = parser.add_mutually_exclusive_group()
+    ids.add_argument(
+        "--new-ids",
+        dest="same_ids",
+        action="store_false",
+        help="give each request a new id, a UUID4 in hex (the default)",
+    )
+    ids.add_argument(
+        "--same-ids",
+        dest="same_ids",
+        action="store_true",
+        help="keep each request's id; its old error reply is deleted first",
+    )
+    parser.set_defaults(same_ids=False)
+    add("--limit", type=_positive_int, metavar="N", help="at most N dead letters, oldest first")
+    add("--delete", action="store_true", help="delete each dead letter that was re-sent")
+    add("--dry-run", action="store_true", help="show what would be done; change nothing")
+    add("--json", action="store_true", help="print the report as JSON")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``redbatch replay``: re-send, print the report; 0, or 1 when something was skipped."""
+    where = core.redact_url(args.redis_url)
+    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    try:
+        report = replay(
+            conn,
+            args.model,
+            args.prefix,
+            same_ids=args.same_ids,
+            limit=args.limit,
+            delete=args.delete,
+            dry_run=args.dry_run,
+        )
+    except ConnectionFailed as exc:
+        raise ConnectionFailed(f"Could not talk to Redis at {where}: {exc}") from exc
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps(report_to_json(report), indent=2))
+    else:
+        print(format_report(report))
+    return _EXIT_SKIPPED if report.skipped else _EXIT_OK

@@ -1,0 +1,437 @@
+"""The deployment files: Kubernetes manifests, KEDA, compose, Prometheus and the dashboard.
+
+Every built-in Kubernetes object is validated against the API schemas of recent releases
+(kubernetes-validate, strict: unknown fields fail). KEDA's objects are CRDs that it has no schema
+for, so they are checked against a small JSON schema of the fields we rely on, plus the links
+between files (names, keys, ports) that a typo would break without any validator noticing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # a dependency of kubernetes-validate
+import kubernetes_validate
+import pytest
+import yaml
+
+from producer import keys
+from worker.config import parse_config
+from worker.metrics import Metrics, MetricsServer
+from worker.synthetic import save
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
+K8S_VERSIONS = ("1.31.0", "1.36.0")
+KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def _objects() -> dict[tuple[str, str], dict[str, Any]]:
+    objects = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in _docs(path):
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def _builtin() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{path.name}:{doc['kind']}", doc)
+        for path in sorted(K8S.glob("*.yaml"))
+        for doc in _docs(path)
+        if doc["kind"] not in KEDA_KINDS
+    ]
+
+
+def _container(objects: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    pod = objects[("Deployment", "redbatch-worker")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return container
+
+
+def _worker_toml(objects: dict[tuple[str, str], dict[str, Any]]) -> str:
+    return objects[("ConfigMap", "redbatch-worker-config")]["data"]["worker.toml"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def test_the_manifests_hold_the_objects_the_docs_name() -> None:
+    assert set(_objects()) == {
+        ("ConfigMap", "redbatch-worker-config"),
+        ("Deployment", "redbatch-worker"),
+        ("Secret", "redbatch-redis"),
+        ("Service", "redbatch-worker-metrics"),
+        ("TriggerAuthentication", "redbatch-redis"),
+        ("ScaledObject", "redbatch-worker"),
+    }
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("where", "doc"), _builtin(), ids=[w for w, _ in _builtin()])
+def test_builtin_objects_validate_strictly(version: str, where: str, doc: dict[str, Any]) -> None:
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_validator_catches_a_misspelt_field() -> None:
+    deployment = copy.deepcopy(_objects()[("Deployment", "redbatch-worker")])
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_deployment_wires_config_secret_probes_and_gpu() -> None:
+    objects = _objects()
+    deployment = objects[("Deployment", "redbatch-worker")]
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(objects)
+    config = tomllib.loads(_worker_toml(objects))
+    port = config["metrics"]["port"]
+
+    # Given the ConfigMap mounted at /app/configs, the worker reads the file it holds.
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/app/configs")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "redbatch-worker-config"
+    args = container["args"]
+    assert args[args.index("--config") + 1] == "/app/configs/worker.toml"
+
+    # REDIS_URL comes from a key the Secret has.
+    env = {e["name"]: e for e in container["env"]}
+    ref = env["REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    secret = objects[("Secret", ref["name"])]
+    assert ref["key"] in secret["stringData"]
+
+    # The probes and the Service reach the port the config serves metrics on.
+    (named,) = container["ports"]
+    assert named == {"name": "metrics", "containerPort": port, "protocol": "TCP"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    service = objects[("Service", "redbatch-worker-metrics")]
+    assert service["spec"]["selector"].items() <= pod_labels(deployment).items()
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert service["spec"]["ports"][0]["port"] == port
+
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "replicas" not in deployment["spec"]  # KEDA owns the count
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert 30 <= pod["terminationGracePeriodSeconds"] <= 300
+    assert "lifecycle" not in container  # SIGTERM drains; no preStop
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    return labels
+
+
+def test_configmap_holds_a_config_the_worker_accepts(tmp_path: Path) -> None:
+    # Given the demo model where the image keeps it, the ConfigMap's file parses cleanly.
+    text = _worker_toml(_objects())
+    assert 'path = "/app/models/demo.onnx"' in text  # absolute: ConfigMap files are symlinks
+    model = tmp_path / "demo.onnx"
+    save("demo", model)
+    data = tomllib.loads(text.replace("/app/models/demo.onnx", str(model)))
+    config = parse_config(data, base_dir=tmp_path, redis_url=None)
+    assert config.metrics.port == 9100
+    assert config.model.name == "demo"
+
+
+# ---------------------------------------------------------------------------------------------
+# KEDA
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_REF = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "minLength": 1}},
+}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string"}, "labels": _STRING_MAP},
+}
+SCALED_OBJECT_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "ScaledObject"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["scaleTargetRef", "triggers", "minReplicaCount", "maxReplicaCount"],
+            "additionalProperties": False,
+            "properties": {
+                "scaleTargetRef": _REF,
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"horizontalPodAutoscalerConfig": {"type": "object"}},
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            "metadata": _STRING_MAP,  # KEDA reads every value as a string
+                            "authenticationRef": _REF,
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+TRIGGER_AUTH_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "TriggerAuthentication"},
+        "metadata": _METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["secretTargetRef"],
+            "properties": {
+                "secretTargetRef": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["parameter", "name", "key"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "parameter": {
+                                "enum": ["address", "host", "port", "username", "password"]
+                            },
+                            "name": {"type": "string"},
+                            "key": {"type": "string"},
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+
+
+def test_keda_objects_match_the_fields_we_rely_on() -> None:
+    objects = _objects()
+    jsonschema.validate(objects[("ScaledObject", "redbatch-worker")], SCALED_OBJECT_SCHEMA)
+    jsonschema.validate(objects[("TriggerAuthentication", "redbatch-redis")], TRIGGER_AUTH_SCHEMA)
+
+
+def test_keda_scales_the_worker_on_the_request_streams_length() -> None:
+    objects = _objects()
+    scaled = objects[("ScaledObject", "redbatch-worker")]["spec"]
+    assert ("Deployment", scaled["scaleTargetRef"]["name"]) in objects
+    assert 1 <= scaled["minReplicaCount"] <= scaled["maxReplicaCount"]
+
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "redis-streams"
+    meta = trigger["metadata"]
+    config = tomllib.loads(_worker_toml(objects))
+    stream = keys.request_stream(config["redis"]["prefix"], config["model"]["name"])
+    assert meta["stream"] == stream
+    # No consumer group: KEDA reads XLEN, which is lag plus pending here (entries are deleted
+    # when answered), rather than lag alone or pending alone.
+    assert "consumerGroup" not in meta
+    assert "lagCount" not in meta
+    assert "pendingEntriesCount" not in meta
+    per_replica = int(meta["streamLength"])
+    # Above what one busy worker holds in hand (about six batches), so steady traffic through
+    # one worker does not ask for a second.
+    assert per_replica > 6 * config["batching"]["max_batch_size"]
+
+    # The address and password come from keys the Secret has.
+    auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
+    for ref in auth["spec"]["secretTargetRef"]:
+        assert ref["key"] in objects[("Secret", ref["name"])]["stringData"]
+    assert {r["parameter"] for r in auth["spec"]["secretTargetRef"]} == {"address", "password"}
+
+    # docs/operations.md quotes the numbers the manifest uses.
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    for number in (meta["streamLength"], str(scaled["maxReplicaCount"])):
+        assert re.search(rf"\b{number}\b", doc), number
+
+
+# ---------------------------------------------------------------------------------------------
+# compose and Prometheus
+
+
+def _compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "compose.yaml").read_text(encoding="utf-8"))
+    return data
+
+
+def test_compose_services_profiles_and_health_checks() -> None:
+    services = _compose()["services"]
+    assert set(services) == {"redis", "worker", "worker-gpu", "producer", "prometheus", "grafana"}
+    profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
+    assert profiles == {
+        "redis": (),
+        "worker": (),
+        "worker-gpu": ("gpu",),
+        "producer": ("demo",),
+        "prometheus": ("observability",),
+        "grafana": ("observability",),
+    }
+
+    redis = services["redis"]
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert "--appendonly yes" in redis["command"]
+    assert "--maxmemory-policy noeviction" in redis["command"]
+
+    for name in ("worker", "worker-gpu"):
+        worker = services[name]
+        test = worker["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"]  # the slim image has no curl
+        assert "http://127.0.0.1:9100/healthz" in test[3]
+        assert worker["command"][:2] == ["--config", "configs/compose.toml"]
+        assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert worker["stop_grace_period"]
+    assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "capabilities"
+    ] == ["gpu"]
+
+    # Every port published on the host is on loopback only.
+    for service in services.values():
+        for port in service.get("ports", ()):
+            assert port.startswith("127.0.0.1:"), port
+
+
+def test_compose_worker_config_serves_metrics_where_checks_and_scrapes_look(
+    tmp_path: Path,
+) -> None:
+    text = (ROOT / "configs" / "compose.toml").read_text(encoding="utf-8")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "compose.toml").write_text(text, encoding="utf-8")
+    save("demo", tmp_path / "models" / "demo.onnx")
+    data = tomllib.loads(text)
+    config = parse_config(data, base_dir=tmp_path / "configs", redis_url="redis://redis:6379/0")
+    assert config.metrics.port == 9100
+
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text(encoding="utf-8"))
+    (job,) = prometheus["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    assert {"worker", "worker-gpu"} <= set(sd["names"])
+    assert sd["port"] == config.metrics.port
+
+
+def test_compose_observability_mounts_files_that_exist() -> None:
+    compose = _compose()
+    services = compose["services"]
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).is_file(), source
+    assert (
+        "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro"
+        in (services["prometheus"]["volumes"])
+    )
+    dashboard_mount = next(v for v in services["grafana"]["volumes"] if "redbatch.json" in v)
+    target_dir = str(Path(dashboard_mount.split(":")[1]).parent)
+    provider = yaml.safe_load(compose["configs"]["grafana-dashboards"]["content"])
+    assert provider["providers"][0]["options"]["path"] == target_dir
+    datasource = yaml.safe_load(compose["configs"]["grafana-datasource"]["content"])
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    targets = {c["source"] for c in services["grafana"]["configs"]}
+    assert targets == set(compose["configs"])
+
+
+def test_worker_health_check_command_passes_only_while_healthz_answers() -> None:
+    code = _compose()["services"]["worker"]["healthcheck"]["test"][3]
+    server = MetricsServer(Metrics(), lambda: False, 0)
+    server.start()
+    probe = [sys.executable, "-c", code.replace(":9100/", f":{server.port}/")]
+    try:
+        assert subprocess.run(probe, check=False, capture_output=True, timeout=20).returncode == 0
+    finally:
+        server.close()
+    assert subprocess.run(probe, check=False, capture_output=True, timeout=20).returncode != 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Grafana
+
+
+def _exported_names() -> set[str]:
+    """Every series name the worker exports, as Prometheus stores it."""
+    names = set()
+    for family in Metrics().registry.collect():
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        elif family.type == "histogram":
+            names |= {f"{family.name}_{s}" for s in ("bucket", "sum", "count")}
+        elif family.type == "info":
+            names.add(f"{family.name}_info")
+        else:
+            names.add(family.name)
+    return names
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out += panel.get("panels", [])
+    return out
+
+
+def test_dashboard_is_grafana_json_on_metrics_the_worker_exports() -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "redbatch.json").read_text("utf-8"))
+    assert isinstance(dashboard["schemaVersion"], int)
+    assert dashboard["schemaVersion"] >= 36
+    assert dashboard["uid"] == "redbatch"
+    assert dashboard["title"]
+    panels = _panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+
+    exported = _exported_names() | {"redbatch_backlog", "redbatch_pending", "redbatch_dead_letters"}
+    used: set[str] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bredbatch_[a-z_]+", target["expr"]))
+            assert names, target["expr"]
+            assert names <= exported, (panel["title"], names - exported)
+            used |= names
+
+    for needed in (
+        "redbatch_requests_total",
+        "redbatch_backlog",
+        "redbatch_pending",
+        "redbatch_dead_letters",
+        "redbatch_batch_rows_bucket",
+        "redbatch_queue_wait_seconds_bucket",
+        "redbatch_decode_validate_seconds_sum",
+        "redbatch_inference_seconds_bucket",
+        "redbatch_reply_write_seconds_bucket",
+    ):
+        assert needed in used, needed

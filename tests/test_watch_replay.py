@@ -1,0 +1,458 @@
+"""``redbatch status --watch`` and ``redbatch replay``, against a real Redis and no worker."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pty
+import select
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from producer import codec, keys, replay, watch
+from producer.errors import ConnectionFailed
+from producer.job import UsageError
+from worker.localredis import free_port
+from worker.metrics import Metrics, MetricsServer
+
+MODEL = "demo"
+P = keys.DEFAULT_PREFIX
+STREAM = keys.request_stream(P, MODEL)
+DEAD = keys.dead_key(P, MODEL)
+BODY = codec.encode_request({"x": np.ones((1, 2), np.float32)})
+
+
+def _parser(add: Any) -> argparse.ArgumentParser:
+    """A parser like the one producer.cli builds around the command's own options."""
+    parser = argparse.ArgumentParser(prog="redbatch")
+    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--prefix", default=P)
+    if add is watch.add_arguments:
+        parser.add_argument("--model", default=MODEL)
+        parser.add_argument("--json", action="store_true")
+    add(parser)
+    return parser
+
+
+def _register(
+    conn: redis.Redis,
+    name: str,
+    *,
+    version: str = "1",
+    requests: int = 0,
+    batches: int = 0,
+    beat: datetime | None = None,
+) -> None:
+    beat = beat or datetime.now(UTC)
+    record = {
+        "name": name,
+        "state": "ready",
+        "model": {"name": MODEL, "version": version, "sha256": "ab" * 32},
+        "runtime": {"providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]},
+        "batching": {"max_batch_size": 32, "max_wait_ms": 5},
+        "heartbeat_at": beat.isoformat().replace("+00:00", "Z"),
+        "served": {"requests": requests, "batches": batches},
+    }
+    conn.set(keys.worker_key(P, MODEL, name), json.dumps(record), ex=15)
+    conn.sadd(keys.workers_key(P, MODEL), name)
+
+
+def _queue(conn: redis.Redis, waiting: int, held_by: dict[str, int]) -> None:
+    """Add entries to the stream; each consumer in ``held_by`` reads (and holds) that many."""
+    conn.xgroup_create(STREAM, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(waiting + sum(held_by.values())):
+        conn.xadd(STREAM, {"rid": f"r{i}", "body": BODY})
+    for consumer, count in held_by.items():
+        conn.xreadgroup(keys.CONSUMER_GROUP, consumer, {STREAM: ">"}, count=count)
+
+
+def _answer(conn: redis.Redis, consumer: str, count: int) -> None:
+    """What a worker does: read, then acknowledge and delete."""
+    reply = conn.xreadgroup(keys.CONSUMER_GROUP, consumer, {STREAM: ">"}, count=count)
+    ids = [entry_id for entry_id, _ in reply[0][1]]
+    conn.xack(STREAM, keys.CONSUMER_GROUP, *ids)
+    conn.xdel(STREAM, *ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# watch
+
+
+def test_one_refresh_shows_backlog_dead_letters_and_workers(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    # Given 5 waiting and 2 held entries, a dead letter and a live worker of version 2
+    _queue(rconn, waiting=5, held_by={"gpu-0": 2})
+    rconn.xadd(DEAD, {"rid": "bad id", "body": BODY, "reason": "rid breaks the pattern"})
+    _register(rconn, "gpu-0", version="2", requests=40, batches=4)
+    out = io.StringIO()
+
+    # When one frame is drawn
+    args = _parser(watch.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--watch", "--iterations", "1"]
+    )
+    assert watch.run_command(args, out=out) == 0
+
+    # Then it names the queue, the dead letter and the worker, without escape codes
+    text = out.getvalue()
+    assert "\x1b" not in text
+    assert "backlog 7 (waiting 5, held by workers 2)" in text
+    assert "in and out per second from the next refresh on" in text
+    assert "1 dead letter;" in text
+    assert "rid bad id: rid breaks the pattern" in text
+    assert "not in Redis: pass --metrics-url" in text
+    worker_row = next(line for line in text.splitlines() if line.strip().startswith("gpu-0"))
+    assert worker_row.split()[:6] == ["gpu-0", "ready", "2", "abababababab", "CUDA,CPU", "2"]
+
+
+def test_second_refresh_shows_requests_in_and_out_per_second(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    _queue(rconn, waiting=4, held_by={})
+    clock = iter([100.0, 102.0])
+    first = watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock))
+    # Over 2 s: 10 requests arrive, a worker answers 6 and holds 2 more
+    for i in range(10):
+        rconn.xadd(STREAM, {"rid": f"n{i}", "body": BODY})
+    _answer(rconn, "w", 6)
+    rconn.xreadgroup(keys.CONSUMER_GROUP, "w", {STREAM: ">"}, count=2)
+    second = watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock))
+
+    frame = watch.render(first, second)
+    assert "backlog 8 (waiting 6, held by workers 2)" in frame
+    assert "in 5/s, out 3/s, backlog +2/s (last 2.0 s)" in frame
+
+
+def test_a_shrinking_backlog_shows_when_it_drains(redis_url: str, rconn: redis.Redis) -> None:
+    _queue(rconn, waiting=30, held_by={})
+    clock = iter([0.0, 1.0])
+    first = watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock))
+    _answer(rconn, "w", 10)
+    frame = watch.render(first, watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock)))
+    assert "out 10/s, backlog -10/s, drains in about 2.0 s" in frame
+
+
+def test_worker_rates_are_taken_between_heartbeats() -> None:
+    rates = watch.WorkerRates()
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def worker(requests: int, batches: int, after_s: float) -> Any:
+        record = {
+            "served": {"requests": requests, "batches": batches},
+            "heartbeat_at": (start + timedelta(seconds=after_s)).isoformat(),
+        }
+        return watch.status.WorkerInfo("w", ttl_s=15, record=record)
+
+    rates.update([worker(100, 10, 0)])
+    assert rates.rates == {}
+    rates.update([worker(100, 10, 0)])  # same heartbeat: nothing new to say
+    assert rates.rates == {}
+    rates.update([worker(600, 30, 5)])
+    assert rates.rates == {"w": (100.0, 25.0)}
+    rates.update([])  # the worker is gone
+    assert rates.rates == {}
+
+
+def test_metrics_urls_add_worker_side_percentiles_and_batch_rows(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    # Given one worker's metrics with 100 answered requests in 4 runs of 25 rows
+    metrics = Metrics()
+    metrics.batch_done(
+        codes=["OK"] * 100,
+        queued_s=[0.004] * 50 + [0.02] * 50,
+        decode_s=[0.0001] * 100,
+        runs=[(25, 0.003)] * 4,
+        write_s=0.001,
+    )
+    server = MetricsServer(metrics, lambda: True, 0)
+    server.start()
+    dead_port = free_port()
+    try:
+        args = _parser(watch.add_arguments).parse_args(
+            [
+                "--redis-url",
+                redis_url,
+                "--watch",
+                "--iterations",
+                "1",
+                "--metrics-url",
+                f"http://127.0.0.1:{server.port}/metrics",
+                "--metrics-url",
+                f"http://127.0.0.1:{dead_port}/metrics",
+            ]
+        )
+        out = io.StringIO()
+        assert watch.run_command(args, out=out) == 0
+    finally:
+        server.close()
+    text = out.getvalue()
+    assert "worker-side since the workers started, 1 of 2 workers scraped" in text
+    assert f"http://127.0.0.1:{dead_port}/metrics:" in text  # the error, on its own line
+    assert "queue wait p50 5.0 ms p99 24.7 ms" in text
+    assert "mean 25.0 rows per model run, 4 runs, 100 requests answered" in text
+
+
+def test_quantiles_interpolate_like_histogram_quantile() -> None:
+    buckets = [(0.001, 0.0), (0.005, 50.0), (0.01, 100.0), (float("inf"), 100.0)]
+    assert watch._quantile(buckets, 0.5) == "5.0 ms"
+    assert watch._quantile(buckets, 0.99) == "9.9 ms"
+    assert watch._quantile([(0.01, 0.0), (float("inf"), 4.0)], 0.5) == "> 10.0 ms"
+    assert watch._quantile([(float("inf"), 0.0)], 0.5) is None
+
+
+def test_watch_refuses_json(redis_url: str) -> None:
+    args = _parser(watch.add_arguments).parse_args(["--redis-url", redis_url, "--watch", "--json"])
+    with pytest.raises(UsageError, match="--json"):
+        watch.run_command(args, out=io.StringIO())
+
+
+def test_watch_fails_at_once_when_redis_cannot_be_reached() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    args = _parser(watch.add_arguments).parse_args(["--redis-url", url, "--watch"])
+    with pytest.raises(ConnectionFailed, match=r"Could not talk to Redis at redis://127\.0\.0\.1"):
+        watch.run_command(args, out=io.StringIO())
+
+
+_CHILD = """
+import argparse, sys
+from producer import watch
+parser = argparse.ArgumentParser()
+parser.add_argument("--redis-url")
+parser.add_argument("--prefix", default="redbatch")
+parser.add_argument("--model", default="demo")
+watch.add_arguments(parser)
+sys.exit(watch.run_command(parser.parse_args(sys.argv[1:])))
+"""
+
+
+def _read_until(fd: int, marker: bytes, deadline: float) -> bytes:
+    seen = b""
+    while marker not in seen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+    return seen
+
+
+@pytest.fixture
+def terminal_child(redis_url: str, rconn: redis.Redis) -> Iterator[tuple[int, int]]:
+    """``redbatch status --watch`` in a pseudo-terminal: (pid, master fd)."""
+    _queue(rconn, waiting=3, held_by={})
+    argv = ["--redis-url", redis_url, "--watch", "--interval-s", "0.2"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader whose terminal is the pty
+        os.execv(sys.executable, [sys.executable, "-c", _CHILD, *argv])
+    try:
+        yield pid, fd
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def test_ctrl_c_in_a_terminal_ends_the_watch_with_status_0(
+    terminal_child: tuple[int, int],
+) -> None:
+    pid, fd = terminal_child
+    deadline = time.monotonic() + 15
+    # Given two frames drawn, each after clearing the screen
+    shown = _read_until(fd, b"backlog 3", deadline)
+    shown += _read_until(fd, b"(last ", deadline)
+    assert shown.count(b"\x1b[H\x1b[2J") >= 2
+    assert b"backlog 3 (waiting 3, held by workers 0)" in shown
+
+    # When Ctrl-C is typed, the terminal sends SIGINT to the watch
+    os.write(fd, b"\x03")
+    _read_until(fd, b"\0never", deadline)
+
+    # Then it exits 0
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status)
+    assert os.WEXITSTATUS(status) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+
+
+def _replay(redis_url: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    args = _parser(replay.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--json", *argv]
+    )
+    code = replay.run_command(args)
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _requests(conn: redis.Redis) -> list[tuple[str, dict[bytes, bytes]]]:
+    return [(eid.decode(), fields) for eid, fields in conn.xrange(STREAM, "-", "+")]
+
+
+def _reply(rid: str, *, ok: bool) -> bytes:
+    model = codec.ModelRef(MODEL, "1", "ab" * 32)
+    if ok:
+        return codec.encode_reply(
+            codec.Reply(
+                rid,
+                True,
+                model,
+                "w",
+                {"queued": 1.0, "inference": 1.0},
+                outputs={"y": np.zeros((1, 2), np.float32)},
+                batch_rows=1,
+            )
+        )
+    error = codec.ErrorInfo("POISONED", "delivered 3 times without an answer", False)
+    return codec.encode_reply(
+        codec.Reply(rid, False, model, "w", {"queued": 1.0, "inference": 0.0}, error=error)
+    )
+
+
+def test_replay_with_new_ids_sends_every_dead_letter_with_a_body(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a poisoned request and one whose rid could not be used
+    first = rconn.xadd(DEAD, {"rid": "req-1", "body": BODY, "reason": "POISONED"}).decode()
+    second = rconn.xadd(DEAD, {"rid": "bad id!", "body": BODY, "reason": "bad rid"}).decode()
+
+    code, report = _replay(redis_url, capsys)
+
+    # Then both are requests again, with fresh ids and exactly the protocol's two fields
+    assert code == 0
+    assert report["ids"] == "new"
+    assert [(r["dead_entry"], r["old_rid"]) for r in report["resent"]] == [
+        (first, "req-1"),
+        (second, "bad id!"),
+    ]
+    sent = _requests(rconn)
+    assert [eid for eid, _ in sent] == [r["entry_id"] for r in report["resent"]]
+    for (_, fields), resent in zip(sent, report["resent"], strict=True):
+        assert list(fields) == [b"rid", b"body"]
+        assert fields[b"rid"].decode() == resent["rid"]
+        assert fields[b"body"] == BODY
+        assert len(resent["rid"]) == 32
+        assert keys.is_valid_rid(resent["rid"])
+    assert rconn.xlen(DEAD) == 2  # kept without --delete
+    assert report["deleted"] == 0
+
+
+def test_replay_with_same_ids_removes_the_old_error_reply(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given dead letters: poisoned (its POISONED reply exists), one already answered ok,
+    # one with a broken rid, one without a body
+    poisoned = rconn.xadd(DEAD, {"rid": "r1", "body": BODY, "reason": "POISONED"}).decode()
+    rconn.rpush(keys.reply_key(P, "r1"), _reply("r1", ok=False))
+    answered = rconn.xadd(DEAD, {"rid": "r2", "body": BODY, "reason": "POISONED"}).decode()
+    rconn.rpush(keys.reply_key(P, "r2"), _reply("r2", ok=True))
+    broken = rconn.xadd(DEAD, {"rid": "no good", "body": BODY, "reason": "bad rid"}).decode()
+    bodiless = rconn.xadd(DEAD, {"rid": "r4", "reason": "no body"}).decode()
+
+    code, report = _replay(redis_url, capsys, "--same-ids", "--delete")
+
+    # Then only r1 is sent again, under its own id, and its old reply is gone
+    assert code == 1  # some were skipped
+    assert [(r["rid"], r["reply_removed"]) for r in report["resent"]] == [("r1", True)]
+    ((entry_id, fields),) = _requests(rconn)
+    assert entry_id == report["resent"][0]["entry_id"]
+    assert fields == {b"rid": b"r1", b"body": BODY}
+    assert rconn.exists(keys.reply_key(P, "r1")) == 0
+    assert codec.decode_reply(rconn.lindex(keys.reply_key(P, "r2"), 0)).ok
+
+    skipped = {s["dead_entry"]: s["reason"] for s in report["skipped"]}
+    assert set(skipped) == {answered, broken, bodiless}
+    assert "already answered ok" in skipped[answered]
+    assert "--new-ids" in skipped[broken]
+    assert "no body" in skipped[bodiless]
+
+    # Only the dead letter that was re-sent is deleted
+    assert report["deleted"] == 1
+    left = [eid.decode() for eid, _ in rconn.xrange(DEAD, "-", "+")]
+    assert left == [answered, broken, bodiless]
+    assert poisoned not in left
+
+
+def test_replay_limit_takes_the_oldest_dead_letters_across_pages(
+    redis_url: str,
+    rconn: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replay, "PAGE_SIZE", 2)
+    dead = [rconn.xadd(DEAD, {"rid": f"r{i}", "body": BODY}).decode() for i in range(5)]
+
+    code, report = _replay(redis_url, capsys, "--limit", "3", "--delete")
+
+    assert code == 0
+    assert [r["dead_entry"] for r in report["resent"]] == dead[:3]
+    assert [r["old_rid"] for r in report["resent"]] == ["r0", "r1", "r2"]
+    assert [eid.decode() for eid, _ in rconn.xrange(DEAD, "-", "+")] == dead[3:]
+    assert rconn.xlen(STREAM) == 3
+
+
+def test_replay_dry_run_changes_nothing(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rconn.xadd(DEAD, {"rid": "r1", "body": BODY})
+    rconn.rpush(keys.reply_key(P, "r1"), _reply("r1", ok=False))
+
+    code, report = _replay(redis_url, capsys, "--same-ids", "--delete", "--dry-run")
+
+    assert code == 0
+    assert report["dry_run"] is True
+    assert [(r["rid"], r["entry_id"], r["reply_removed"]) for r in report["resent"]] == [
+        ("r1", None, True)
+    ]
+    assert rconn.exists(STREAM) == 0
+    assert rconn.xlen(DEAD) == 1
+    assert rconn.exists(keys.reply_key(P, "r1")) == 1
+
+
+def test_replay_table_reports_mapping_and_skips(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rconn.xadd(DEAD, {"rid": "r1", "body": BODY})
+    rconn.xadd(DEAD, {"reason": "no rid, no body"})
+    args = _parser(replay.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--model", MODEL, "--from-dead"]
+    )
+    assert replay.run_command(args) == 1
+    text = capsys.readouterr().out
+    assert "examined 2 dead letters: re-sent 1, skipped 1" in text
+    assert "OLD RID" in text
+    assert "r1" in text
+    assert "no body field: nothing to send" in text
+
+
+def test_replay_of_an_empty_dead_stream_says_so(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _parser(replay.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--model", MODEL, "--from-dead"]
+    )
+    assert replay.run_command(args) == 0
+    assert "no dead letters" in capsys.readouterr().out
+
+
+def test_replay_needs_from_dead() -> None:
+    with pytest.raises(SystemExit):
+        _parser(replay.add_arguments).parse_args(["--redis-url", "redis://x", "--model", MODEL])
