@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-from producer import core, keys, status
+from producer import bench, core, keys, replay, status, watch
 from producer.errors import ConnectionFailed, RedbatchError
 from producer.job import (
     UsageError,
@@ -140,6 +140,8 @@ def _progress_bar(total: int, *, disable: bool) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.watch:
+        return watch.run_command(args)
     where = core.redact_url(args.redis_url)
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
@@ -166,7 +168,10 @@ examples:
   redbatch run --model demo --input x.npy --output y.npz
   redbatch run --model demo --input batch.npz --output y.npz --rows-per-request 8
   redbatch status --model demo
+  redbatch status --model demo --watch
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
+  redbatch replay --model demo --from-dead --new-ids --delete
+  redbatch bench --scenario all --json bench.json
 """
 
 _RUN_HELP = """\
@@ -329,8 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"how many recent dead letters to show (default: {status.DEFAULT_DEAD_LIMIT})",
     )
+    watch.add_arguments(stat)
     _add_connection_options(stat, top=False)
     stat.set_defaults(handler=_cmd_status)
+
+    replay_cmd = commands.add_parser(
+        "replay", help="re-send dead-lettered requests", formatter_class=formatter
+    )
+    replay.add_arguments(replay_cmd)
+    _add_connection_options(replay_cmd, top=False)
+    replay_cmd.set_defaults(handler=replay.run_command)
+
+    bench_cmd = commands.add_parser(
+        "bench", help="load-test workers against their ceilings", formatter_class=formatter
+    )
+    bench.add_arguments(bench_cmd)
+    bench_cmd.set_defaults(handler=bench.run_command)
     return parser
 
 

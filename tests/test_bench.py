@@ -1,0 +1,241 @@
+"""``redbatch bench``: a short real run (tiny model, a started worker, real Redis) and its parts.
+
+The figures themselves are not asserted: speed targets are what the benchmark measures, on the
+machine it runs on. These tests check that a run produces a complete, self-consistent report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from producer import bench
+from producer.cli import main
+from worker import benchkit
+from worker.localredis import LocalRedis
+
+
+@pytest.fixture(scope="module")
+def report(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One short bench run shared by the tests below: tiny model, 4 closed-loop callers, then
+    Poisson arrivals, against a worker the bench starts on this module's Redis."""
+    path = tmp_path_factory.mktemp("bench") / "report.json"
+    argv = ["bench", "--redis-url", redis_server.url, "--model", "tiny", "--concurrency", "4"]
+    argv += ["--rate", "150", "--duration-s", "1.5", "--warmup-s", "0.3", "--json", str(path)]
+    assert main(argv) == 0
+    result: dict[str, Any] = json.loads(path.read_text())
+    return result
+
+
+def _phase(report: dict[str, Any], phase_id: str) -> dict[str, Any]:
+    return next(p for p in report["phases"] if p["id"] == phase_id)
+
+
+def test_report_has_every_section(report: dict[str, Any]) -> None:
+    assert {"machine", "settings", "ceilings", "phases", "targets", "drain"} <= set(report)
+    assert report["machine"]["cpus"] >= 1
+    assert report["machine"]["onnxruntime"]
+    assert [p["id"] for p in report["phases"]] == ["custom/closed-C4", "custom/poisson-150"]
+
+
+@pytest.mark.parametrize("phase_id", ["custom/closed-C4", "custom/poisson-150"])
+def test_phase_figures_are_sane(report: dict[str, Any], phase_id: str) -> None:
+    phase = _phase(report, phase_id)
+    assert phase["throughput_per_s"] > 0
+    assert phase["requests"] > 0
+    assert phase["ok"] == phase["requests"]
+    assert phase["lost"] == 0
+    assert not phase["errors"]
+    lat = phase["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+
+
+@pytest.mark.parametrize("phase_id", ["custom/closed-C4", "custom/poisson-150"])
+def test_batch_histogram_counts_every_request(report: dict[str, Any], phase_id: str) -> None:
+    phase = _phase(report, phase_id)
+    histogram = {int(rows): n for rows, n in phase["batch_rows"]["histogram"].items()}
+    assert sum(histogram.values()) == phase["requests"]
+    assert 1 <= min(histogram) <= max(histogram) <= phase["worker"]["max_batch_size"]
+    if phase_id == "custom/closed-C4":
+        assert max(histogram) <= 4  # four callers cannot fill a bigger batch
+
+
+def test_worker_timings_come_from_its_metrics(report: dict[str, Any]) -> None:
+    view = _phase(report, "custom/closed-C4")["worker_side"]
+    assert view["requests"] > 0
+    assert view["runs"] > 0
+    assert {"queue_wait", "inference", "reply_write"} <= set(view["stages"])
+    assert all(stage["per_request_ms"] >= 0 for stage in view["stages"].values())
+
+
+def test_cpu_is_accounted_by_process(report: dict[str, Any]) -> None:
+    cores = _phase(report, "custom/closed-C4")["cpu_cores"]
+    assert {"machine", "worker", "redis", "producers", "other"} <= set(cores)
+    assert cores["worker"] > 0
+    assert cores["producers"] > 0
+    assert 0 < cores["machine"] <= report["machine"]["cpus"] + 0.5
+    assert report["ceilings"]["bare"]["tiny"]["cpu_cores"]["benchkit"] > 0
+
+
+def test_ceilings_are_measured_in_the_same_run(report: dict[str, Any]) -> None:
+    bare = report["ceilings"]["bare"]["tiny"]["batch"]
+    assert bare["1"]["rows_per_s"] > 0
+    assert bare["32"]["rows_per_s"] > bare["1"]["rows_per_s"] / 32
+    assert bare["1"]["run_ms"]["p50"] > 0
+    assert report["ceilings"]["protocol"]["tiny"]["throughput_per_s"] > 0
+    ratios = _phase(report, "custom/closed-C4")["vs_ceiling"]
+    assert ratios["throughput_over_bare"] > 0
+    assert ratios["throughput_over_protocol"] > 0
+
+
+def test_table_shows_phases_ceilings_and_worker_time(report: dict[str, Any]) -> None:
+    table = bench.format_report(report)
+    for expected in ("ceilings", "bare session.run", "protocol only", "custom/closed-C4"):
+        assert expected in table
+    assert "where a request's time goes" in table
+    assert "cores busy" in table
+
+
+def test_plot_draws_the_report(report: dict[str, Any], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "latency.png"
+    bench.plot(report, target)
+    assert target.read_bytes()[:4] == b"\x89PNG"
+
+
+# -- the parts, without a run -----------------------------------------------------------------
+
+
+def test_poisson_arrivals_have_the_rate_asked_for() -> None:
+    times = bench.arrivals(2000.0, 5.0, seed=1)
+    assert np.all(np.diff(times) >= 0)
+    assert times[0] >= 0
+    assert times[-1] < 5.0
+    assert len(times) == pytest.approx(10_000, rel=0.05)
+
+
+def test_bursty_arrivals_come_in_bursts() -> None:
+    times = bench.arrivals(1600.0, 2.0, seed=2, burst_size=16)
+    assert len(times) % 16 == 0
+    assert len(np.unique(times)) == len(times) // 16
+    assert len(times) == pytest.approx(3200, rel=0.2)
+
+
+def test_percentiles_are_ordered_and_empty_without_values() -> None:
+    values = np.random.default_rng(3).exponential(5.0, 10_000)
+    pct = bench.percentiles(values.tolist())
+    assert pct["p50"] < pct["p90"] < pct["p99"] < pct["p99.9"] <= pct["max"]
+    assert bench.percentiles([]) == {}
+
+
+def test_worker_view_diffs_two_scrapes() -> None:
+    before = {
+        "redbatch_requests_total{code=OK}": 10.0,
+        "redbatch_batch_rows_count": 2.0,
+        "redbatch_batch_rows_sum": 10.0,
+        "redbatch_batch_rows_bucket{le=4.0}": 0.0,
+        "redbatch_batch_rows_bucket{le=8.0}": 2.0,
+        "redbatch_batch_rows_bucket{le=inf}": 2.0,
+        "redbatch_inference_seconds_count": 2.0,
+        "redbatch_inference_seconds_sum": 0.004,
+    }
+    after = {
+        **before,
+        "redbatch_requests_total{code=OK}": 74.0,
+        "redbatch_batch_rows_count": 4.0,
+        "redbatch_batch_rows_sum": 74.0,
+        "redbatch_batch_rows_bucket{le=64.0}": 2.0,
+        "redbatch_batch_rows_bucket{le=inf}": 4.0,
+        "redbatch_inference_seconds_count": 4.0,
+        "redbatch_inference_seconds_sum": 0.012,
+    }
+    view = bench.worker_view(before, after)
+    assert view["requests"] == 64
+    assert view["runs"] == 2
+    assert view["mean_batch_rows"] == 32
+    assert view["batch_rows_histogram"] == {"<=64": 2}
+    assert view["stages"]["inference"]["mean_ms"] == pytest.approx(4.0)
+    assert view["stages"]["inference"]["per_request_ms"] == pytest.approx(0.125)
+
+
+def test_cpu_cores_split_the_machine_by_user() -> None:
+    before = {"t": 10.0, "machine": 100.0, "worker": 5.0, "redis": 1.0}
+    after = {"t": 12.0, "machine": 103.0, "worker": 7.0, "redis": 1.5}
+    cores = bench.cpu_cores(before, after)
+    assert cores == pytest.approx({"machine": 1.5, "worker": 1.0, "redis": 0.25, "other": 0.25})
+
+
+def test_targets_are_ratios_to_their_references() -> None:
+    def phase(phase_id: str, rate: float, p50: float = 1.0, p99: float = 2.0) -> dict[str, Any]:
+        return {
+            "id": phase_id,
+            "throughput_per_s": rate,
+            "latency_ms": {"p50": p50, "p99": p99},
+            "worker": {"max_batch_size": 32, "max_wait_ms": 5.0},
+        }
+
+    report = {
+        "phases": [
+            phase("heavy-closed/mbs32", 6000.0),
+            phase("heavy-closed/mbs1", 1000.0),
+            phase("poisson-half/poisson", 3000.0, p99=30.0),
+        ],
+        "ceilings": {
+            "bare": {"heavy": {"batch": {"32": {"rows_per_s": 7500.0, "run_ms": {"p50": 4.0}}}}},
+            "protocol": {},
+            "asyncio": {},
+        },
+        "drain": None,
+    }
+    found = {t["id"]: t for t in bench.targets(report)}
+    assert found["heavy-vs-bare"]["ratio"] == pytest.approx(0.8)
+    assert found["heavy-vs-bare"]["met"]
+    assert found["batching-pays"]["ratio"] == pytest.approx(6.0)
+    assert found["vs-celery"]["ratio"] == pytest.approx(6000 / 260)
+    assert found["poisson-half"]["reference"] == pytest.approx(5.0 + 2 * 4.0 + 5.0)
+    assert not found["poisson-half"]["met"]
+    assert "tiny-vs-protocol" not in found  # no figures, no target
+
+
+def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    assert "--scenario all" in out
+    assert "examples:" in benchkit.build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--scenario", "nope"],
+        ["bench", "--scenario", "all", "--concurrency", "4"],
+        ["bench", "--no-start", "--scenario", "drain"],
+        ["bench", "--duration-s", "0"],
+    ],
+)
+def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_drain_reports_rate_and_memory(redis_url: str, tmp_path: Path) -> None:
+    # Given a backlog of 2,000 tiny requests, when a fresh worker drains it, then every request
+    # is answered and the worker's peak and idle memory are read from /proc.
+    path = tmp_path / "drain.json"
+    argv = ["bench", "--redis-url", redis_url, "--scenario", "drain", "--drain-requests", "2000"]
+    assert main([*argv, "--json", str(path)]) == 0
+    drain = json.loads(path.read_text())["drain"]
+    assert drain["ok"] == drain["requests"] == 2000
+    assert drain["missing"] == 0
+    assert drain["drain_per_s"] > 0
+    assert sum(drain["batch_rows"]["histogram"].values()) == 2000
+    rss = drain["rss_kib"]
+    assert 0 < rss["idle"] <= rss["idle_peak"]
+    assert rss["drain_peak"] >= rss["drain_end"] > 0
+    target = next(t for t in json.loads(path.read_text())["targets"] if t["id"] == "drain-memory")
+    assert target["ratio"] == pytest.approx(rss["drain_peak"] / rss["idle"])
