@@ -42,7 +42,7 @@ for name in BLOCKED:
 
 import producer
 names = ["producer"] + sorted(
-    m.name for m in pkgutil.iter_modules(producer.__path__, "producer.")
+    m.name for m in pkgutil.walk_packages(producer.__path__, "producer.")
     if m.name != "producer.__main__"
 )
 for name in names:
@@ -53,11 +53,13 @@ print(json.dumps({"imported": names, "heavy": heavy}))
 
 
 def _producer_modules() -> list[str]:
-    return sorted(
-        "producer" if p.stem == "__init__" else f"producer.{p.stem}"
-        for p in PRODUCER.glob("*.py")
-        if p.stem != "__main__"
-    )
+    names = []
+    for path in PRODUCER.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(names)
 
 
 def test_producer_imports_without_onnxruntime_or_worker() -> None:
@@ -76,7 +78,9 @@ def test_producer_imports_without_onnxruntime_or_worker() -> None:
     assert report["heavy"] == []
 
 
-@pytest.mark.parametrize("path", sorted(PRODUCER.glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(PRODUCER.rglob("*.py")), ids=lambda p: str(p.relative_to(PRODUCER))
+)
 def test_no_producer_module_imports_worker_anywhere(path: Path) -> None:
     # Lazy imports inside functions count too: the producer never depends on the worker.
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))

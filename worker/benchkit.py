@@ -1,6 +1,6 @@
 """The ceilings ``redbatch bench`` compares the worker with, each printed as one JSON object.
 
-``redbatch bench`` (``producer/bench.py``) never imports the worker or onnxruntime, so it runs
+``redbatch bench`` (``producer/bench/``) never imports the worker or onnxruntime, so it runs
 this module as a process, ``python -m worker.benchkit COMMAND``, and reads the JSON it prints:
 
 - ``build NAME PATH``: write a synthetic model (``worker.synthetic``).

@@ -1,0 +1,219 @@
+"""``redbatch bench`` on the command line: its options, read once into ``Options``, and the run.
+
+``producer.cli`` registers the subcommand with ``add_arguments`` and calls ``run_command``,
+which checks the options, starts a private redis-server unless told to use another Redis, runs
+``Bench`` in a temporary directory, prints the table and writes ``--json`` and ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import tempfile
+from pathlib import Path
+
+from producer import keys
+from producer.bench.load import CALLERS
+from producer.bench.processes import private_redis
+from producer.bench.report import format_report, plot, pyplot, write_json
+from producer.bench.runner import Bench, Options
+from producer.bench.scenarios import SCENARIOS
+from producer.job import UsageError
+
+__all__ = ["add_arguments", "run_command"]
+
+HELP = """\
+Load-test redbatch workers and set every figure against its ceiling, measured in the same run:
+throughput, end-to-end latency percentiles (p50, p90, p99, p99.9), the batch-rows histogram,
+where each request's time goes on the worker (from its /metrics histograms), bare
+session.run rows/s at the same batch sizes, the Redis protocol alone, and an in-process asyncio
+batcher. Prints a table; --json writes the full report, --plot a latency-throughput chart.
+
+By default the bench starts a private redis-server on a free loopback port and its own workers
+(python -m worker) with synthetic models; with --redis-url it starts them on that Redis instead;
+with --no-start it drives the workers already serving --model there (REDIS_URL or the top-level
+--redis-url count only then, so a bench never floods a shared Redis by accident).
+
+scenarios (--scenario NAME[,NAME], or all; each fixed so runs compare):
+{scenarios}
+
+Without --scenario it runs a custom load: --model with --concurrency (closed loop) and/or
+--rate (open loop, --arrivals poisson or bursty); several values make a sweep for --plot.
+
+examples:
+  redbatch bench --scenario all --json docs/bench.json --plot docs/latency-throughput.png
+  redbatch bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
+  redbatch bench --scenario heavy-closed --duration-s 5
+  redbatch bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
+  redbatch bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
+  redbatch bench --no-start --redis-url redis://127.0.0.1:6379/0 --model demo \\
+      --concurrency 64 --metrics-url http://127.0.0.1:9100/metrics
+"""
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,8,64")
+    return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of numbers") from None
+    if not values or not min(values) > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers, e.g. 500,1000")
+    return values
+
+
+def _scenario_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names == ("all",):
+        return tuple(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(unknown) or text!r}; "
+            f"choose from {', '.join(SCENARIOS)} or all"
+        )
+    return names
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 3600 seconds")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``redbatch bench`` options (``producer.cli`` registers the subcommand)."""
+    parser.description = HELP.format(
+        scenarios="\n".join(f"  {name:<14} {s.about}" for name, s in SCENARIOS.items())
+    )
+    add = parser.add_argument
+    add("--scenario", type=_scenario_list, metavar="NAME", help="preset(s) to run, or all")
+    add("--duration-s", type=_seconds, default=3.0, metavar="S", help="measured (default 3)")
+    add("--warmup-s", type=_seconds, default=0.5, metavar="S", help="load before (default 0.5)")
+    add("--json", metavar="PATH", help="write the full report as JSON")
+    add("--plot", metavar="PATH", help="draw p50 and p99 against throughput (needs matplotlib)")
+    add("--model", default="tiny", metavar="NAME", help="custom load: model (default tiny)")
+    add("--concurrency", type=_int_list, metavar="C[,C]", help="closed-loop callers")
+    add("--rate", type=_float_list, metavar="R[,R]", help="open-loop requests/s")
+    add("--arrivals", choices=("poisson", "bursty"), default="poisson", help="open-loop kind")
+    add("--burst-size", type=_count, default=16, metavar="N", help="requests per burst")
+    add("--max-batch-size", type=_count, default=32, metavar="N", help="started workers")
+    add("--max-wait-ms", type=float, default=5.0, metavar="MS", help="started workers")
+    add("--producers", type=_count, default=1, metavar="N", help="producer processes")
+    add("--timeout-s", type=_seconds, default=30.0, metavar="S", help="per reply (default 30)")
+    add("--drain-requests", type=_count, default=100_000, metavar="N", help="drain backlog")
+    add("--no-ceilings", action="store_true", help="skip the bare and protocol ceilings")
+    add(
+        "--quiet-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each measurement, wait up to S s for the machine to be idle (shared hosts)",
+    )
+    add(
+        "--redis-url",
+        dest="bench_redis_url",
+        metavar="URL",
+        help="start the workers on this Redis (default: a private redis-server)",
+    )
+    add("--no-start", action="store_true", help="drive the workers serving --model there")
+    add(
+        "--metrics-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="with --no-start: a worker's /metrics (repeat for several)",
+    )
+    add("--model-file", metavar="PATH", help="with --no-start: the .onnx, for bare ceilings")
+    add(
+        "--prefix",
+        default=argparse.SUPPRESS,
+        help=f"with --no-start: the workers' key prefix (default {keys.DEFAULT_PREFIX})",
+    )
+
+
+def _options(args: argparse.Namespace) -> Options:
+    scenarios = tuple(args.scenario or ())
+    custom = bool(args.concurrency or args.rate)
+    if scenarios and custom:
+        raise UsageError("--scenario runs fixed presets; leave out --concurrency and --rate.")
+    if args.no_start and scenarios:
+        raise UsageError(
+            "--no-start drives live workers with --concurrency or --rate; the presets start "
+            "their own workers with fixed settings."
+        )
+    if not args.no_start and (args.metrics_url or args.model_file):
+        raise UsageError("--metrics-url and --model-file go with --no-start.")
+    if not args.no_start and not scenarios and not keys.is_valid_model_name(args.model):
+        raise UsageError(f"--model {args.model!r} is not a model name.")
+    if args.max_wait_ms < 0:
+        raise UsageError("--max-wait-ms must not be negative.")
+    return Options(
+        scenarios=scenarios,
+        duration_s=args.duration_s,
+        warmup_s=args.warmup_s,
+        producers=args.producers,
+        timeout_s=args.timeout_s,
+        drain_requests=args.drain_requests,
+        max_wait_ms=args.max_wait_ms,
+        model=args.model,
+        concurrency=args.concurrency or (() if args.rate else (CALLERS,)),
+        rates=args.rate or (),
+        arrivals=args.arrivals,
+        burst_size=args.burst_size,
+        max_batch_size=args.max_batch_size,
+        ceilings=not args.no_ceilings,
+        no_start=args.no_start,
+        metrics_urls=tuple(args.metrics_url),
+        model_file=args.model_file,
+        prefix=getattr(args, "prefix", keys.DEFAULT_PREFIX),
+        quiet_s=max(args.quiet_s, 0.0),
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``redbatch bench``: run, print the table, write --json and --plot; returns 0."""
+    options = _options(args)
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"directory for {path!r} does not exist.")
+    if args.plot:
+        pyplot()  # fail before a long run, not after it
+    with contextlib.ExitStack() as stack:
+        if options.no_start:
+            url = args.bench_redis_url or args.redis_url
+        elif args.bench_redis_url:
+            url = args.bench_redis_url
+        else:
+            url = stack.enter_context(private_redis())
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redbatch-bench-")))
+        report = Bench(options, url, workdir).run()
+    print(format_report(report))
+    if args.json:
+        write_json(report, Path(args.json))
+    if args.plot:
+        plot(report, Path(args.plot))
+    return 0

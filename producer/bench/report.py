@@ -1,0 +1,376 @@
+"""What a run tells: progress lines, the report's tables and JSON, its targets, and the chart.
+
+The report is a plain dict (``runner.Bench`` builds it) so that it can be written as JSON and
+read back; everything here reads that dict and nothing else. ``targets`` sets the figures
+against the goals of the performance issue, ``format_report`` is the table ``redbatch bench``
+prints, ``plot`` the latency-throughput chart of a sweep, and ``say`` the progress lines on
+stderr while a run goes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from producer.bench.errors import BenchError
+from producer.bench.load import CALLERS
+
+__all__ = [
+    "CELERY_REQUESTS_PER_S",
+    "ISSUE_ASYNCIO_REQUESTS_PER_S",
+    "format_report",
+    "plot",
+    "pyplot",
+    "say",
+    "targets",
+    "write_json",
+]
+
+#: The Celery figure from the performance issue: 210 to 260 requests/s on the heavy model.
+CELERY_REQUESTS_PER_S = (210.0, 260.0)
+#: The issue's in-process asyncio batcher on the heavy model, on these 2 cores.
+ISSUE_ASYNCIO_REQUESTS_PER_S = 6000.0
+
+
+def say(message: str) -> None:
+    """One progress line on stderr, while a run goes."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    """The full report as indented JSON."""
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets (the performance issue's goals)
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal the report has the figures for: measured, reference, ratio, and whether met.
+
+    ``ratio`` is measured / reference; a goal is met when it is ``>=`` (or ``<=``) ``threshold``.
+    """
+    phases = {p["id"]: p for p in report["phases"]}
+    ceilings = report["ceilings"]
+
+    def rate(phase_id: str) -> float | None:
+        phase = phases.get(phase_id)
+        return phase["throughput_per_s"] if phase else None
+
+    def latency(phase_id: str, key: str) -> float | None:
+        phase = phases.get(phase_id)
+        return phase["latency_ms"].get(key) if phase else None
+
+    def bare(model: str, size: int, key: str) -> float | None:
+        batch = ceilings["bare"].get(model, {}).get("batch", {}).get(str(size))
+        if batch is None:
+            return None
+        return float(batch["rows_per_s"] if key == "rows" else batch["run_ms"]["p50"])
+
+    def plus(value: float | None, extra: float) -> float | None:
+        return None if value is None else value + extra
+
+    heavy = rate("heavy-closed/mbs32")
+    poisson = phases.get("poisson-half/poisson")
+    poisson_limit = None
+    if poisson:
+        run_ms = bare("heavy", poisson["worker"]["max_batch_size"], "ms")
+        poisson_limit = plus(run_ms and 2 * run_ms, poisson["worker"]["max_wait_ms"] + 5.0)
+    drain = report.get("drain") or {}
+    rss = drain.get("rss_kib", {})
+    low, high = CELERY_REQUESTS_PER_S
+    rows = [
+        ("heavy-vs-bare", "heavy, 64 callers, max 32: req/s over bare session.run rows/s at 32",
+         heavy, bare("heavy", 32, "rows"), ">=", 0.75),
+        ("heavy-vs-asyncio", "heavy, 64 callers: req/s over the asyncio batcher measured here",
+         heavy, ceilings["asyncio"].get("heavy", {}).get("throughput_per_s"), ">=", 1.0),
+        ("heavy-vs-issue-asyncio", "heavy, 64 callers: req/s over the issue's asyncio 6,000/s",
+         heavy, ISSUE_ASYNCIO_REQUESTS_PER_S, ">=", 1.0),
+        ("tiny-vs-protocol", "tiny, 64 callers: req/s over the Redis-protocol-only req/s",
+         rate("tiny-closed"), ceilings["protocol"].get("tiny", {}).get("throughput_per_s"),
+         ">=", 0.8),
+        ("single-caller-heavy", "heavy, one caller: p50 ms over bare batch-1 run + 2 ms",
+         latency("single-caller/heavy", "p50"), plus(bare("heavy", 1, "ms"), 2.0), "<=", 1.0),
+        ("single-caller-tiny", "tiny, one caller: p50 ms over bare batch-1 run + 2 ms",
+         latency("single-caller/tiny", "p50"), plus(bare("tiny", 1, "ms"), 2.0), "<=", 1.0),
+        ("poisson-half", "heavy, Poisson at half max: p99 ms over max_wait + 2 runs + 5 ms",
+         latency("poisson-half/poisson", "p99"), poisson_limit, "<=", 1.0),
+        ("batching-pays", "heavy: req/s at max_batch_size 32 over max_batch_size 1",
+         heavy, rate("heavy-closed/mbs1"), ">=", 5.0),
+        ("vs-celery", f"heavy, max 32: req/s over Celery's {high:g}/s (top of {low:g}-{high:g})",
+         heavy, high, ">=", 20.0),
+        ("drain-memory", f"drain {drain.get('requests', 0):,}: worker peak RSS over idle RSS",
+         rss.get("drain_peak"), rss.get("idle"), "<=", 1.5),
+    ]  # fmt: skip
+    found = []
+    for target_id, what, measured, reference, op, threshold in rows:
+        if measured is None or not reference:
+            continue
+        ratio = measured / reference
+        met = ratio >= threshold if op == ">=" else ratio <= threshold
+        found.append(
+            {
+                "id": target_id,
+                "what": what,
+                "measured": measured,
+                "reference": reference,
+                "ratio": ratio,
+                "op": op,
+                "threshold": threshold,
+                "met": bool(met),
+            }
+        )
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The report as a table
+
+_STAGE_TITLES = {
+    "queue_wait": "queue wait",
+    "decode_validate": "decode+validate",
+    "batch_assembly": "batch assembly",
+    "inference": "inference",
+    "reply_write": "reply write",
+}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as readable tables: machine, ceilings, phases, worker time, drain, targets."""
+    m, s = report["machine"], report["settings"]
+    lines = [
+        f"redbatch bench  {m['cpus_usable']} cores ({m['cpu_model'] or 'cpu'}), "
+        f"Python {m['python']}, onnxruntime {m.get('onnxruntime', '?')}, "
+        f"Redis {m['redis_server']}, redis-py {m['redis_py']}",
+        f"each phase: {s['warmup_s']:g} s warmup, then {s['duration_s']:g} s measured; "
+        f"{s['producers']} producer process(es)",
+        "",
+    ]
+    lines += _format_ceilings(report["ceilings"])
+    if report["phases"]:
+        lines += ["", *_format_phases(report["phases"]), "", *_format_stages(report["phases"])]
+        lines += ["", *_format_cpu(report), "", *_format_batches(report["phases"])]
+    if report.get("drain"):
+        lines += ["", *_format_drain(report["drain"])]
+    if report["targets"]:
+        lines += ["", "targets (ratio = measured / reference)"]
+        for t in report["targets"]:
+            mark = "met " if t["met"] else "MISS"
+            lines.append(
+                f"  [{mark}] {t['what']}: {t['ratio']:.2f} (needs {t['op']} {t['threshold']:g};"
+                f" {t['measured']:,.2f} vs {t['reference']:,.2f})"
+            )
+    return "\n".join(lines)
+
+
+def _format_ceilings(ceilings: dict[str, Any]) -> list[str]:
+    lines = ["ceilings (measured in this run)"]
+    for model, c in ceilings["bare"].items():
+        parts = [
+            f"batch {size}: {b['rows_per_s']:,.0f} rows/s, {b['run_ms']['p50']:.2f} ms/run"
+            for size, b in sorted(c["batch"].items(), key=lambda kv: int(kv[0]))
+        ]
+        lines.append(f"  bare session.run  {model:<6} " + "; ".join(parts))
+    for model, c in ceilings["protocol"].items():
+        lines.append(
+            f"  protocol only     {model:<6} {c['throughput_per_s']:,.0f} req/s "
+            f"({CALLERS} in flight, p50 {c['latency_ms'].get('p50', 0):.1f} ms; no model, "
+            "no decoding)"
+        )
+    for model, c in ceilings["asyncio"].items():
+        lines.append(
+            f"  asyncio batcher   {model:<6} {c['throughput_per_s']:,.0f} req/s "
+            f"({c['callers']} callers, max {c['max_batch_size']}, {c['window_ms']:g} ms window, "
+            f"mean batch {c['mean_batch_rows']:.1f}, p50 {c['latency_ms'].get('p50', 0):.1f} ms;"
+            " in-process, no Redis)"
+        )
+    return lines
+
+
+def _format_phases(phases: Sequence[dict[str, Any]]) -> list[str]:
+    head = (
+        f"{'phase':<24} {'load':<20} {'mbs':>3} {'req/s':>7} {'/bare':>5} {'/proto':>6} "
+        f"{'p50':>6} {'p90':>6} {'p99':>6} {'p99.9':>6} {'p50/b1':>6} {'batch':>5} {'cpu/req':>7}"
+    )
+    lines = [
+        "phases (latency: ms, end to end; /bare, /proto: throughput over that ceiling; p50/b1: "
+        "p50 over bare batch-1 run time; batch: mean rows of each request's batch; cpu/req: "
+        "producer CPU ms per request)",
+        head,
+    ]
+    for p in phases:
+        lat, r = p["latency_ms"], p["vs_ceiling"]
+        lines.append(
+            f"{p['id']:<24} {p['load']['label']:<20} {p['worker']['max_batch_size']:>3} "
+            f"{p['throughput_per_s']:>7,.0f} {_ratio(r.get('throughput_over_bare')):>5} "
+            f"{_ratio(r.get('throughput_over_protocol')):>6} "
+            + " ".join(f"{lat.get(k, float('nan')):>6.1f}" for k in ("p50", "p90", "p99", "p99.9"))
+            + f" {_ratio(r.get('p50_over_bare_batch1')):>6}"
+            + f" {p['batch_rows']['mean']:>5.1f} {p['producer']['cpu_ms_per_request']:>7.3f}"
+            + (f"  {p['lost']} lost" if p["lost"] else "")
+            + (f"  errors {p['errors']}" if p["errors"] else "")
+        )
+    return lines
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 0.1 else f"{value:.2f}"
+
+
+def _format_stages(phases: Sequence[dict[str, Any]]) -> list[str]:
+    views = [(p, p["worker_side"]) for p in phases if p.get("worker_side")]
+    if not views:
+        return ["worker timings: none (no metrics endpoint)"]
+    names: list[str] = []
+    for _, view in views:
+        names += [n for n in view["stages"] if n not in names]
+    titles = [_STAGE_TITLES.get(n, n.replace("_", " ")) for n in names]
+    lines = [
+        "where a request's time goes (ms; the worker's mean per request, or per run or write "
+        "for the batch it went through; queue wait runs from enqueue to batch start and "
+        "includes read, decode and validate; outside: the end-to-end mean less queue wait, "
+        "inference and reply write)",
+        f"{'phase':<24} {'e2e mean':>8} "
+        + " ".join(f"{t:>15}" for t in titles)
+        + f" {'outside':>8} {'runs':>6}",
+    ]
+    for phase, view in views:
+        cells = [
+            f"{view['stages'][n]['mean_ms']:>15.3f}" if n in view["stages"] else f"{'-':>15}"
+            for n in names
+        ]
+        outside = view.get("outside_ms")
+        lines.append(
+            f"{phase['id']:<24} {phase['latency_ms'].get('mean', float('nan')):>8.2f} "
+            + " ".join(cells)
+            + f" {'-' if outside is None else f'{outside:.2f}':>8} {view['runs']:>6}"
+        )
+    return lines
+
+
+def _format_cpu(report: dict[str, Any]) -> list[str]:
+    columns = ("machine", "worker", "redis", "producers", "benchkit", "other")
+    lines = [
+        f"cores busy during each measurement (of {report['machine']['cpus_usable']}; other: "
+        "the machine less everything the bench started, i.e. a neighbour's load)",
+        f"{'measurement':<24} " + " ".join(f"{c:>9}" for c in columns),
+    ]
+    rows = [(f"ceiling {kind} {model}", c.get("cpu_cores")) for kind in ("bare", "protocol",
+            "asyncio") for model, c in report["ceilings"][kind].items()]  # fmt: skip
+    rows += [(p["id"], p.get("cpu_cores")) for p in report["phases"]]
+    if report.get("drain"):
+        rows.append(("drain", report["drain"].get("cpu_cores")))
+    for name, cores in rows:
+        if cores:
+            cells = [f"{cores[c]:>9.2f}" if c in cores else f"{'-':>9}" for c in columns]
+            lines.append(f"{name:<24} " + " ".join(cells))
+    return lines
+
+
+def _format_batches(phases: Sequence[dict[str, Any]]) -> list[str]:
+    lines = ["batch rows per request (rows of the batch each request ran in: requests)"]
+    for p in phases:
+        hist = p["batch_rows"]["histogram"]
+        total = sum(hist.values()) or 1
+        top = sorted(hist.items(), key=lambda kv: -kv[1])[:6]
+        cells = ", ".join(f"{rows}: {n:,} ({100 * n / total:.0f}%)" for rows, n in top)
+        more = f", {len(hist) - 6} more sizes" if len(hist) > 6 else ""
+        lines.append(f"  {p['id']:<24} {cells}{more}")
+    return lines
+
+
+def _format_drain(d: dict[str, Any]) -> list[str]:
+    rss = d["rss_kib"]
+    return [
+        f"drain  {d['requests']:,} tiny requests enqueued in {d['enqueue_s']:.1f} s, then a "
+        f"fresh worker: drained in {d['drain_s']:.1f} s = {d['drain_per_s']:,.0f} req/s, "
+        f"mean batch {d['batch_rows']['mean']:.1f}, {d['ok']:,} ok, {d['missing']} missing",
+        f"       worker RSS: idle {rss['idle'] / 1024:.0f} MiB (start-up peak "
+        f"{rss['idle_peak'] / 1024:.0f}), draining peak {rss['drain_peak'] / 1024:.0f} MiB, "
+        f"at the end {rss['drain_end'] / 1024:.0f} MiB: peak {d['peak_over_idle']:.2f} x idle",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The report as a chart
+
+_PLOT_HINT = "--plot needs matplotlib: pip install 'redbatch[plot]' (or pip install matplotlib)"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend; BenchError saying how to install it if absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise BenchError(_PLOT_HINT) from exc
+    return plt
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Latency (p50 and p99) against throughput for each series of phases (a sweep)."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for p in report["phases"]:
+        if p.get("series") and p["latency_ms"]:
+            series.setdefault(p["series"], []).append(p)
+    if not series:
+        raise BenchError(
+            "--plot draws a sweep: use --scenario sweep (or all), or give several "
+            "--concurrency or --rate values."
+        )
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, (name, phases) in enumerate(series.items()):
+        points = sorted(phases, key=lambda p: p["load"]["concurrency"] or p["load"]["rate_per_s"])
+        x = [p["throughput_per_s"] for p in points]
+        color = colors[n % len(colors)]
+        for key, style in (("p50", "o-"), ("p99", "s--")):
+            y = [p["latency_ms"][key] for p in points]
+            ax.plot(x, y, style, color=color, label=f"{name} {key}")
+    # The ceilings of the models plotted, at the batch size their workers used.
+    ceilings = report["ceilings"]
+    for model, size in sorted(
+        {(p["model"], p["worker"]["max_batch_size"]) for p in report["phases"] if p.get("series")}
+    ):
+        bare = ceilings["bare"].get(model, {}).get("batch", {}).get(str(size))
+        marks = [(bare and bare["rows_per_s"], f"bare session.run {model}, batch {size}")]
+        protocol = ceilings["protocol"].get(model)
+        marks.append((protocol and protocol["throughput_per_s"], f"protocol only, {model}"))
+        batcher = ceilings["asyncio"].get(model)
+        if batcher and batcher["latency_ms"]:
+            lat = batcher["latency_ms"]
+            x = [batcher["throughput_per_s"]] * 2
+            label = f"in-process asyncio batcher, {model} (p50, p99)"
+            ax.plot(x, [lat["p50"], lat["p99"]], "k*", markersize=9, label=label)
+        for x_ceiling, label in marks:
+            if x_ceiling:
+                ax.axvline(x_ceiling, color="grey", linestyle=":", linewidth=1)
+                ax.annotate(
+                    label,
+                    (x_ceiling, 0.98),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    va="top",
+                    ha="right",
+                    fontsize=8,
+                )
+    ax.set_xlim(left=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("throughput (requests/s)")
+    ax.set_ylabel("end-to-end latency (ms)")
+    m = report["machine"]
+    ax.set_title(f"redbatch: latency vs throughput ({m['cpus_usable']} cores, CPU)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,391 @@
+"""One bench run: its settings, the ceilings it measures, its phases, and the report it keeps.
+
+``Bench.run`` is the table of contents: measure the ceilings the chosen scenarios (or the
+custom load) are compared with, then run each phase. A phase is one load against one worker
+configuration: ``warmup_s`` of load, then ``duration_s`` measured, with the worker's /metrics
+and every process's CPU sampled at the window's edges. ``Workers`` keeps a started worker while
+the next phase wants the same setup, since starting one takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from producer import core, keys
+from producer.bench import provenance
+from producer.bench.load import CALLERS, LoadSpec, run_load
+from producer.bench.metrics import (
+    cpu_cores,
+    cpu_sample,
+    machine_busy_s,
+    outside_ms,
+    scrape,
+    worker_view,
+)
+from producer.bench.processes import (
+    PREFIX,
+    WorkerProcess,
+    WorkerSetup,
+    benchkit,
+    flags,
+    worker_records,
+)
+from producer.bench.report import say, targets
+from producer.bench.scenarios import SCENARIOS
+
+__all__ = ["Bench", "Options", "Workers"]
+
+_QUIET_CORES = 0.25  # --quiet-s: busier than this, and someone else is using the machine
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """A run's settings, read once from the command line."""
+
+    scenarios: tuple[str, ...] = ()
+    duration_s: float = 3.0
+    warmup_s: float = 0.5
+    producers: int = 1
+    timeout_s: float = 30.0
+    drain_requests: int = 100_000
+    max_wait_ms: float = 5.0
+    model: str = "tiny"
+    concurrency: tuple[int, ...] = ()
+    rates: tuple[float, ...] = ()
+    arrivals: str = "poisson"
+    burst_size: int = 16
+    max_batch_size: int = 32
+    ceilings: bool = True
+    no_start: bool = False
+    metrics_urls: tuple[str, ...] = ()
+    model_file: str | None = None
+    prefix: str = keys.DEFAULT_PREFIX
+    quiet_s: float = 0.0
+
+
+class Workers:
+    """At most one started worker at a time, kept while the next phase wants the same setup."""
+
+    def __init__(self, url: str, workdir: Path, model_file: Callable[[str], Path]) -> None:
+        self.url, self.workdir, self.model_file = url, workdir, model_file
+        self.current: WorkerProcess | None = None
+
+    def get(self, setup: WorkerSetup) -> WorkerProcess:
+        if self.current is not None and self.current.setup == setup:
+            return self.current
+        self.stop()
+        say(f"starting a worker: {setup.model}, max_batch_size {setup.max_batch_size}")
+        worker = WorkerProcess(setup, self.model_file(setup.model), self.url, self.workdir)
+        self.current = worker.start()
+        return worker
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+class Bench:
+    """One run: builds models, measures ceilings, runs phases, and keeps the report."""
+
+    def __init__(self, options: Options, url: str, workdir: Path) -> None:
+        self.o = options
+        self.url = url
+        self.workdir = workdir
+        self._models: dict[str, Path] = {}
+        self.workers = Workers(url, workdir, self.model_file)
+        self.max_throughput: dict[WorkerSetup, float] = {}
+        settings = asdict(options)
+        settings["redis"] = core.redact_url(url)
+        self.report: dict[str, Any] = {
+            "redbatch_bench": 1,
+            "command": provenance.command_line(),
+            "started_at": provenance.utc_now(),
+            "machine": provenance.machine(url),
+            "source": provenance.source(),
+            "settings": settings,
+            "ceilings": {"bare": {}, "protocol": {}, "asyncio": {}},
+            "phases": [],
+            "drain": None,
+            "targets": [],
+        }
+
+    # -- models and ceilings ----------------------------------------------------------------
+
+    def model_file(self, name: str) -> Path:
+        """The synthetic model ``name``, built once per run by ``benchkit build``."""
+        if name not in self._models:
+            path = self.workdir / f"{name}.onnx"
+            benchkit("build", name, str(path), timeout_s=300)
+            self._models[name] = path
+        return self._models[name]
+
+    @property
+    def _ceiling_s(self) -> float:
+        return max(self.o.duration_s / 2, 0.5)
+
+    def bare(self, model: str, sizes: Sequence[int], model_file: Path | None = None) -> None:
+        say(f"ceiling: bare session.run, {model}, batch {', '.join(map(str, sizes))}")
+        path = model_file or self.model_file(model)
+        result = self._ceiling(
+            "bare",
+            *flags(
+                model_file=path, batch_sizes=",".join(map(str, sizes)), duration_s=self._ceiling_s
+            ),
+            timeout_s=120 + 4 * self._ceiling_s * len(sizes),
+        )
+        known = self.report["ceilings"]["bare"].setdefault(model, result)
+        known["batch"].update(result["batch"])
+        self.report["machine"].setdefault("onnxruntime", result["onnxruntime"])
+        self.report["machine"].setdefault("providers", result["providers"])
+
+    def protocol(self, model: str, source: tuple[str, str], max_batch_size: int) -> None:
+        """The Redis protocol alone, with ``model``'s request and reply sizes; ``source`` is
+        ``("--model-file", PATH)`` or ``("--specs", JSON_PATH)``."""
+        say(f"ceiling: Redis protocol alone, {model}-sized requests, {CALLERS} in flight")
+        argv = flags(
+            prefix=f"{PREFIX}-protocol",
+            concurrency=CALLERS,
+            max_batch_size=max_batch_size,
+            producers=self.o.producers,
+            duration_s=self.o.duration_s,
+            warmup_s=self.o.warmup_s,
+        )
+        timeout_s = 180 + self.o.duration_s + self.o.timeout_s
+        result = self._ceiling("protocol", *source, *argv, timeout_s=timeout_s)
+        self.report["ceilings"]["protocol"][model] = result
+
+    def asyncio_batcher(self, model: str) -> None:
+        say(f"ceiling: in-process asyncio batcher, {model}, {CALLERS} callers")
+        argv = flags(
+            model_file=self.model_file(model),
+            callers=CALLERS,
+            max_batch_size=32,
+            window_ms=10,
+            duration_s=self.o.duration_s,
+            warmup_s=self.o.warmup_s,
+        )
+        result = self._ceiling("asyncio", *argv, timeout_s=120 + self.o.duration_s)
+        self.report["ceilings"]["asyncio"][model] = result
+
+    def _ceiling(self, *args: str, timeout_s: float) -> dict[str, Any]:
+        """A ``benchkit`` measurement, with the cores it, Redis and anything else used."""
+        self.wait_for_quiet()
+        conn = redis.Redis.from_url(self.url, socket_timeout=10)
+        try:
+            before = cpu_sample(conn, {})
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            result = benchkit(*args, timeout_s=timeout_s, redis_url=self.url)
+            after = cpu_sample(conn, {})
+            done = resource.getrusage(resource.RUSAGE_CHILDREN)
+        finally:
+            conn.close()
+        used_s = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
+        after["benchkit"], before["benchkit"] = used_s, 0.0
+        result["cpu_cores"] = cpu_cores(before, after)
+        return result
+
+    def wait_for_quiet(self) -> None:
+        """With ``--quiet-s``: wait, at most that long, until the machine's cores are idle
+        (under ``_QUIET_CORES`` busy over half a second, an idle worker included)."""
+        deadline = time.monotonic() + self.o.quiet_s
+        said = False
+        while self.o.quiet_s:
+            before = machine_busy_s()
+            time.sleep(0.5)
+            busy = (machine_busy_s() - before) / 0.5
+            if busy < _QUIET_CORES:
+                return
+            if time.monotonic() > deadline:
+                say(f"the machine is still busy ({busy:.2f} cores); measuring anyway")
+                return
+            if not said:
+                say(f"waiting for the machine to go quiet ({busy:.2f} cores busy)")
+                said = True
+
+    # -- phases -----------------------------------------------------------------------------
+
+    def phase(
+        self,
+        phase_id: str,
+        setup: WorkerSetup,
+        load: dict[str, Any],
+        series: str | None = None,
+    ) -> dict[str, Any]:
+        """Run ``load`` against a started worker serving ``setup``; returns the phase."""
+        worker = self.workers.get(setup)
+        self.report["machine"].setdefault("onnxruntime", worker.record["runtime"]["onnxruntime"])
+        spec = self.load_spec(PREFIX, setup.served, worker.record["inputs"], load)
+        urls = [worker.metrics_url]
+        phase = self._measure(phase_id, spec, setup.model, worker.record, urls, [worker.pid])
+        phase["series"] = series
+        if spec.mode == "closed" and spec.concurrency >= CALLERS:
+            self.max_throughput[setup] = phase["throughput_per_s"]
+        return phase
+
+    def load_spec(self, prefix: str, served: str, inputs: Any, load: dict[str, Any]) -> LoadSpec:
+        o = self.o
+        return LoadSpec(
+            url=self.url,
+            prefix=prefix,
+            model=served,
+            inputs=inputs,
+            duration_s=o.duration_s,
+            warmup_s=o.warmup_s,
+            timeout_s=o.timeout_s,
+            **load,
+        )
+
+    def _measure(
+        self,
+        phase_id: str,
+        spec: LoadSpec,
+        model: str,
+        record: dict[str, Any],
+        metrics_urls: Sequence[str],
+        worker_pids: Sequence[int] = (),
+    ) -> dict[str, Any]:
+        self.wait_for_quiet()
+        say(f"{phase_id}: {spec.label()} for {spec.warmup_s:g} + {spec.duration_s:g} s")
+        conn = redis.Redis.from_url(self.url, socket_timeout=10)
+
+        def probe(producer_pids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+            pids = {"producers": producer_pids, "worker": worker_pids}
+            metrics = scrape(metrics_urls) if metrics_urls else {}
+            return metrics, cpu_sample(conn, pids)
+
+        try:
+            result, before, after = run_load(spec, self.o.producers, probe)
+        finally:
+            conn.close()
+        batching = record["batching"]
+        phase: dict[str, Any] = {
+            "id": phase_id,
+            "model": model,
+            "worker": {
+                "max_batch_size": batching["max_batch_size"],
+                "max_wait_ms": batching["max_wait_ms"],
+            },
+            "load": {
+                "mode": spec.mode,
+                "label": spec.label(),
+                "concurrency": spec.concurrency if spec.mode == "closed" else None,
+                "rate_per_s": spec.rate_per_s if spec.mode != "closed" else None,
+                "burst_size": spec.burst_size if spec.mode == "bursty" else None,
+                "producers": self.o.producers,
+                "duration_s": spec.duration_s,
+                "warmup_s": spec.warmup_s,
+            },
+            **result.summary(),
+            "worker_side": worker_view(before[0], after[0]) if metrics_urls else None,
+            "cpu_cores": cpu_cores(before[1], after[1]),
+        }
+        phase["vs_ceiling"] = self._ratios(phase)
+        if phase["worker_side"] is not None:
+            phase["worker_side"]["outside_ms"] = outside_ms(phase)
+        self.report["phases"].append(phase)
+        lat = phase["latency_ms"]
+        say(
+            f"{phase_id}: {phase['throughput_per_s']:,.0f} req/s, p50 {lat.get('p50', 0):.1f} ms, "
+            f"p99 {lat.get('p99', 0):.1f} ms, mean batch {phase['batch_rows']['mean']:.1f}"
+        )
+        if phase["lost"]:
+            say(f"{phase_id}: {phase['lost']} requests got no reply within {spec.timeout_s:g} s")
+        return phase
+
+    def _ratios(self, phase: dict[str, Any]) -> dict[str, float]:
+        ceilings = self.report["ceilings"]
+        throughput = phase["throughput_per_s"]
+        bare = ceilings["bare"].get(phase["model"], {}).get("batch", {})
+        ratios = {}
+        at_max = bare.get(str(phase["worker"]["max_batch_size"]))
+        if at_max:
+            ratios["throughput_over_bare"] = throughput / at_max["rows_per_s"]
+        if bare.get("1") and phase["latency_ms"]:
+            ratios["p50_over_bare_batch1"] = phase["latency_ms"]["p50"] / bare["1"]["run_ms"]["p50"]
+        protocol = ceilings["protocol"].get(phase["model"])
+        if protocol and protocol["throughput_per_s"]:
+            ratios["throughput_over_protocol"] = throughput / protocol["throughput_per_s"]
+        return ratios
+
+    def closed_max(self, setup: WorkerSetup, scenario: str) -> float:
+        """The setup's throughput at ``CALLERS`` closed-loop callers, measured now if no phase
+        of this run has measured it yet."""
+        if setup not in self.max_throughput:
+            self.phase(f"{scenario}/max", setup, {"mode": "closed", "concurrency": CALLERS})
+        return self.max_throughput[setup]
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Measure the ceilings, then run the scenarios (or the custom load); returns the report."""
+        try:
+            if self.o.no_start:
+                self._run_against_live_workers()
+            elif self.o.scenarios:
+                self._run_scenarios()
+            else:
+                self._run_custom()
+        finally:
+            self.workers.stop()
+        self.report["targets"] = targets(self.report)
+        self.report["finished_at"] = provenance.utc_now()
+        return self.report
+
+    def _run_scenarios(self) -> None:
+        chosen = [SCENARIOS[name] for name in self.o.scenarios]
+        if self.o.ceilings:
+            bare: dict[str, set[int]] = {}
+            for scenario in chosen:
+                for model, model_sizes in scenario.bare:
+                    bare.setdefault(model, set()).update(model_sizes)
+            for model, sizes in sorted(bare.items()):
+                self.bare(model, sorted(sizes))
+            for model in sorted({m for s in chosen for m in s.protocol}):
+                self.protocol(model, ("--model-file", str(self.model_file(model))), 32)
+            for model in sorted({m for s in chosen for m in s.asyncio}):
+                self.asyncio_batcher(model)
+        for scenario in chosen:
+            scenario.run(self)
+
+    def _custom_phases(self) -> Iterator[tuple[str, dict[str, Any], str]]:
+        o = self.o
+        for c in o.concurrency:
+            yield f"custom/closed-C{c}", {"mode": "closed", "concurrency": c}, "closed"
+        for rate in o.rates:
+            load = {"mode": o.arrivals, "rate_per_s": rate, "burst_size": o.burst_size}
+            yield f"custom/{o.arrivals}-{rate:g}", load, o.arrivals
+
+    def _run_custom(self) -> None:
+        o = self.o
+        setup = WorkerSetup(o.model, o.max_batch_size, o.max_wait_ms)
+        if o.ceilings:
+            self.bare(o.model, sorted({1, o.max_batch_size}))
+            source = ("--model-file", str(self.model_file(o.model)))
+            self.protocol(o.model, source, o.max_batch_size)
+        for phase_id, load, kind in self._custom_phases():
+            self.phase(phase_id, setup, load, series=f"{o.model} {kind}")
+
+    def _run_against_live_workers(self) -> None:
+        o = self.o
+        record = worker_records(self.url, o.prefix, o.model)[0]
+        self.report["machine"].setdefault("onnxruntime", record["runtime"]["onnxruntime"])
+        if o.ceilings:
+            sizes = sorted({1, int(record["batching"]["max_batch_size"])})
+            if o.model_file:
+                self.bare(o.model, sizes, Path(o.model_file))
+            specs = self.workdir / "specs.json"
+            specs.write_text(json.dumps({k: record[k] for k in ("inputs", "outputs")}))
+            self.protocol(o.model, ("--specs", str(specs)), sizes[-1])
+        for phase_id, load, kind in self._custom_phases():
+            spec = self.load_spec(o.prefix, o.model, record["inputs"], load)
+            phase = self._measure(phase_id, spec, o.model, record, o.metrics_urls)
+            phase["series"] = f"{o.model} {kind}"

@@ -1,0 +1,106 @@
+"""The fixed presets (``SCENARIOS``): what each runs, and the ceilings it is compared with.
+
+Each preset is fixed, so runs on different days or commits compare. ``redbatch bench
+--scenario NAME`` runs one; ``Bench`` first measures the union of the chosen presets' ceilings
+(bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio batcher),
+then calls each preset's ``run`` with itself. The drain preset lives in ``drain.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from producer.bench.drain import drain
+from producer.bench.load import CALLERS
+from producer.bench.processes import WorkerSetup
+
+if TYPE_CHECKING:
+    from producer.bench.runner import Bench
+
+__all__ = ["SCENARIOS", "Scenario"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A fixed preset: what it runs, and the ceilings it is compared with."""
+
+    run: Callable[[Bench], None]
+    about: str
+    bare: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    protocol: tuple[str, ...] = ()
+    asyncio: tuple[str, ...] = ()
+
+
+def _closed(callers: int) -> dict[str, Any]:
+    return {"mode": "closed", "concurrency": callers}
+
+
+def _tiny_closed(b: Bench) -> None:
+    b.phase("tiny-closed", WorkerSetup("tiny", 32, b.o.max_wait_ms), _closed(CALLERS))
+
+
+def _single_caller(b: Bench) -> None:
+    for model in ("tiny", "heavy"):
+        b.phase(f"single-caller/{model}", WorkerSetup(model, 32, b.o.max_wait_ms), _closed(1))
+
+
+def _heavy_closed(b: Bench) -> None:
+    for size in (1, 32):
+        setup = WorkerSetup("heavy", size, b.o.max_wait_ms)
+        b.phase(f"heavy-closed/mbs{size}", setup, _closed(CALLERS))
+
+
+def _poisson_half(b: Bench) -> None:
+    setup = WorkerSetup("heavy", 32, b.o.max_wait_ms)
+    rate = b.closed_max(setup, "poisson-half") / 2
+    b.phase("poisson-half/poisson", setup, {"mode": "poisson", "rate_per_s": rate})
+    load = {"mode": "bursty", "rate_per_s": rate, "burst_size": 16}
+    b.phase("poisson-half/bursty", setup, load)
+
+
+def _sweep(b: Bench) -> None:
+    setup = WorkerSetup("heavy", 32, b.o.max_wait_ms)
+    top = b.closed_max(setup, "sweep")
+    for callers in (1, 4, 16, 64, 128):
+        b.phase(f"sweep/closed-C{callers}", setup, _closed(callers), series="heavy closed loop")
+    for share in (0.25, 0.5, 0.75, 0.9):
+        load = {"mode": "poisson", "rate_per_s": share * top}
+        b.phase(f"sweep/poisson-{share:g}", setup, load, series="heavy Poisson")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "tiny-closed": Scenario(
+        _tiny_closed,
+        f"tiny model, {CALLERS} closed-loop callers, vs the Redis-protocol-only ceiling",
+        bare=(("tiny", (1, 32)),),
+        protocol=("tiny",),
+    ),
+    "single-caller": Scenario(
+        _single_caller,
+        "one caller at a time, tiny and heavy: p50 vs bare batch-1 run time",
+        bare=(("tiny", (1,)), ("heavy", (1,))),
+    ),
+    "heavy-closed": Scenario(
+        _heavy_closed,
+        f"heavy model, {CALLERS} closed-loop callers, max_batch_size 1 and 32, "
+        "vs bare session.run and an in-process asyncio batcher",
+        bare=(("heavy", (1, 32)),),
+        asyncio=("heavy",),
+    ),
+    "poisson-half": Scenario(
+        _poisson_half,
+        "heavy model, Poisson (and bursty) arrivals at half the closed-loop maximum",
+        bare=(("heavy", (32,)),),
+    ),
+    "sweep": Scenario(
+        _sweep,
+        "heavy model: closed loop at 1 to 128 callers, Poisson at 25 to 90% of the maximum",
+        bare=(("heavy", (1, 32)),),
+    ),
+    "drain": Scenario(
+        drain,
+        "100,000 tiny requests enqueued, then a worker started: drain rate, peak vs idle RSS",
+    ),
+}
