@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +79,9 @@ def test_live_worker_record_is_in_redis_and_removed_on_clean_exit(
     assert not rconn.smembers("redbatch:{demo}:workers")
 
 
-def test_sigterm_answers_the_batch_in_hand_and_exits_zero(
-    tmp_path: Path, redis_url: str, rconn
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
+    tmp_path: Path, redis_url: str, rconn, signum: signal.Signals
 ) -> None:
     # Given a backlog far larger than the worker holds, on a slow model
     config = write_config(
@@ -94,9 +96,9 @@ def test_sigterm_answers_the_batch_in_hand_and_exits_zero(
         text=True,
     )
     try:
-        # When SIGTERM arrives while it is serving
+        # When the signal arrives while it is serving
         wait_reply(rconn, rids[0], timeout_s=60)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=30)
     finally:
         proc.kill()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from harness import direct_run, running_worker, send, stream_is_empty, wait_reply, write_config
+
+from worker.model import OnnxModel
 
 SLOW_WINDOW = "max_batch_size = 32\nmax_wait_ms = 300"
 
@@ -143,3 +147,33 @@ def test_multi_row_requests_count_rows_toward_the_batch(
     assert reply.ok
     assert reply.outputs["doubled"].shape == (rows, 2)
     assert reply.batch_rows == rows
+
+
+def test_deadline_is_checked_again_just_before_each_run(
+    tmp_path: Path, redis_url: str, rconn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two requests formed into one batch, in two sub-batches of different shapes, where
+    # the first sub-batch's run outlasts the second request's deadline
+    deadline_ms = int(time.time() * 1000) + 1500
+    real_run = OnnxModel.run
+
+    def slow_for_width_2(self, feeds, output_names):
+        if feeds["x"].shape[1] == 2:  # a model slower than the deadline, simulated
+            threading.Event().wait(max(deadline_ms / 1000 - time.time(), 0) + 0.2)
+        return real_run(self, feeds, output_names)
+
+    monkeypatch.setattr(OnnxModel, "run", slow_for_width_2)
+    config = write_config(tmp_path, "free_dim", redis_url, batching=SLOW_WINDOW)
+    with running_worker(config):
+        pipe = rconn.pipeline(transaction=False)
+        send(pipe, "free_dim", "first", {"x": np.ones((1, 2), np.float32)})
+        send(
+            pipe, "free_dim", "second", {"x": np.ones((1, 3), np.float32)}, deadline_ms=deadline_ms
+        )
+        pipe.execute()
+        first, second = wait_reply(rconn, "first"), wait_reply(rconn, "second")
+
+    # Then the first ran, and the second was not run: its deadline passed while it waited
+    assert first.ok
+    assert second.error is not None
+    assert second.error.code == "DEADLINE_EXCEEDED"
