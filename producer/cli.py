@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-from producer import bench, core, keys, replay, status, watch
+from producer import argtypes, bench, core, keys, replay, status, watch
 from producer.errors import ConnectionFailed, RedbatchError
 from producer.job import (
     UsageError,
@@ -204,26 +204,6 @@ examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
-
-
 def _redis_url(text: str) -> str:
     scheme = urlsplit(text).scheme
     if scheme not in ("redis", "rediss", "unix"):
@@ -296,21 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--rows-per-request",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=1,
         metavar="N",
         help="rows per request; 1 (default) makes failures per row",
     )
     run.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=256,
         metavar="N",
         help="requests in flight at once (default: 256)",
     )
     run.add_argument(
         "--timeout-s",
-        type=_positive_float,
+        type=argtypes.positive_float,
         default=60.0,
         metavar="S",
         help="how long to wait for each reply (default: 60)",
@@ -329,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stat.add_argument(
         "--dead-letters",
-        type=_positive_int,
+        type=argtypes.positive_int,
         default=status.DEFAULT_DEAD_LIMIT,
         metavar="N",
         help=f"how many recent dead letters to show (default: {status.DEFAULT_DEAD_LIMIT})",

@@ -29,7 +29,7 @@ from typing import Any
 
 import redis
 
-from producer import codec, core, keys
+from producer import argtypes, codec, core, keys
 from producer.errors import ConnectionFailed, WireFormatError
 
 __all__ = [
@@ -378,27 +378,11 @@ examples:
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _model_name(text: str) -> str:
-    if not keys.is_valid_model_name(text):
-        raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_.-]{{1,64}}")
-    return text
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``redbatch replay`` options (``producer.cli`` registers the subcommand)."""
     parser.description = _HELP
     add = parser.add_argument
-    add("--model", required=True, type=_model_name, help="model name")
+    add("--model", required=True, type=argtypes.model_name, help="model name")
     add(
         "--from-dead",
         action="store_true",
@@ -419,7 +403,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep each request's id; its old error reply is deleted first",
     )
     parser.set_defaults(same_ids=False)
-    add("--limit", type=_positive_int, metavar="N", help="at most N dead letters, oldest first")
+    add(
+        "--limit",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="at most N dead letters, oldest first",
+    )
     add("--delete", action="store_true", help="delete each dead letter that was re-sent")
     add("--dry-run", action="store_true", help="show what would be done; change nothing")
     add("--json", action="store_true", help="print the report as JSON")

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from producer import core, keys, status
+from producer import argtypes, core, keys, status
 from producer.errors import ConnectionFailed
 
 __all__ = [
@@ -435,26 +435,6 @@ def _text(value: Any) -> str:
 # The command
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def _metrics_url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -471,14 +451,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--watch", action="store_true", help="redraw a live view until Ctrl-C")
     add(
         "--interval-s",
-        type=_positive_float,
+        type=argtypes.positive_float,
         default=DEFAULT_INTERVAL_S,
         metavar="S",
         help=f"with --watch: seconds between refreshes (default: {DEFAULT_INTERVAL_S:g})",
     )
     add(
         "--iterations",
-        type=_positive_int,
+        type=argtypes.positive_int,
         metavar="N",
         help="with --watch: stop after N refreshes (default: until Ctrl-C)",
     )

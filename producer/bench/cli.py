@@ -12,7 +12,7 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from producer import keys
+from producer import argtypes, keys
 from producer.bench.load import CALLERS
 from producer.bench.processes import private_redis
 from producer.bench.report import format_report, plot, pyplot, write_json
@@ -94,16 +94,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``redbatch bench`` options (``producer.cli`` registers the subcommand)."""
     parser.description = HELP.format(
@@ -119,12 +109,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--concurrency", type=_int_list, metavar="C[,C]", help="closed-loop callers")
     add("--rate", type=_float_list, metavar="R[,R]", help="open-loop requests/s")
     add("--arrivals", choices=("poisson", "bursty"), default="poisson", help="open-loop kind")
-    add("--burst-size", type=_count, default=16, metavar="N", help="requests per burst")
-    add("--max-batch-size", type=_count, default=32, metavar="N", help="started workers")
+    add(
+        "--burst-size",
+        type=argtypes.positive_int,
+        default=16,
+        metavar="N",
+        help="requests per burst",
+    )
+    add(
+        "--max-batch-size",
+        type=argtypes.positive_int,
+        default=32,
+        metavar="N",
+        help="started workers",
+    )
     add("--max-wait-ms", type=float, default=5.0, metavar="MS", help="started workers")
-    add("--producers", type=_count, default=1, metavar="N", help="producer processes")
+    add(
+        "--producers", type=argtypes.positive_int, default=1, metavar="N", help="producer processes"
+    )
     add("--timeout-s", type=_seconds, default=30.0, metavar="S", help="per reply (default 30)")
-    add("--drain-requests", type=_count, default=100_000, metavar="N", help="drain backlog")
+    add(
+        "--drain-requests",
+        type=argtypes.positive_int,
+        default=100_000,
+        metavar="N",
+        help="drain backlog",
+    )
     add("--no-ceilings", action="store_true", help="skip the bare and protocol ceilings")
     add(
         "--quiet-s",

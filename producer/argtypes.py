@@ -1,0 +1,38 @@
+"""Argument types shared by the ``redbatch`` commands, so each rule and message exists once."""
+
+from __future__ import annotations
+
+import argparse
+
+from producer import keys
+
+__all__ = ["model_name", "positive_float", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def model_name(text: str) -> str:
+    """A model name as the contract allows it."""
+    if not keys.is_valid_model_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_.-]{{1,64}}")
+    return text
