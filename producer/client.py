@@ -111,18 +111,14 @@ class Client:
         reply_ttl_s: int | None = None,
     ) -> list[str]:
         """Queue many requests in one pipelined round trip; returns their rids in order."""
-        now_s = time.time()
-        subs = [
-            core.build_submission(
-                inputs,
-                outputs=outputs,
-                deadline_s=deadline_s,
-                meta=meta,
-                reply_ttl_s=reply_ttl_s,
-                now_s=now_s,
-            )
-            for inputs in requests
-        ]
+        subs = core.build_submissions(
+            requests,
+            outputs=outputs,
+            deadline_s=deadline_s,
+            meta=meta,
+            reply_ttl_s=reply_ttl_s,
+            now_s=time.time(),
+        )
         if subs:
             self._send(subs)
         return [sub.rid for sub in subs]

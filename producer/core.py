@@ -53,6 +53,7 @@ __all__ = [
     "as_bytes",
     "block_cap_s",
     "build_submission",
+    "build_submissions",
     "check_connection_kwargs",
     "describe_connection",
     "parse_reply",
@@ -242,6 +243,29 @@ def build_submission(
         inputs, outputs=outputs, deadline_ms=deadline_ms, meta=meta, reply_ttl_s=reply_ttl_s
     )
     return Submission(rid, body)
+
+
+def build_submissions(
+    requests: Sequence[Mapping[str, ArrayLike]],
+    *,
+    outputs: Sequence[str] | None = None,
+    deadline_s: float | None = None,
+    meta: Any = None,
+    reply_ttl_s: int | None = None,
+    now_s: float,
+) -> list[Submission]:
+    """Encode many requests sharing their options, each with its own new rid."""
+    return [
+        build_submission(
+            inputs,
+            outputs=outputs,
+            deadline_s=deadline_s,
+            meta=meta,
+            reply_ttl_s=reply_ttl_s,
+            now_s=now_s,
+        )
+        for inputs in requests
+    ]
 
 
 class BacklogGate:
