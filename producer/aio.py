@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -28,6 +29,7 @@ from numpy.typing import ArrayLike
 from producer import core, window
 from producer.client import DEFAULT_URL
 from producer.core import Chunk, Result
+from producer.errors import RedbatchError
 from producer.keys import DEFAULT_PREFIX
 
 __all__ = ["AsyncClient"]
@@ -230,23 +232,37 @@ class AsyncClient:
     async def _run_map(self, plan: window.MapPlan) -> AsyncIterator[Chunk]:
         if plan.needs_row_limit:
             plan.use_row_limit(core.row_limit(await self.workers(), self._settings))
-        while not plan.finished:
-            subs = plan.take(time.time())
-            if subs:
-                await self._send(subs)
-                plan.sent(subs, time.monotonic())
-            for chunk in plan.ready():
-                yield chunk
-            if plan.waiter.pending:
-                plan.answered(await self._wait_round(plan.waiter), time.monotonic())
+        try:
+            while not plan.finished:
+                subs = plan.take(time.time())
+                if subs:
+                    await self._send(subs)
+                    plan.sent(subs, time.monotonic())
+                for chunk in plan.ready():
+                    yield chunk
+                if plan.waiter.pending:
+                    plan.answered(await self._wait_round(plan.waiter), time.monotonic())
+                    await self._cancel_many(plan.waiter.late)
+                    plan.waiter.late.clear()
+        finally:
+            if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
+                with contextlib.suppress(RedbatchError):
+                    await self._cancel_many(plan.in_flight)
 
     # -- control and status ----------------------------------------------------------------
 
     async def cancel(self, rid: str, ttl_s: int = 3600) -> None:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
-        key = self._settings.cancel_key(rid)
+        await self._cancel_many([rid], ttl_s)
+
+    async def _cancel_many(self, rids: Sequence[str], ttl_s: int = 3600) -> None:
+        if not rids:
+            return
         with self._translating():
-            await self._redis.set(key, b"1", ex=ttl_s)
+            pipe = self._redis.pipeline(transaction=False)
+            for rid in rids:
+                pipe.set(self._settings.cancel_key(rid), b"1", ex=ttl_s)
+            await pipe.execute()
 
     async def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""

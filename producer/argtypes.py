@@ -6,7 +6,7 @@ import argparse
 
 from producer import keys
 
-__all__ = ["model_name", "positive_float", "positive_int"]
+__all__ = ["model_name", "positive_float", "positive_int", "prefix"]
 
 
 def positive_int(text: str) -> int:
@@ -35,4 +35,13 @@ def model_name(text: str) -> str:
     """A model name as the contract allows it."""
     if not keys.is_valid_model_name(text):
         raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_.-]{{1,64}}")
+    return text
+
+
+def prefix(text: str) -> str:
+    """A key prefix: non-empty, without the braces of hash tags or spaces."""
+    if not text or any(c in text for c in "{} \t\n"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a key prefix: use a non-empty name without braces or spaces"
+        )
     return text

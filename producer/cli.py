@@ -210,6 +210,10 @@ def _redis_url(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"{core.redact_url(text)!r} is not a redis://, rediss:// or unix:// URL"
         )
+    try:
+        redis.connection.parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{core.redact_url(text)!r}: {exc}") from None
     return text
 
 
@@ -240,6 +244,7 @@ def _add_connection_options(parser: argparse.ArgumentParser, *, top: bool) -> No
     parser.add_argument(
         "--prefix",
         default=keys.DEFAULT_PREFIX if top else argparse.SUPPRESS,
+        type=argtypes.prefix,
         help=f"key prefix the workers use (default: {keys.DEFAULT_PREFIX})",
     )
 

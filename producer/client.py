@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -27,6 +28,7 @@ from numpy.typing import ArrayLike
 
 from producer import core, window
 from producer.core import Chunk, Result
+from producer.errors import RedbatchError
 from producer.keys import DEFAULT_PREFIX
 
 __all__ = ["Client"]
@@ -219,9 +221,10 @@ class Client:
         Yields one Chunk per request, in input order; a failed request is a Chunk with
         ``error`` set. ``rows_per_request`` defaults to the smallest ``max_batch_size`` of the
         live workers (NoWorkerInfo when none is registered). ``timeout_s`` bounds the wait for
-        each request's reply, counted from when it was sent; WaitTimeout ends the iteration.
-        Each refill of the window is one pipelined submit, with the same backlog check as
-        ``submit_many``.
+        each request's reply, counted from when it was sent: a late request is yielded as a
+        failed Chunk (code WAIT_TIMEOUT) and cancelled, and the others carry on. Stopping the
+        iteration early cancels the requests still in flight. Each refill of the window is one
+        pipelined submit, with the same backlog check as ``submit_many``.
         """
         plan = window.MapPlan(
             self._settings,
@@ -236,22 +239,36 @@ class Client:
         return self._run_map(plan)
 
     def _run_map(self, plan: window.MapPlan) -> Iterator[Chunk]:
-        while not plan.finished:
-            subs = plan.take(time.time())
-            if subs:
-                self._send(subs)
-                plan.sent(subs, time.monotonic())
-            yield from plan.ready()
-            if plan.waiter.pending:
-                plan.answered(self._wait_round(plan.waiter), time.monotonic())
+        try:
+            while not plan.finished:
+                subs = plan.take(time.time())
+                if subs:
+                    self._send(subs)
+                    plan.sent(subs, time.monotonic())
+                yield from plan.ready()
+                if plan.waiter.pending:
+                    plan.answered(self._wait_round(plan.waiter), time.monotonic())
+                    self._cancel_many(plan.waiter.late)
+                    plan.waiter.late.clear()
+        finally:
+            if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
+                with contextlib.suppress(RedbatchError):
+                    self._cancel_many(plan.in_flight)
 
     # -- control and status ----------------------------------------------------------------
 
     def cancel(self, rid: str, ttl_s: int = 3600) -> None:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
-        key = self._settings.cancel_key(rid)
+        self._cancel_many([rid], ttl_s)
+
+    def _cancel_many(self, rids: Sequence[str], ttl_s: int = 3600) -> None:
+        if not rids:
+            return
         with self._translating():
-            self._redis.set(key, b"1", ex=ttl_s)
+            pipe = self._redis.pipeline(transaction=False)
+            for rid in rids:
+                pipe.set(self._settings.cancel_key(rid), b"1", ex=ttl_s)
+            pipe.execute()
 
     def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""

@@ -56,6 +56,7 @@ __all__ = [
     "build_submissions",
     "check_connection_kwargs",
     "describe_connection",
+    "failed_result",
     "parse_reply",
     "redact_url",
     "row_limit",
@@ -150,6 +151,21 @@ def parse_reply(rid: str, raw: bytes | str) -> Result:
         worker=reply.worker,
         batch_rows=reply.batch_rows,
         timings_ms=reply.timings_ms,
+    )
+
+
+def failed_result(rid: str, model: str, code: str, message: str, retryable: bool) -> Result:
+    """A Result for a request the client had to give up on itself (no usable reply)."""
+    return Result(
+        rid=rid,
+        ok=False,
+        outputs=None,
+        error=ErrorInfo(code, message, retryable),
+        meta=None,
+        model=ModelRef(model, "", ""),
+        worker="",
+        batch_rows=None,
+        timings_ms={},
     )
 
 

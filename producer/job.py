@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from producer.codec import ErrorInfo
+from producer.codec import DTYPES, ErrorInfo
 from producer.core import Chunk
 from producer.errors import RedbatchError, WaitTimeout
 
@@ -156,18 +156,22 @@ def run_job(
         for chunk in chunks:
             summary.requests += 1
             _record_reply(summary, chunk)
+            error = chunk.error
             if chunk.ok:
-                stacker.put(chunk.start, chunk.stop, chunk.outputs or {})
-            else:
-                err = chunk.error or ErrorInfo("INTERNAL", "the reply carried no error detail.")
+                error = stacker.put(chunk.start, chunk.stop, chunk.outputs or {})
+            elif error is None:
+                error = ErrorInfo("INTERNAL", "the reply carried no error detail.")
+            if error is not None:
                 summary.fail(
-                    FailedRequest(chunk.start, chunk.stop, chunk.rid, err.code, err.message)
+                    FailedRequest(chunk.start, chunk.stop, chunk.rid, error.code, error.message)
                 )
             done = chunk.stop
             if on_rows is not None:
                 on_rows(chunk.stop - chunk.start)
     except WaitTimeout as exc:
         summary.fail(FailedRequest(done, n_rows, None, "WAIT_TIMEOUT", one_line(exc)))
+    except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
+        summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", one_line(exc)))
     summary.wall_s = time.monotonic() - started
     summary.outputs = stacker.arrays
     return summary
@@ -190,20 +194,34 @@ class _Stacker:
         self.n_rows = n_rows
         self.arrays: dict[str, np.ndarray] = {}
 
-    def put(self, start: int, stop: int, outputs: Mapping[str, np.ndarray]) -> None:
+    def put(self, start: int, stop: int, outputs: Mapping[str, np.ndarray]) -> ErrorInfo | None:
+        """Place one answer's rows; an answer that does not fit is returned as an error.
+
+        The first answer fixes the output names and shapes: a later one with other names (a
+        worker of another model version, say) or shapes is a failure of those rows, never a
+        silent gap in the output.
+        """
+        if self.arrays and set(outputs) != set(self.arrays):
+            return ErrorInfo(
+                "OUTPUT_MISMATCH",
+                f"rows {start}:{stop} came back with outputs {sorted(outputs)}, but earlier rows "
+                f"had {sorted(self.arrays)}; were workers of different model versions serving?",
+            )
         for name, part in outputs.items():
             target = self.arrays.get(name)
-            if target is None:
-                fill = np.nan if np.issubdtype(part.dtype, np.inexact) else 0
-                target = np.full((self.n_rows, *part.shape[1:]), fill, dtype=part.dtype)
-                self.arrays[name] = target
-            if part.shape[1:] != target.shape[1:] or len(part) != stop - start:
-                raise RedbatchError(
-                    f"output {name!r} for rows {start}:{stop} has shape {part.shape}, which does "
-                    f"not stack with {target.shape}; outputs whose shape varies between "
-                    "requests cannot be written as one array."
+            shape = (self.n_rows, *part.shape[1:])
+            if target is not None and (target.shape != shape or len(part) != stop - start):
+                return ErrorInfo(
+                    "OUTPUT_MISMATCH",
+                    f"output {name!r} for rows {start}:{stop} has shape {part.shape}, which "
+                    f"does not stack with {target.shape}.",
                 )
-            target[start:stop] = part
+        for name, part in outputs.items():
+            if name not in self.arrays:
+                fill = np.nan if np.issubdtype(part.dtype, np.inexact) else 0
+                self.arrays[name] = np.full((self.n_rows, *part.shape[1:]), fill, dtype=part.dtype)
+            self.arrays[name][start:stop] = part
+        return None
 
 
 def leading_rows(arrays: Mapping[str, np.ndarray]) -> int:
@@ -294,18 +312,29 @@ def _histogram(values: Sequence[int], width: int = 40) -> list[tuple[str, int, s
 # Files
 
 
+_SENDABLE = {(dt.kind, dt.itemsize) for dt in DTYPES.values()}
+
+
 def load_inputs(path: Path, input_name: Callable[[], str]) -> dict[str, np.ndarray]:
     """Read .npy (one input, named by ``input_name()``) or .npz; memory-mapped where it can be."""
     if not path.is_file():
         raise UsageError(f"input file {str(path)!r} does not exist.")
     try:
         if path.suffix == ".npy":
-            return {input_name(): np.load(path, mmap_mode="r", allow_pickle=False)}
-        if path.suffix == ".npz":
-            return _load_npz(path)
+            arrays = {input_name(): np.load(path, mmap_mode="r", allow_pickle=False)}
+        elif path.suffix == ".npz":
+            arrays = _load_npz(path)
+        else:
+            raise UsageError(f"input file {str(path)!r} must end in .npy or .npz.")
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise UsageError(f"cannot read {str(path)!r}: {exc}") from exc
-    raise UsageError(f"input file {str(path)!r} must end in .npy or .npz.")
+    for name, array in arrays.items():
+        if (array.dtype.kind, array.dtype.itemsize) not in _SENDABLE:
+            raise UsageError(
+                f"input {name!r} has dtype {array.dtype}, which cannot be sent; use one of "
+                f"{', '.join(DTYPES)}."
+            )
+    return arrays
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
@@ -367,9 +396,19 @@ def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
 
 
 def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:
-    """Write the stacked outputs as one .npz, atomically."""
-    arrays: dict[str, Any] = dict(outputs)
-    _write_atomic(path, lambda fh: np.savez(fh, **arrays), binary=True)
+    """Write the stacked outputs as one .npz (an uncompressed zip of .npy files), atomically.
+
+    Each member is written by name rather than through ``np.savez(**outputs)``, whose own
+    keyword arguments (``file``, ``allow_pickle``) would clash with outputs of those names.
+    """
+
+    def write(fh: Any) -> None:
+        with zipfile.ZipFile(fh, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in outputs.items():
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+    _write_atomic(path, write, binary=True)
 
 
 def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:

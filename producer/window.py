@@ -23,11 +23,16 @@ from producer.core import (
     Submission,
     as_bytes,
     build_submission,
+    failed_result,
     parse_reply,
 )
-from producer.errors import WaitTimeout
+from producer.errors import WaitTimeout, WireFormatError
 
-__all__ = ["MapPlan", "ReplyWaiter"]
+#: The client-side code of a request whose reply did not come in time (map() and ``redbatch
+#: run``); its request is cancelled, so a worker that has not formed its batch yet skips it.
+WAIT_TIMEOUT = "WAIT_TIMEOUT"
+
+__all__ = ["WAIT_TIMEOUT", "MapPlan", "ReplyWaiter"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,14 +45,19 @@ class ReplyWaiter:
     A shell asks for ``keys()``, pops them (a pipelined LPOP, or a BLPOP of ``block_s()``
     seconds when none was ready), and hands the answers to ``take_popped``/``take_blpopped``,
     which return the Results and forget their keys. A BLPOP that comes back empty after a
-    deadline has passed raises WaitTimeout, so every request gets at least one look.
+    deadline has passed raises WaitTimeout, so every request gets at least one look; with
+    ``late_fails`` it instead returns a failed Result (code WAIT_TIMEOUT) for each late request
+    and lists them in ``late``, for the shell to cancel. A reply that cannot be decoded is a
+    failed Result (code INTERNAL), never an exception that would lose its neighbours.
     """
 
-    def __init__(self, settings: Settings, timeout_s: float) -> None:
+    def __init__(self, settings: Settings, timeout_s: float, *, late_fails: bool = False) -> None:
         if timeout_s < 0:
             raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
         self._settings = settings
         self.timeout_s = timeout_s
+        self.late_fails = late_fails
+        self.late: list[str] = []  # rids given up on, not yet cancelled by the shell
         # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
         self._pending: dict[bytes, tuple[str, float]] = {}
 
@@ -83,19 +93,31 @@ class ReplyWaiter:
         """The Result in a BLPOP answer (``[key, element]``); if it timed out, none, or
         WaitTimeout when a deadline has passed by ``now``."""
         if not item:
-            self._raise_if_late(now)
-            return []
+            return self._late(now)
         key, raw = item
         return [self._take(as_bytes(key), raw)]
 
     def _take(self, key: bytes, raw: bytes | str) -> Result:
         rid, _ = self._pending.pop(key)
-        return parse_reply(rid, raw)
+        try:
+            return parse_reply(rid, raw)
+        except WireFormatError as exc:
+            message = f"the reply could not be decoded: {exc}"
+            return failed_result(rid, self._settings.model, "INTERNAL", message, True)
 
-    def _raise_if_late(self, now: float) -> None:
+    def _late(self, now: float) -> list[Result]:
         late = [rid for rid, deadline in self._pending.values() if deadline <= now]
         if not late:
-            return
+            return []
+        if self.late_fails:
+            self._pending = {k: v for k, v in self._pending.items() if v[0] not in set(late)}
+            self.late.extend(late)
+            message = (
+                f"no reply within {self.timeout_s:g} s; the request was cancelled. A worker may "
+                "be down or behind: 'redbatch status' shows the backlog and the live workers."
+            )
+            model = self._settings.model
+            return [failed_result(rid, model, WAIT_TIMEOUT, message, True) for rid in late]
         shown = ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
         raise WaitTimeout(
             f"No reply within {self.timeout_s:g} s for {len(late)} request(s) to model "
@@ -139,7 +161,7 @@ class MapPlan:
         self._answered: dict[int, Chunk] = {}  # start -> chunk
         self._next_yield = 0  # start of the next chunk to yield
         self._held = 0  # requests sent and not yet yielded
-        self.waiter = ReplyWaiter(settings, timeout_s)
+        self.waiter = ReplyWaiter(settings, timeout_s, late_fails=True)
         if rows_per_request is not None:
             self.use_row_limit(rows_per_request)
 
@@ -155,6 +177,11 @@ class MapPlan:
                 f"rows_per_request must be a positive integer, got {rows_per_request!r}."
             )
         self._rows_per_request = rows_per_request
+
+    @property
+    def in_flight(self) -> list[str]:
+        """The rids sent and not yet answered (to cancel when the caller stops early)."""
+        return list(self._in_flight)
 
     @property
     def finished(self) -> bool:

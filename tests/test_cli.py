@@ -19,7 +19,7 @@ from producer.cli import main
 from producer.codec import ErrorInfo, ModelRef
 from producer.core import Chunk, Result
 from producer.errors import WaitTimeout
-from producer.job import RunSummary, format_summary, run_job
+from producer.job import RunSummary, format_summary, run_job, write_outputs
 from worker.localredis import free_port
 
 MODEL = "demo"
@@ -409,3 +409,33 @@ def test_unreachable_redis_exits_2_with_one_line_without_password(
     assert len(lines) == 1
     assert "127.0.0.1" in lines[0]
     assert "hunter2" not in captured.err + captured.out
+
+
+def test_outputs_named_like_savez_arguments_are_written(tmp_path: Path) -> None:
+    path = tmp_path / "y.npz"
+    outputs = {"file": np.arange(3), "allow_pickle": np.ones((3, 2), np.float32)}
+    write_outputs(path, outputs)
+    with np.load(path) as got:
+        assert sorted(got.files) == ["allow_pickle", "file"]
+        np.testing.assert_array_equal(got["file"], outputs["file"])
+        np.testing.assert_array_equal(got["allow_pickle"], outputs["allow_pickle"])
+
+
+class TwoVersionsClient:
+    """map() where the second answer comes from a model version with another output set."""
+
+    def map(self, arrays: dict[str, np.ndarray], **_: object) -> Iterator[Chunk]:
+        for i, outputs in enumerate([{"y": np.ones((1, 2))}, {"z": np.ones((1, 2))}]):
+            result = Result(
+                rid=f"r{i}", ok=True, outputs=outputs, error=None, meta=None,
+                model=ModelRef(MODEL, str(i + 1), SHA), worker="w", batch_rows=1,
+                timings_ms={"queued": 1.0, "inference": 1.0},
+            )  # fmt: skip
+            yield Chunk(i, i + 1, f"r{i}", outputs, None, result, 1.0)
+
+
+def test_answer_with_other_outputs_is_a_failure_not_a_gap() -> None:
+    summary = run_job(TwoVersionsClient(), {"x": np.zeros((2, 1))})
+    assert [(f.start, f.code) for f in summary.failures] == [(1, "OUTPUT_MISMATCH")]
+    assert "earlier rows had ['y']" in summary.failures[0].message
+    assert np.isnan(summary.outputs["y"][1]).all()

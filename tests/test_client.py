@@ -317,11 +317,46 @@ def test_map_yields_chunks_in_order_and_reports_a_failed_chunk(
 def test_map_keeps_at_most_concurrency_requests_in_flight(
     client: Client, rconn: redis.Redis
 ) -> None:
-    # With no replier, map sends one window and then blocks waiting
+    # With no replier, map sends one window, waits it out, then refills it once
     chunks = client.map({"x": xs(100)}, rows_per_request=3, concurrency=5, timeout_s=0.3)
-    with pytest.raises(WaitTimeout):
-        next(chunks)
-    assert rconn.xlen(STREAM) == 5
+    first = next(chunks)
+    assert first.error is not None
+    assert first.error.code == "WAIT_TIMEOUT"
+    assert rconn.xlen(STREAM) == 10
+    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 5  # the late ones, cancelled
+    chunks.close()  # stopping early cancels what is still in flight
+    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 10
+
+
+def test_map_late_request_does_not_lose_the_answers_behind_it(
+    client: Client, rconn: redis.Redis
+) -> None:
+    # Given a worker that answers every request except the first
+    ensure_group(rconn)
+    chunks = client.map({"x": xs(10)}, rows_per_request=1, concurrency=4, timeout_s=0.5)
+
+    def answer_all_but_first() -> None:
+        skipped, answered = False, 0
+        while answered < 9:
+            got = rconn.xreadgroup(keys.CONSUMER_GROUP, "fake", {STREAM: ">"}, block=2000)
+            entries = [e for _, batch in got or [] for e in batch]
+            if not skipped and entries:
+                entries, skipped = entries[1:], True  # the oldest entry is row 0's request
+            reply_to_entries(rconn, entries)
+            answered += len(entries)
+
+    replier = threading.Thread(target=answer_all_but_first)
+    replier.start()
+    results = list(chunks)
+    replier.join(timeout=10)
+
+    # Then the first is a WAIT_TIMEOUT failure and every other row has its answer, in order
+    assert [c.start for c in results] == list(range(10))
+    assert results[0].error is not None
+    assert results[0].error.code == "WAIT_TIMEOUT"
+    assert all(c.ok for c in results[1:])
+    np.testing.assert_array_equal(results[5].outputs["y"], xs(10)[5:6] * 2)
+    assert rconn.exists(keys.cancel_key(PREFIX, results[0].rid))
 
 
 def test_map_of_zero_rows_yields_nothing(client: Client) -> None:
