@@ -222,8 +222,9 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
     raw_inputs = doc["inputs"]
     if not isinstance(raw_inputs, dict) or not raw_inputs:
         raise WireFormatError("'inputs' must be a non-empty map of input name to tensor.")
-    if not all(isinstance(name, str) for name in raw_inputs):
-        raise WireFormatError("input names must be strings.")
+    for name in raw_inputs:
+        if not isinstance(name, str):
+            raise WireFormatError(f"input names must be strings; got {_kind(name)} {name!r}.")
     inputs = {name: decode_tensor(t, f"input {name!r}") for name, t in raw_inputs.items()}
     return RequestBody(
         inputs=inputs,
@@ -238,7 +239,9 @@ def _optional_names(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise WireFormatError("'outputs' must be an array of output names (strings).")
+        raise WireFormatError(
+            f"'outputs' must be an array of output names (strings), got {value!r:.200}."
+        )
     return tuple(value)
 
 

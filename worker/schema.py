@@ -147,7 +147,11 @@ class Schema:
             )
         rows = next(iter(counts.values()))
         if rows < 1:
-            raise Rejected("INVALID_INPUT", "the request has 0 rows; send at least 1.")
+            names = ", ".join(repr(n) for n in counts)
+            raise Rejected(
+                "INVALID_INPUT",
+                f"the request has 0 rows (first dimension of {names}); send at least 1.",
+            )
         if rows > self.max_batch_size:
             raise Rejected(
                 "TOO_LARGE",

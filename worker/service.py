@@ -309,11 +309,13 @@ class Worker:
 
 
 def _expired(item: WorkItem) -> Rejected | None:
-    if item.deadline_ms is None or item.deadline_ms > time.time() * 1000.0:
+    now_ms = time.time() * 1000.0
+    if item.deadline_ms is None or item.deadline_ms > now_ms:
         return None
     return Rejected(
         "DEADLINE_EXCEEDED",
-        f"the request's deadline_ms {item.deadline_ms} passed before it could run.",
+        f"the request's deadline_ms {item.deadline_ms} passed before it could run (the "
+        f"worker's clock read {now_ms:.0f}, {now_ms - item.deadline_ms:.0f} ms later).",
     )
 
 
