@@ -92,6 +92,16 @@ def test_ceilings_are_measured_in_the_same_run(report: dict[str, Any]) -> None:
     assert ratios["throughput_over_protocol"] > 0
 
 
+def test_report_names_the_providers_asked_for_and_used(report: dict[str, Any]) -> None:
+    assert report["settings"]["providers"] == ["cpu"]
+    assert report["ceilings"]["bare"]["tiny"]["requested_providers"] == ["cpu"]
+    for phase in report["phases"]:
+        assert phase["worker"]["providers"] == ["CPUExecutionProvider"]
+    assert "providers asked for: cpu; sessions ran with: CPUExecutionProvider" in (
+        bench.format_report(report)
+    )
+
+
 def test_table_shows_phases_ceilings_and_worker_time(report: dict[str, Any]) -> None:
     table = bench.format_report(report)
     for expected in ("ceilings", "bare session.run", "protocol only", "custom/closed-C4"):
@@ -216,6 +226,8 @@ def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
         ["bench", "--scenario", "all", "--concurrency", "4"],
         ["bench", "--no-start", "--scenario", "drain"],
         ["bench", "--duration-s", "0"],
+        ["bench", "--providers", "gpu"],
+        ["bench", "--providers", "cuda,cuda"],
     ],
 )
 def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@
 this module as a process, ``python -m worker.benchkit COMMAND``, and reads the JSON it prints:
 
 - ``build NAME PATH``: write a synthetic model (``worker.synthetic``).
-- ``bare``: bare ``session.run`` at given batch sizes, with the worker's own session options.
+- ``bare``: bare ``session.run`` at given batch sizes, the worker's session options and providers.
 - ``protocol``: the Redis protocol alone: an echo worker (read, reply, ack and delete with the
   worker's own ``RequestStream``; no decoding, no model) driven by one pipelining producer process
   running the bench's own closed-loop driver.
@@ -36,7 +36,7 @@ import redis
 from producer import bench
 from producer.codec import ModelRef, Reply, encode_reply
 from producer.keys import request_stream
-from worker.config import ModelConfig
+from worker.config import PROVIDERS, ModelConfig, ProviderConfig
 from worker.stream import Finish, RequestStream
 
 __all__ = ["main", "measure_asyncio", "measure_bare", "measure_protocol"]
@@ -49,11 +49,12 @@ _ECHO_BLOCK_MS = 200  # how late the echo worker notices its stop flag when idle
 # Bare session.run
 
 
-def _session(model_file: Path) -> Any:
+def _session(model_file: Path, providers: Sequence[str] = ("cpu",)) -> Any:
     from worker.model import OnnxModel
 
-    # The worker's defaults: CPU provider, onnxruntime's own thread count, no spinning.
-    return OnnxModel(ModelConfig(name="bench", path=model_file.resolve()))
+    # The worker's defaults and fallback: a provider that cannot start is left out of .providers.
+    chosen = tuple(ProviderConfig(name) for name in providers)
+    return OnnxModel(ModelConfig(name="bench", path=model_file.resolve(), providers=chosen))
 
 
 def _io_specs(model: Any) -> dict[str, list[dict[str, Any]]]:
@@ -66,9 +67,14 @@ def _io_specs(model: Any) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def measure_bare(model_file: Path, batch_sizes: Sequence[int], duration_s: float) -> dict[str, Any]:
+def measure_bare(
+    model_file: Path,
+    batch_sizes: Sequence[int],
+    duration_s: float,
+    providers: Sequence[str] = ("cpu",),
+) -> dict[str, Any]:
     """Rows per second and run times of bare ``session.run`` at each batch size."""
-    model = _session(model_file)
+    model = _session(model_file, providers)
     specs = _io_specs(model)
     names = [o["name"] for o in specs["outputs"]]
     batches: dict[str, Any] = {}
@@ -96,6 +102,7 @@ def measure_bare(model_file: Path, batch_sizes: Sequence[int], duration_s: float
         "model_file": str(model_file),
         "onnxruntime": model.runtime_version,
         "providers": model.providers,
+        "requested_providers": model.requested,
         "batch": batches,
     }
 
@@ -261,6 +268,7 @@ async def _asyncio_run(
         "throughput_per_s": len(latencies_ms) / duration_s,
         "latency_ms": bench.percentiles(latencies_ms),
         "mean_batch_rows": float(np.mean(batch_rows)) if batch_rows else 0.0,
+        "providers": model.providers,
     }
 
 
@@ -272,9 +280,10 @@ def measure_asyncio(
     window_ms: float,
     duration_s: float,
     warmup_s: float,
+    providers: Sequence[str] = ("cpu",),
 ) -> dict[str, Any]:
     """Requests per second of ``callers`` coroutines sharing one in-process asyncio batcher."""
-    model = _session(model_file)
+    model = _session(model_file, providers)
     specs = _io_specs(model)
     return asyncio.run(
         _asyncio_run(model, specs, callers, max_batch_size, window_ms, duration_s, warmup_s)
@@ -294,7 +303,7 @@ def _cmd_build(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_bare(args: argparse.Namespace) -> dict[str, Any]:
-    return measure_bare(Path(args.model_file), args.batch_sizes, args.duration_s)
+    return measure_bare(Path(args.model_file), args.batch_sizes, args.duration_s, args.providers)
 
 
 def _cmd_protocol(args: argparse.Namespace) -> dict[str, Any]:
@@ -324,6 +333,7 @@ def _cmd_asyncio(args: argparse.Namespace) -> dict[str, Any]:
         window_ms=args.window_ms,
         duration_s=args.duration_s,
         warmup_s=args.warmup_s,
+        providers=args.providers,
     )
 
 
@@ -344,6 +354,7 @@ _EPILOG = """\
 examples:
   python -m worker.benchkit build heavy /tmp/heavy.onnx
   python -m worker.benchkit bare --model-file /tmp/heavy.onnx --batch-sizes 1,32 --duration-s 2
+  python -m worker.benchkit bare --model-file /tmp/resnet18.onnx --providers cuda,cpu
   python -m worker.benchkit protocol --redis-url redis://127.0.0.1:6379/0 \\
       --model-file /tmp/tiny.onnx --concurrency 64 --duration-s 3
   python -m worker.benchkit asyncio --model-file /tmp/heavy.onnx --callers 64 --window-ms 10
@@ -361,6 +372,13 @@ def _sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,32")
     return sizes
+
+
+def _providers(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or set(names) - PROVIDERS.keys():
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(PROVIDERS)}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -384,8 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
         if warmup:
             p.add_argument("--warmup-s", type=float, default=0.5, help="seconds before measuring")
 
+    def session(p: argparse.ArgumentParser) -> None:  # the commands that run the model
+        p.add_argument("--model-file", required=True, help="the .onnx file")
+        p.add_argument("--providers", type=_providers, default=["cpu"], help="e.g. cuda,cpu")
+
     bare = commands.add_parser("bare", help="bare session.run rows/s", epilog=_EPILOG)
-    bare.add_argument("--model-file", required=True, help="the .onnx file")
+    session(bare)
     bare.add_argument("--batch-sizes", type=_sizes, default=[1, 32], help="e.g. 1,32")
     timing(bare, warmup=False)  # three unmeasured runs per batch size instead
     bare.set_defaults(handler=_cmd_bare)
@@ -407,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     proto.set_defaults(handler=_cmd_protocol)
 
     aio = commands.add_parser("asyncio", help="in-process asyncio batcher", epilog=_EPILOG)
-    aio.add_argument("--model-file", required=True, help="the .onnx file")
+    session(aio)
     aio.add_argument("--callers", type=int, default=64, help="caller coroutines")
     aio.add_argument("--max-batch-size", type=int, default=32, help="rows per batch")
     aio.add_argument("--window-ms", type=float, default=10.0, help="batch window")

@@ -185,10 +185,94 @@ def no_batch_output(seed: int = 0) -> Any:
     )
 
 
+class _Net:
+    """A graph being built: nodes and initialisers, weights He-initialised from one seed."""
+
+    _BN_EPS = 1e-5
+
+    def __init__(self, seed: int) -> None:
+        self.helper = _onnx().helper
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+
+    def node(self, op: str, inputs: list[str], out: str, **attrs: Any) -> str:
+        self.nodes.append(self.helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def he(self, shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+        std = np.float32(np.sqrt(2.0 / fan_in))
+        return self.rng.standard_normal(shape, dtype=np.float32) * std
+
+    def conv(
+        self, name: str, src: str, cin: int, cout: int, k: int, stride: int, relu: bool = True
+    ) -> str:
+        """Conv k x k (padding k // 2) with its BatchNorm folded in, then Relu if ``relu``.
+
+        The BatchNorm is at its initial statistics (mean 0, variance 1, scale 1, shift 0), as
+        in a freshly built network in eval mode; folded, it scales the weights by
+        1/sqrt(1 + eps) and leaves a zero bias.
+        """
+        w = self.he((cout, cin, k, k), cin * k * k) / np.float32(np.sqrt(1.0 + self._BN_EPS))
+        self.inits += [_init(f"{name}.w", w), _init(f"{name}.b", np.zeros(cout, np.float32))]
+        out = self.node(
+            "Conv",
+            [src, f"{name}.w", f"{name}.b"],
+            name,
+            kernel_shape=[k, k],
+            strides=[stride, stride],
+            pads=[k // 2] * 4,
+        )
+        return self.node("Relu", [out], f"{name}.relu") if relu else out
+
+    def basic_block(self, name: str, src: str, cin: int, cout: int, stride: int) -> str:
+        """Two 3x3 convs and the shortcut: the input itself, or a 1x1 stride-``stride``
+        projection where the block changes the shape."""
+        h = self.conv(f"{name}.conv1", src, cin, cout, 3, stride)
+        h = self.conv(f"{name}.conv2", h, cout, cout, 3, 1, relu=False)
+        shortcut = src
+        if stride != 1 or cin != cout:
+            shortcut = self.conv(f"{name}.down", src, cin, cout, 1, stride, relu=False)
+        return self.node("Relu", [self.node("Add", [h, shortcut], f"{name}.add")], f"{name}.out")
+
+
+def resnet18(seed: int = 18) -> Any:
+    """ResNet-18 (He et al. 2015) with random weights: image float32 [N,3,224,224] -> logits
+    float32 [N,1000].
+
+    Conv 7x7/2 (64), max pool 3x3/2, four stages of two basic blocks (64, 128, 256, 512
+    channels; stages 2 to 4 start with stride 2 and a 1x1 projection shortcut), global average
+    pool, FC 1000: 11.7 million parameters, 1.8 GFLOPs a row. BatchNorm is folded into the convs.
+    """
+    f32 = _onnx().TensorProto.FLOAT
+    net = _Net(seed)
+    h = net.conv("stem", "image", 3, 64, 7, 2)
+    h = net.node("MaxPool", [h], "stem.pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)
+    cin = 64
+    for stage, cout in enumerate((64, 128, 256, 512), start=1):
+        for block in range(2):
+            stride = 2 if stage > 1 and block == 0 else 1
+            h = net.basic_block(f"layer{stage}.{block}", h, cin, cout, stride)
+            cin = cout
+    h = net.node("Flatten", [net.node("GlobalAveragePool", [h], "pool")], "flat", axis=1)
+    net.inits += [
+        _init("fc.w", net.he((512, 1000), 512)),
+        _init("fc.b", np.zeros(1000, np.float32)),
+    ]
+    net.node("Gemm", [h, "fc.w", "fc.b"], "logits")
+    return _model(
+        net.nodes,
+        [_value("image", f32, ["N", 3, 224, 224])],
+        [_value("logits", f32, ["N", 1000])],
+        net.inits,
+    )
+
+
 BUILDERS: dict[str, Callable[..., Any]] = {
     "demo": demo,
     "tiny": tiny,
     "heavy": heavy,
+    "resnet18": resnet18,
     "slow": slow,
     "multi_io": multi_io,
     "gather": gather,

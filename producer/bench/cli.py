@@ -20,7 +20,7 @@ from producer.bench.runner import Bench, Options
 from producer.bench.scenarios import SCENARIOS
 from producer.job import UsageError
 
-__all__ = ["add_arguments", "run_command"]
+__all__ = ["PROVIDERS", "add_arguments", "run_command"]
 
 HELP = """\
 Load-test redbatch workers and set every figure against its ceiling, measured in the same run:
@@ -45,6 +45,7 @@ examples:
   redbatch bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
   redbatch bench --scenario heavy-closed --duration-s 5
   redbatch bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
+  redbatch bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
   redbatch bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
   redbatch bench --no-start --redis-url redis://127.0.0.1:6379/0 --model demo \\
       --concurrency 64 --metrics-url http://127.0.0.1:9100/metrics
@@ -84,6 +85,21 @@ def _scenario_list(text: str) -> tuple[str, ...]:
     return names
 
 
+#: The worker's provider names (``worker.config.PROVIDERS``; the producer does not import it).
+PROVIDERS = ("cpu", "cuda", "tensorrt")
+
+
+def _provider_list(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in PROVIDERS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give providers in order of preference, each once, from "
+            f"{', '.join(PROVIDERS)} (e.g. cuda,cpu)"
+        )
+    return names
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -105,7 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup-s", type=_seconds, default=0.5, metavar="S", help="load before (default 0.5)")
     add("--json", metavar="PATH", help="write the full report as JSON")
     add("--plot", metavar="PATH", help="draw p50 and p99 against throughput (needs matplotlib)")
-    add("--model", default="tiny", metavar="NAME", help="custom load: model (default tiny)")
+    add(
+        "--model",
+        default="tiny",
+        metavar="NAME",
+        help="custom load: model (tiny, heavy, resnet18, demo, ...; default tiny)",
+    )
     add("--concurrency", type=_int_list, metavar="C[,C]", help="closed-loop callers")
     add("--rate", type=_float_list, metavar="R[,R]", help="open-loop requests/s")
     add("--arrivals", choices=("poisson", "bursty"), default="poisson", help="open-loop kind")
@@ -124,6 +145,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="started workers",
     )
     add("--max-wait-ms", type=float, default=5.0, metavar="MS", help="started workers")
+    add(
+        "--providers",
+        type=_provider_list,
+        default=("cpu",),
+        metavar="P[,P]",
+        help="execution providers, in order, of the started workers and of the bare session.run "
+        "and asyncio ceilings, so that they compare like with like: cpu, cuda, tensorrt "
+        "(default cpu; e.g. cuda,cpu on a GPU machine)",
+    )
     add(
         "--producers", type=argtypes.positive_int, default=1, metavar="N", help="producer processes"
     )
@@ -201,6 +231,7 @@ def _options(args: argparse.Namespace) -> Options:
         model_file=args.model_file,
         prefix=getattr(args, "prefix", keys.DEFAULT_PREFIX),
         quiet_s=max(args.quiet_s, 0.0),
+        providers=args.providers,
     )
 
 

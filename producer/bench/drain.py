@@ -19,7 +19,7 @@ from producer.bench.load import LoadSpec, batch_rows_summary
 from producer.bench.metrics import cpu_cores, cpu_sample, memory_kib, scrape, worker_view
 from producer.bench.processes import POLL_S, PREFIX, WorkerProcess, WorkerSetup
 from producer.bench.report import say
-from producer.bench.wire import BODIES, ProducerTally, Sender
+from producer.bench.wire import ProducerTally, Sender
 
 if TYPE_CHECKING:
     from producer.bench.runner import Bench
@@ -33,7 +33,7 @@ def drain(b: Bench) -> None:
     setup = WorkerSetup("tiny", 32, b.o.max_wait_ms, name="tiny-drain")
     b.workers.stop()
     say("drain: idle memory of a fresh worker")
-    idle = WorkerProcess(setup, b.model_file("tiny"), b.url, b.workdir).start()
+    idle = WorkerProcess(setup, b.model_file("tiny"), b.url, b.workdir, b.o.providers).start()
     try:
         time.sleep(1.0)  # settle: the idle figure is taken once start-up work is over
         idle_kib = memory_kib(idle.pid)
@@ -47,7 +47,7 @@ def drain(b: Bench) -> None:
         say(f"drain: enqueueing {n:,} tiny requests")
         enqueue_s = _enqueue(conn, spec, n)
         say("drain: starting a worker on the backlog")
-        worker = WorkerProcess(setup, b.model_file("tiny"), b.url, b.workdir).start()
+        worker = WorkerProcess(setup, b.model_file("tiny"), b.url, b.workdir, b.o.providers).start()
         try:
             ready = time.monotonic()
             before = scrape([worker.metrics_url])
@@ -102,7 +102,7 @@ def _enqueue(conn: redis.Redis, spec: LoadSpec, n: int) -> float:
     for first in range(0, n, 1000):
         pipe = conn.pipeline(transaction=False)
         for i in range(first, min(first + 1000, n)):
-            body = sender.bodies[i % BODIES]
+            body = sender.bodies[i % len(sender.bodies)]
             pipe.xadd(sender.stream, core.Submission(_drain_rid(i), body).fields())
         pipe.execute()
     return time.monotonic() - started

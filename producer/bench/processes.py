@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,9 +115,17 @@ class WorkerSetup:
 
 
 class WorkerProcess:
-    """One ``python -m worker`` process with a generated config, its metrics port on."""
+    """One ``python -m worker`` process with a generated config, its metrics port on;
+    ``providers`` are the config's ``model.providers`` (``cpu``, ``cuda``, ``tensorrt``)."""
 
-    def __init__(self, setup: WorkerSetup, model_file: Path, url: str, workdir: Path) -> None:
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        model_file: Path,
+        url: str,
+        workdir: Path,
+        providers: Sequence[str] = ("cpu",),
+    ) -> None:
         self.setup = setup
         self.url = url
         self.port = _free_port()
@@ -133,7 +141,7 @@ prefix = "{PREFIX}"
 name = "{setup.served}"
 path = "{model_file}"
 version = "bench"
-providers = ["cpu"]
+providers = {json.dumps(list(providers))}
 
 [batching]
 max_batch_size = {setup.max_batch_size}

@@ -12,6 +12,7 @@ import contextlib
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import redis
 
-__all__ = ["command_line", "machine", "source", "utc_now"]
+__all__ = ["command_line", "gpus", "machine", "source", "utc_now"]
 
 
 def utc_now() -> str:
@@ -61,6 +62,20 @@ def source() -> dict[str, Any] | None:
     return {"commit": commit, "changed": [line[3:] for line in status.splitlines()]}
 
 
+def gpus() -> list[str]:
+    """The NVIDIA GPUs as ``nvidia-smi`` lists them (name, driver, memory); none without it."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", *query], capture_output=True, text=True, timeout=15, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
 def machine(url: str) -> dict[str, Any]:
     """Cores, CPU, OS and versions: what the figures depend on."""
     cpu = ""
@@ -83,4 +98,5 @@ def machine(url: str) -> dict[str, Any]:
         "numpy": np.__version__,
         "redis_py": redis.__version__,
         "redis_server": redis_version,
+        "gpus": gpus(),
     }

@@ -146,6 +146,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"redbatch bench  {m['cpus_usable']} cores ({m['cpu_model'] or 'cpu'}), "
         f"Python {m['python']}, onnxruntime {m.get('onnxruntime', '?')}, "
         f"Redis {m['redis_server']}, redis-py {m['redis_py']}",
+        _providers_line(report),
         f"each phase: {s['warmup_s']:g} s warmup, then {s['duration_s']:g} s measured; "
         f"{s['producers']} producer process(es)",
         "",
@@ -167,6 +168,27 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _providers_line(report: dict[str, Any]) -> str:
+    """The providers asked for, those the sessions ran with (a missing GPU shows here), GPUs."""
+    m = report["machine"]
+    ran = [", ".join(m["providers"])] if m.get("providers") else []
+    for p in report["phases"]:
+        serving = ", ".join(p["worker"].get("providers") or [])
+        if serving and serving not in ran:
+            ran.append(serving)
+    asked = ",".join(report["settings"].get("providers", ("cpu",)))
+    gpus = "; ".join(m.get("gpus") or []) or "none listed"
+    return f"providers asked for: {asked}; sessions ran with: {' | '.join(ran) or '?'}; GPU: {gpus}"
+
+
+def _device(report: dict[str, Any]) -> str:
+    """``CPU``, or the GPU the sessions ran on, for the chart's title."""
+    m = report["machine"]
+    if "CUDAExecutionProvider" in (m.get("providers") or []) and m.get("gpus"):
+        return str(m["gpus"][0]).split(",")[0]
+    return "CPU"
+
+
 def _format_ceilings(ceilings: dict[str, Any]) -> list[str]:
     lines = ["ceilings (measured in this run)"]
     for model, c in ceilings["bare"].items():
@@ -174,16 +196,16 @@ def _format_ceilings(ceilings: dict[str, Any]) -> list[str]:
             f"batch {size}: {b['rows_per_s']:,.0f} rows/s, {b['run_ms']['p50']:.2f} ms/run"
             for size, b in sorted(c["batch"].items(), key=lambda kv: int(kv[0]))
         ]
-        lines.append(f"  bare session.run  {model:<6} " + "; ".join(parts))
+        lines.append(f"  bare session.run  {model:<8} " + "; ".join(parts))
     for model, c in ceilings["protocol"].items():
         lines.append(
-            f"  protocol only     {model:<6} {c['throughput_per_s']:,.0f} req/s "
+            f"  protocol only     {model:<8} {c['throughput_per_s']:,.0f} req/s "
             f"({CALLERS} in flight, p50 {c['latency_ms'].get('p50', 0):.1f} ms; no model, "
             "no decoding)"
         )
     for model, c in ceilings["asyncio"].items():
         lines.append(
-            f"  asyncio batcher   {model:<6} {c['throughput_per_s']:,.0f} req/s "
+            f"  asyncio batcher   {model:<8} {c['throughput_per_s']:,.0f} req/s "
             f"({c['callers']} callers, max {c['max_batch_size']}, {c['window_ms']:g} ms window, "
             f"mean batch {c['mean_batch_rows']:.1f}, p50 {c['latency_ms'].get('p50', 0):.1f} ms;"
             " in-process, no Redis)"
@@ -368,7 +390,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("throughput (requests/s)")
     ax.set_ylabel("end-to-end latency (ms)")
     m = report["machine"]
-    ax.set_title(f"redbatch: latency vs throughput ({m['cpus_usable']} cores, CPU)")
+    ax.set_title(f"redbatch: latency vs throughput ({m['cpus_usable']} cores, {_device(report)})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -69,13 +69,21 @@ class Options:
     model_file: str | None = None
     prefix: str = keys.DEFAULT_PREFIX
     quiet_s: float = 0.0
+    providers: tuple[str, ...] = ("cpu",)  # the workers' and the bare and asyncio ceilings'
 
 
 class Workers:
     """At most one started worker at a time, kept while the next phase wants the same setup."""
 
-    def __init__(self, url: str, workdir: Path, model_file: Callable[[str], Path]) -> None:
+    def __init__(
+        self,
+        url: str,
+        workdir: Path,
+        model_file: Callable[[str], Path],
+        providers: Sequence[str] = ("cpu",),
+    ) -> None:
         self.url, self.workdir, self.model_file = url, workdir, model_file
+        self.providers = tuple(providers)
         self.current: WorkerProcess | None = None
 
     def get(self, setup: WorkerSetup) -> WorkerProcess:
@@ -83,8 +91,10 @@ class Workers:
             return self.current
         self.stop()
         say(f"starting a worker: {setup.model}, max_batch_size {setup.max_batch_size}")
-        worker = WorkerProcess(setup, self.model_file(setup.model), self.url, self.workdir)
+        path = self.model_file(setup.model)
+        worker = WorkerProcess(setup, path, self.url, self.workdir, self.providers)
         self.current = worker.start()
+        _say_fallback("the worker", self.providers, worker.record["runtime"]["providers"])
         return worker
 
     def stop(self) -> None:
@@ -101,7 +111,7 @@ class Bench:
         self.url = url
         self.workdir = workdir
         self._models: dict[str, Path] = {}
-        self.workers = Workers(url, workdir, self.model_file)
+        self.workers = Workers(url, workdir, self.model_file, options.providers)
         self.max_throughput: dict[WorkerSetup, float] = {}
         settings = asdict(options)
         settings["redis"] = core.redact_url(url)
@@ -135,13 +145,14 @@ class Bench:
     def bare(self, model: str, sizes: Sequence[int], model_file: Path | None = None) -> None:
         say(f"ceiling: bare session.run, {model}, batch {', '.join(map(str, sizes))}")
         path = model_file or self.model_file(model)
-        result = self._ceiling(
-            "bare",
-            *flags(
-                model_file=path, batch_sizes=",".join(map(str, sizes)), duration_s=self._ceiling_s
-            ),
-            timeout_s=120 + 4 * self._ceiling_s * len(sizes),
+        argv = flags(
+            model_file=path,
+            batch_sizes=",".join(map(str, sizes)),
+            duration_s=self._ceiling_s,
+            providers=",".join(self.o.providers),
         )
+        result = self._ceiling("bare", *argv, timeout_s=120 + 4 * self._ceiling_s * len(sizes))
+        _say_fallback("bare session.run", self.o.providers, result["providers"])
         known = self.report["ceilings"]["bare"].setdefault(model, result)
         known["batch"].update(result["batch"])
         self.report["machine"].setdefault("onnxruntime", result["onnxruntime"])
@@ -172,6 +183,7 @@ class Bench:
             window_ms=10,
             duration_s=self.o.duration_s,
             warmup_s=self.o.warmup_s,
+            providers=",".join(self.o.providers),
         )
         result = self._ceiling("asyncio", *argv, timeout_s=120 + self.o.duration_s)
         self.report["ceilings"]["asyncio"][model] = result
@@ -273,6 +285,7 @@ class Bench:
             "worker": {
                 "max_batch_size": batching["max_batch_size"],
                 "max_wait_ms": batching["max_wait_ms"],
+                "providers": record.get("runtime", {}).get("providers"),
             },
             "load": {
                 "mode": spec.mode,
@@ -389,3 +402,19 @@ class Bench:
             spec = self.load_spec(o.prefix, o.model, record["inputs"], load)
             phase = self._measure(phase_id, spec, o.model, record, o.metrics_urls)
             phase["series"] = f"{o.model} {kind}"
+
+
+#: onnxruntime's names for the providers of ``--providers`` (the worker's ``model.providers``).
+_ORT_NAMES = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+
+
+def _say_fallback(what: str, requested: Sequence[str], serving: Sequence[str]) -> None:
+    """One line when a session runs without a provider that was asked for (no GPU, say): the
+    worker falls back to the CPU with a log line of its own, which the bench does not show."""
+    missing = [p for p in requested if _ORT_NAMES.get(p, p) not in serving]
+    if missing:
+        say(f"{what} runs without {', '.join(missing)}: serving with {', '.join(serving)}")

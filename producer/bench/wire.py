@@ -24,9 +24,10 @@ import redis
 from producer import core, keys
 from producer.errors import WaitTimeout
 
-__all__ = ["BODIES", "ProducerTally", "Replies", "Sender", "input_rows", "outcome"]
+__all__ = ["BODIES", "ProducerTally", "Replies", "Sender", "input_rows", "outcome", "row_bytes"]
 
-BODIES = 64  # distinct request bodies a producer cycles through
+BODIES = 64  # distinct request bodies a producer cycles through, at most
+_BODIES_BYTES = 8 << 20  # and at most this many bytes of them (fewer bodies for big rows)
 _MAX_WAIT_KEYS = 1024  # reply keys per BLPOP or sweep; replies come back roughly oldest first
 
 
@@ -34,22 +35,36 @@ def input_rows(specs: Sequence[dict[str, Any]], rows: int, seed: int) -> dict[st
     """Arrays of ``rows`` rows for inputs described as in a worker record (name, dtype, shape).
 
     Free non-batch dimensions are 1; floats are standard normal clipped to the input's min/max,
-    integers and booleans are zero (or the input's min).
+    integers and booleans are zero (or the input's min). Floats are drawn in float32 (or
+    float64) directly, so an image-sized input (resnet18: 150,528 values a row) costs no more
+    than the draw itself.
     """
     rng = np.random.default_rng(seed)
     arrays = {}
     for spec in specs:
-        shape = [rows] + [d if isinstance(d, int) and d > 0 else 1 for d in spec["shape"][1:]]
+        shape = [rows, *_row_shape(spec)]
         dtype = np.dtype(spec["dtype"])
         low, high = spec.get("min"), spec.get("max")
         if dtype.kind == "f":
-            values = rng.standard_normal(shape)
+            draw = dtype if dtype in (np.float32, np.float64) else np.dtype(np.float32)
+            values = rng.standard_normal(shape, dtype=draw)
             if low is not None or high is not None:
                 values = np.clip(values, low, high)
-            arrays[spec["name"]] = values.astype(dtype)
+            arrays[spec["name"]] = values.astype(dtype, copy=False)
         else:
             arrays[spec["name"]] = np.full(shape, low or 0, dtype=dtype)
     return arrays
+
+
+def _row_shape(spec: dict[str, Any]) -> list[int]:
+    return [d if isinstance(d, int) and d > 0 else 1 for d in spec["shape"][1:]]
+
+
+def row_bytes(specs: Sequence[dict[str, Any]]) -> int:
+    """Bytes of one row of every input, as ``input_rows`` makes it."""
+    return sum(
+        int(np.prod(_row_shape(s), dtype=np.int64)) * np.dtype(s["dtype"]).itemsize for s in specs
+    )
 
 
 @dataclass(slots=True)
@@ -79,9 +94,10 @@ class Sender:
     ) -> None:
         self.conn = conn
         self.stream = keys.request_stream(prefix, model)
+        count = max(1, min(BODIES, _BODIES_BYTES // max(row_bytes(inputs), 1)))
         self.bodies = [
             core.build_submission(input_rows(inputs, 1, seed + i), now_s=0.0).body
-            for i in range(BODIES)
+            for i in range(count)
         ]
         self._tag = uuid.uuid4().hex[:12]
         self._next = 0
@@ -92,7 +108,7 @@ class Sender:
         rids = []
         for _ in range(n):
             rid = f"{self._tag}-{self._next}"
-            body = self.bodies[self._next % BODIES]
+            body = self.bodies[self._next % len(self.bodies)]
             self._next += 1
             self._pipe.xadd(self.stream, core.Submission(rid, body).fields())
             rids.append(rid)
