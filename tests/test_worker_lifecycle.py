@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +142,22 @@ def test_worker_survives_flushall_and_serves_again(tmp_path: Path, redis_url: st
         send(rconn, "demo", "after-flush", {"features": x})
         assert wait_reply(rconn, "after-flush").ok
         assert worker.intake.is_alive()
+
+
+def test_worker_rides_out_a_redis_restart(tmp_path: Path, redis_server, redis_url: str) -> None:
+    # Given a serving worker, when Redis is killed and comes back empty (no persistence)
+    config = write_config(tmp_path, "demo", redis_url)
+    x = np.zeros((1, 16), np.float32)
+    with running_worker(config) as worker:
+        before = redis.Redis.from_url(redis_url, socket_timeout=30)
+        send(before, "demo", "before-restart", {"features": x})
+        assert wait_reply(before, "before-restart").ok
+        before.close()
+        redis_server.restart(kill=True)
+        after = redis.Redis.from_url(redis_url, socket_timeout=30)
+        send(after, "demo", "after-restart", {"features": x})
+        # Then it reconnects, recreates its group and serves again
+        assert wait_reply(after, "after-restart").ok
+        after.close()
+        assert worker.intake.is_alive()
+        assert worker.writer.is_alive()
