@@ -7,6 +7,7 @@ would be valid, before anything touches Redis or the model.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ PROVIDERS: dict[str, frozenset[str]] = {
 }
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested")
+_SHA256_RE = re.compile(r"[0-9A-Fa-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class ModelConfig:
     intra_op_threads: int = 0
     inter_op_threads: int = 0
     allow_spinning: bool = False
+    sha256: str | None = None  # the pinned file hash, lowercase hex; None pins nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,7 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
             "intra_op_threads",
             "inter_op_threads",
             "allow_spinning",
+            "sha256",
             *PROVIDERS,
         }
     )
@@ -223,7 +227,21 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
         intra_op_threads=t.get_int("intra_op_threads", 0, minimum=0),
         inter_op_threads=t.get_int("inter_op_threads", 0, minimum=0),
         allow_spinning=t.get_bool("allow_spinning", False),
+        sha256=_sha256(t),
     )
+
+
+def _sha256(t: _Table) -> str | None:
+    """The pinned model hash, so a swapped or corrupted file is refused rather than served."""
+    if "sha256" not in t.data:
+        return None
+    value = t.get_str("sha256", None)
+    if _SHA256_RE.fullmatch(value) is None:
+        raise ConfigError(
+            f"Config 'model.sha256' has value {value!r}. Use the model file's SHA-256 as 64 "
+            "hex digits, as 'sha256sum FILE' prints it."
+        )
+    return value.lower()
 
 
 def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:

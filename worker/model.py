@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from worker.config import ModelConfig, ProviderConfig
-from worker.errors import ModelError
+from worker.errors import ConfigError, ModelError
 
-__all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "read_model_file"]
+__all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "check_sha256", "read_model_file"]
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,21 @@ def read_model_file(path: Path) -> ModelFile:
         opsets=head["opsets"],
         ir_version=head["ir_version"],
         producer=head["producer"],
+    )
+
+
+def check_sha256(model_file: ModelFile, expected: str | None) -> None:
+    """Refuse a file other than the pinned one (``model.sha256``).
+
+    Without the pin, a swapped, corrupted or half-copied file would be served under the
+    configured name and version, and replies would carry its hash only after the fact.
+    """
+    if expected is None or model_file.sha256 == expected.lower():
+        return
+    raise ConfigError(
+        f"Config 'model.sha256' expects {expected.lower()} but {model_file.path} has sha256 "
+        f"{model_file.sha256}. Deploy the pinned file, or set model.sha256 to the new hash if "
+        "the change is intended."
     )
 
 
