@@ -7,6 +7,7 @@ Every error has one root, so callers can catch ``RedbatchError`` and nothing els
     ├── BacklogFull            the request stream is at or above the producer's max_backlog
     ├── WaitTimeout            no reply arrived in time (also a builtin TimeoutError)
     ├── ConnectionFailed       Redis could not be reached or refused the command
+    │   └── RedisUnavailable   Redis stayed unreachable or busy through the retry budget
     ├── NoWorkerInfo           a value only a live worker can tell (its row limit) is unknown
     └── RequestFailed          the worker answered ok = false; one subclass per contract code
         ├── MalformedRequest   MALFORMED
@@ -34,6 +35,7 @@ __all__ = [
     "NoWorkerInfo",
     "Poisoned",
     "RedbatchError",
+    "RedisUnavailable",
     "RequestFailed",
     "TooLarge",
     "WaitTimeout",
@@ -84,6 +86,10 @@ class WaitTimeout(RedbatchError, TimeoutError):
 
 class ConnectionFailed(RedbatchError):
     """Raised when Redis cannot be reached, refuses a login, or rejects a command."""
+
+
+class RedisUnavailable(ConnectionFailed):
+    """Raised when Redis stayed unreachable, loading or busy for the client's whole ``retry_s``."""
 
 
 class NoWorkerInfo(RedbatchError):
