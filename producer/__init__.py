@@ -1,7 +1,8 @@
 """redbatch's producer library: send arrays to ONNX workers over Redis streams, get replies back.
 
 ``Client`` (blocking) and ``AsyncClient`` (asyncio) share one sans-I/O core (``producer.core``);
-the wire format is ``producer.codec`` and every error derives from ``RedbatchError``.
+the wire format is ``producer.codec``, Redis outages are retried by ``producer.retry``, and every
+error derives from ``RedbatchError``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from producer.errors import (
     NoWorkerInfo,
     Poisoned,
     RedbatchError,
+    RedisUnavailable,
     RequestFailed,
     TooLarge,
     WaitTimeout,
@@ -45,6 +47,7 @@ __all__ = [
     "NoWorkerInfo",
     "Poisoned",
     "RedbatchError",
+    "RedisUnavailable",
     "RequestFailed",
     "Result",
     "TooLarge",

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -31,6 +30,7 @@ from producer.client import DEFAULT_URL
 from producer.core import Chunk, Result
 from producer.errors import RedbatchError
 from producer.keys import DEFAULT_PREFIX
+from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["AsyncClient"]
 
@@ -42,7 +42,7 @@ class AsyncClient:
     """Submit requests to one model's workers and collect their replies (asyncio).
 
     ``url`` goes to ``redis.asyncio.Redis.from_url``, or pass ``redis_client`` (then
-    ``close()`` leaves it open). See ``Client`` for backpressure and errors.
+    ``close()`` leaves it open). See ``Client`` for backpressure, ``retry_s`` and errors.
     """
 
     def __init__(
@@ -54,6 +54,7 @@ class AsyncClient:
         max_backlog: int | None = None,
         wait_for_backlog: bool = False,
         redis_client: redis.asyncio.Redis | None = None,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self._settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
         if redis_client is None:
@@ -68,6 +69,7 @@ class AsyncClient:
         connection_kwargs = self._redis.connection_pool.connection_kwargs
         core.check_connection_kwargs(connection_kwargs)
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
+        self._retry = RetryPolicy(self._where, retry_s)
 
     @property
     def model(self) -> str:
@@ -123,23 +125,24 @@ class AsyncClient:
 
     async def _send(self, subs: Sequence[core.Submission]) -> None:
         gate = core.BacklogGate(self._settings.max_backlog, self._settings.wait_for_backlog)
-        stream = self._settings.stream
-        with self._translating():
-            if gate.active:
-                while (delay_s := gate.delay_s(await self._redis.xlen(stream))) is not None:
-                    await _sleep(delay_s)
-            pipe = self._redis.pipeline(transaction=False)
-            for sub in subs:
-                pipe.xadd(stream, sub.fields())
-            await pipe.execute()
+        if gate.active:
+            while (delay_s := gate.delay_s(await self.backlog())) is not None:
+                await _sleep(delay_s)
+        await self._retry.acall(self._xadd, subs)
+
+    async def _xadd(self, subs: Sequence[core.Submission]) -> None:
+        # A new pipeline per try: a failed execute() has already emptied the old one.
+        pipe = self._redis.pipeline(transaction=False)
+        for sub in subs:
+            pipe.xadd(self._settings.stream, sub.fields())
+        await pipe.execute()
 
     # -- replies ---------------------------------------------------------------------------
 
     async def poll(self, rid: str) -> Result | None:
         """The reply of ``rid`` if it has arrived, else None; never blocks, never consumes."""
         key = self._settings.reply_key(rid)
-        with self._translating():
-            raw = await self._redis.lindex(key, 0)
+        raw = await self._retry.acall(self._redis.lindex, key, 0)
         return None if raw is None else core.parse_reply(rid, raw)
 
     async def wait(self, rid: str, timeout_s: float) -> Result:
@@ -147,9 +150,7 @@ class AsyncClient:
         waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, time.monotonic())
         while True:
-            block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
-            with self._translating():
-                item = await self._redis.blpop(waiter.keys(), block_s)
+            item = await self._retry.acall(self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
             if results:
                 return results[0]
@@ -170,16 +171,22 @@ class AsyncClient:
     async def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        with self._translating():
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.lpop(key)
-            results = waiter.take_popped(keys, await pipe.execute())
-            if results:
-                return results
-            block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
-            item = await self._redis.blpop(keys, block_s)
+        results = waiter.take_popped(keys, await self._retry.acall(self._lpop, keys))
+        if results:
+            return results
+        item = await self._retry.acall(self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
+
+    async def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.lpop(key)
+        return await pipe.execute()
+
+    async def _blpop(self, waiter: window.ReplyWaiter) -> Any:
+        # The block is worked out per try, so a retry after an outage blocks only what is left.
+        block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
+        return await self._redis.blpop(waiter.keys(), block_s)
 
     async def infer(
         self,
@@ -247,7 +254,7 @@ class AsyncClient:
         finally:
             if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
                 with contextlib.suppress(RedbatchError):
-                    await self._cancel_many(plan.in_flight)
+                    await self._cancel_many(plan.in_flight, retry=self._retry.once())
 
     # -- control and status ----------------------------------------------------------------
 
@@ -255,29 +262,32 @@ class AsyncClient:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
         await self._cancel_many([rid], ttl_s)
 
-    async def _cancel_many(self, rids: Sequence[str], ttl_s: int = 3600) -> None:
-        if not rids:
-            return
-        with self._translating():
-            pipe = self._redis.pipeline(transaction=False)
-            for rid in rids:
-                pipe.set(self._settings.cancel_key(rid), b"1", ex=ttl_s)
-            await pipe.execute()
+    async def _cancel_many(
+        self, rids: Sequence[str], ttl_s: int = 3600, retry: RetryPolicy | None = None
+    ) -> None:
+        if rids:
+            keys = [self._settings.cancel_key(rid) for rid in rids]
+            await (retry or self._retry).acall(self._set_all, keys, ttl_s)
+
+    async def _set_all(self, keys: Sequence[str], ttl_s: int) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, b"1", ex=ttl_s)
+        await pipe.execute()
 
     async def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""
-        with self._translating():
-            return int(await self._redis.xlen(self._settings.stream))
+        return int(await self._retry.acall(self._redis.xlen, self._settings.stream))
 
     async def workers(self) -> list[dict[str, Any]]:
         """The live workers' validation records, by name; forgets workers whose record expired."""
-        with self._translating():
-            members = await self._redis.smembers(self._settings.workers_key)
-            roster = core.WorkerRoster.from_members(self._settings, members)
-            raws = await self._redis.mget(roster.record_keys) if roster.record_keys else []
-            records, stale = roster.read(raws)
-            if stale:
-                await self._redis.srem(self._settings.workers_key, *stale)
+        key, call = self._settings.workers_key, self._retry.acall
+        members = await call(self._redis.smembers, key)
+        roster = core.WorkerRoster.from_members(self._settings, members)
+        raws = await call(self._redis.mget, roster.record_keys) if roster.record_keys else []
+        records, stale = roster.read(raws)
+        if stale:
+            await call(self._redis.srem, key, *stale)
         return records
 
     # -- lifetime --------------------------------------------------------------------------
@@ -300,6 +310,3 @@ class AsyncClient:
 
     def __repr__(self) -> str:
         return f"AsyncClient(model={self._settings.model!r}, url={self._where!r})"
-
-    def _translating(self) -> AbstractContextManager[None]:
-        return core.translate_redis_errors(self._where)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -30,6 +29,7 @@ from producer import core, window
 from producer.core import Chunk, Result
 from producer.errors import RedbatchError
 from producer.keys import DEFAULT_PREFIX
+from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["Client"]
 
@@ -45,8 +45,13 @@ class Client:
     ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
     or pass ``redis_client`` (then ``close()`` leaves it open). With ``max_backlog`` set,
     submits refuse with ``BacklogFull`` while the request stream holds that many entries, or
-    wait for it to shrink when ``wait_for_backlog`` is true. Redis failures raise
-    ``ConnectionFailed``.
+    wait for it to shrink when ``wait_for_backlog`` is true.
+
+    Every Redis command is retried with capped, jittered backoff through outages of up to
+    ``retry_s`` seconds (0: no retries), with one log line when an outage starts and one when it
+    ends; then ``RedisUnavailable`` is raised. Other Redis errors raise ``ConnectionFailed`` at
+    once. A retried submit resends the same request (same rid and body), so a lost answer can
+    queue it twice, never as a different request; ``producer.retry`` has the details.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class Client:
         max_backlog: int | None = None,
         wait_for_backlog: bool = False,
         redis_client: redis.Redis | None = None,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self._settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
         if redis_client is None:
@@ -72,6 +78,7 @@ class Client:
         connection_kwargs = self._redis.connection_pool.connection_kwargs
         core.check_connection_kwargs(connection_kwargs)
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
+        self._retry = RetryPolicy(self._where, retry_s)
 
     @property
     def model(self) -> str:
@@ -127,23 +134,24 @@ class Client:
 
     def _send(self, subs: Sequence[core.Submission]) -> None:
         gate = core.BacklogGate(self._settings.max_backlog, self._settings.wait_for_backlog)
-        stream = self._settings.stream
-        with self._translating():
-            if gate.active:
-                while (delay_s := gate.delay_s(self._redis.xlen(stream))) is not None:
-                    _sleep(delay_s)
-            pipe = self._redis.pipeline(transaction=False)
-            for sub in subs:
-                pipe.xadd(stream, sub.fields())
-            pipe.execute()
+        if gate.active:
+            while (delay_s := gate.delay_s(self.backlog())) is not None:
+                _sleep(delay_s)
+        self._retry.call(self._xadd, subs)
+
+    def _xadd(self, subs: Sequence[core.Submission]) -> None:
+        # A new pipeline per try: a failed execute() has already emptied the old one.
+        pipe = self._redis.pipeline(transaction=False)
+        for sub in subs:
+            pipe.xadd(self._settings.stream, sub.fields())
+        pipe.execute()
 
     # -- replies ---------------------------------------------------------------------------
 
     def poll(self, rid: str) -> Result | None:
         """The reply of ``rid`` if it has arrived, else None; never blocks, never consumes."""
         key = self._settings.reply_key(rid)
-        with self._translating():
-            raw = self._redis.lindex(key, 0)
+        raw = self._retry.call(self._redis.lindex, key, 0)
         return None if raw is None else core.parse_reply(rid, raw)
 
     def wait(self, rid: str, timeout_s: float) -> Result:
@@ -151,9 +159,7 @@ class Client:
         waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, time.monotonic())
         while True:
-            block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
-            with self._translating():
-                item = self._redis.blpop(waiter.keys(), block_s)
+            item = self._retry.call(self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
             if results:
                 return results[0]
@@ -173,15 +179,22 @@ class Client:
     def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        with self._translating():
-            pipe = self._redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.lpop(key)
-            results = waiter.take_popped(keys, pipe.execute())
-            if results:
-                return results
-            item = self._redis.blpop(keys, waiter.block_s(time.monotonic(), self._block_cap_s))
+        results = waiter.take_popped(keys, self._retry.call(self._lpop, keys))
+        if results:
+            return results
+        item = self._retry.call(self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
+
+    def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.lpop(key)
+        return pipe.execute()
+
+    def _blpop(self, waiter: window.ReplyWaiter) -> Any:
+        # The block is worked out per try, so a retry after an outage blocks only what is left.
+        block_s = waiter.block_s(time.monotonic(), self._block_cap_s)
+        return self._redis.blpop(waiter.keys(), block_s)
 
     def infer(
         self,
@@ -253,7 +266,7 @@ class Client:
         finally:
             if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
                 with contextlib.suppress(RedbatchError):
-                    self._cancel_many(plan.in_flight)
+                    self._cancel_many(plan.in_flight, retry=self._retry.once())
 
     # -- control and status ----------------------------------------------------------------
 
@@ -261,29 +274,32 @@ class Client:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
         self._cancel_many([rid], ttl_s)
 
-    def _cancel_many(self, rids: Sequence[str], ttl_s: int = 3600) -> None:
-        if not rids:
-            return
-        with self._translating():
-            pipe = self._redis.pipeline(transaction=False)
-            for rid in rids:
-                pipe.set(self._settings.cancel_key(rid), b"1", ex=ttl_s)
-            pipe.execute()
+    def _cancel_many(
+        self, rids: Sequence[str], ttl_s: int = 3600, retry: RetryPolicy | None = None
+    ) -> None:
+        if rids:
+            keys = [self._settings.cancel_key(rid) for rid in rids]
+            (retry or self._retry).call(self._set_all, keys, ttl_s)
+
+    def _set_all(self, keys: Sequence[str], ttl_s: int) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(key, b"1", ex=ttl_s)
+        pipe.execute()
 
     def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""
-        with self._translating():
-            return int(self._redis.xlen(self._settings.stream))
+        return int(self._retry.call(self._redis.xlen, self._settings.stream))
 
     def workers(self) -> list[dict[str, Any]]:
         """The live workers' validation records, by name; forgets workers whose record expired."""
-        with self._translating():
-            members = self._redis.smembers(self._settings.workers_key)
-            roster = core.WorkerRoster.from_members(self._settings, members)
-            raws = self._redis.mget(roster.record_keys) if roster.record_keys else []
-            records, stale = roster.read(raws)
-            if stale:
-                self._redis.srem(self._settings.workers_key, *stale)
+        key = self._settings.workers_key
+        members = self._retry.call(self._redis.smembers, key)
+        roster = core.WorkerRoster.from_members(self._settings, members)
+        raws = self._retry.call(self._redis.mget, roster.record_keys) if roster.record_keys else []
+        records, stale = roster.read(raws)
+        if stale:
+            self._retry.call(self._redis.srem, key, *stale)
         return records
 
     # -- lifetime --------------------------------------------------------------------------
@@ -306,6 +322,3 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client(model={self._settings.model!r}, url={self._where!r})"
-
-    def _translating(self) -> AbstractContextManager[None]:
-        return core.translate_redis_errors(self._where)

@@ -10,40 +10,34 @@ tested without Redis. Pieces:
 - ``BacklogGate``: from ``XLEN``, go ahead, raise ``BacklogFull``, or sleep and look again.
 - ``WorkerRoster`` and ``row_limit``: live worker records and the model's row limit.
 - ``check_connection_kwargs`` and ``block_cap_s``: what a redis-py client must be, how long it
-  may block.
-- ``translate_redis_errors``: redis-py errors to ``ConnectionFailed``, without passwords.
+  may block; ``redact_url`` and ``describe_connection``: where it connects, without passwords.
+
+Retrying through Redis outages, and turning redis-py errors into ``ConnectionFailed``, is
+``producer.retry``'s job.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
-import redis.exceptions
 from numpy.typing import ArrayLike
 from redis.typing import EncodableT, FieldT
 
 from producer import codec, keys
 from producer.codec import ErrorInfo, ModelRef
-from producer.errors import (
-    BacklogFull,
-    ConnectionFailed,
-    NoWorkerInfo,
-    error_for_code,
-)
+from producer.errors import BacklogFull, NoWorkerInfo, error_for_code
 
 __all__ = [
     "FIRST_BACKOFF_S",
     "MAX_BACKOFF_S",
     "MAX_BLOCK_S",
-    "REDIS_ERRORS",
     "BacklogGate",
     "Chunk",
     "Result",
@@ -60,7 +54,6 @@ __all__ = [
     "parse_reply",
     "redact_url",
     "row_limit",
-    "translate_redis_errors",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,14 +64,6 @@ MAX_BACKOFF_S = 0.2
 #: The longest single blocking command. redis-py's default socket timeout is 5 s, and a BLPOP that
 #: outlasts the socket timeout fails, so long waits are made of several short blocks.
 MAX_BLOCK_S = 2.0
-
-#: The redis-py errors the shells translate into ConnectionFailed (AuthenticationError is a
-#: ConnectionError; NoPermissionError is a ResponseError).
-REDIS_ERRORS = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.ResponseError,
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +361,7 @@ def row_limit(records: Iterable[Mapping[str, Any]], settings: Settings) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Connections and their errors
+# Connections
 
 
 def check_connection_kwargs(connection_kwargs: Mapping[str, Any]) -> None:
@@ -422,22 +407,3 @@ def describe_connection(connection_kwargs: Mapping[str, Any], tls: bool) -> str:
     port = connection_kwargs.get("port", 6379)
     db = connection_kwargs.get("db", 0)
     return f"{scheme}://{f'{user}@' if user else ''}{host}:{port}/{db}"
-
-
-@contextlib.contextmanager
-def translate_redis_errors(where: str) -> Iterator[None]:
-    """Turn redis-py errors raised in the block into ConnectionFailed naming ``where``.
-
-    A plain context manager, so ``with`` works around ``await`` in the async shell too.
-    """
-    try:
-        yield
-    except REDIS_ERRORS as exc:
-        if isinstance(exc, redis.exceptions.ResponseError):
-            message = f"Redis at {where} rejected a command: {exc}"
-        else:
-            message = (
-                f"Could not talk to Redis at {where}: {exc or type(exc).__name__}. Check that "
-                "Redis is running there and that the URL, password and TLS settings are right."
-            )
-        raise ConnectionFailed(message) from exc

@@ -276,7 +276,7 @@ def test_unreachable_redis_raises_connection_failed() -> None:
     port = free_port()
 
     async def scenario() -> None:
-        async with AsyncClient(MODEL, f"redis://:hunter2@127.0.0.1:{port}/0") as client:
+        async with AsyncClient(MODEL, f"redis://:hunter2@127.0.0.1:{port}/0", retry_s=0) as client:
             started = time.monotonic()
             with pytest.raises(ConnectionFailed) as info:
                 await client.backlog()

@@ -454,7 +454,7 @@ def test_cancel_sets_the_key_with_a_ttl(client: Client, rconn: redis.Redis) -> N
 
 def test_unreachable_redis_raises_connection_failed_without_the_password() -> None:
     port = free_port()
-    with Client(MODEL, f"redis://user:s3cret@127.0.0.1:{port}/0") as c:
+    with Client(MODEL, f"redis://user:s3cret@127.0.0.1:{port}/0", retry_s=0) as c:
         with pytest.raises(ConnectionFailed) as info:
             c.backlog()
         with pytest.raises(ConnectionFailed):
