@@ -177,14 +177,20 @@ class RetryPolicy:
 
     async def acall(self, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """The asyncio twin of ``call``: awaits ``fn(*args, **kwargs)``."""
+
+        async def attempt() -> T:
+            # Tenacity awaits only ``async def`` functions; redis-py's commands are plain
+            # methods that return a coroutine, which it would hand back unawaited.
+            return await fn(*args, **kwargs)
+
         started = time.monotonic()
         try:
             try:
-                result = await fn(*args, **kwargs)
+                result = await attempt()
             except REDIS_ERRORS as exc:
                 if not self._retries(exc):
                     raise
-                result = await AsyncRetrying(**self._options())(fn, *args, **kwargs)
+                result = await AsyncRetrying(**self._options())(attempt)
         except REDIS_ERRORS as exc:
             raise self._failed(exc, started) from exc
         self.outage.ended()

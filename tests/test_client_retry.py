@@ -1,0 +1,259 @@
+"""Client and AsyncClient ride out Redis outages: a real redis-server, killed and started again.
+
+The module's own redis-server (``redis_server``, see conftest) is stopped and restarted here, so
+each test that stops it starts it again before it ends. Tests wait for the retry policy's log
+records through ``LogSignal``, not for a guessed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import redis
+import redis.exceptions as rex
+
+from producer import codec, keys
+from producer.aio import AsyncClient
+from producer.client import Client
+from producer.codec import ModelRef, Reply
+from producer.errors import ConnectionFailed, RedisUnavailable
+from producer.retry import RetryPolicy, is_transient
+from worker.localredis import LocalRedis
+
+MODEL = "demo"
+STREAM = keys.request_stream(keys.DEFAULT_PREFIX, MODEL)
+RETRY_LOGGER = "producer.retry"
+
+
+class LogSignal(logging.Handler):
+    """Sets an event for each outage log record (``redis_down``, ``redis_up``) as it is emitted."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.events = {"redis_down": threading.Event(), "redis_up": threading.Event()}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        event = self.events.get(getattr(record, "event", ""))
+        if event is not None:
+            event.set()
+
+    def wait(self, name: str) -> None:
+        assert self.events[name].wait(timeout=20), f"no {name} log record"
+
+
+@pytest.fixture
+def signal() -> Iterator[LogSignal]:
+    handler = LogSignal()
+    logger = logging.getLogger(RETRY_LOGGER)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+@pytest.fixture
+def outage_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.WARNING, logger=RETRY_LOGGER)
+    return caplog
+
+
+@pytest.fixture
+def server(redis_server: LocalRedis, redis_url: str) -> Iterator[LocalRedis]:
+    """The module's server, running again after the test whatever the test did to it."""
+    yield redis_server
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=0.5).ping()
+    except rex.ConnectionError:
+        redis_server.start()
+
+
+def outage_events(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [getattr(r, "event", "") for r in caplog.records if r.name == RETRY_LOGGER]
+
+
+def entries(url: str) -> list[dict[bytes, bytes]]:
+    conn = redis.Redis.from_url(url)
+    try:
+        return [fields for _id, fields in conn.xrange(STREAM)]
+    finally:
+        conn.close()
+
+
+def xs(rows: int) -> np.ndarray:
+    return np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+
+
+def reply_bytes(rid: str) -> bytes:
+    model = ModelRef(MODEL, "1", "0" * 64)
+    reply = Reply(rid=rid, ok=True, outputs={"y": xs(1)}, model=model, worker="w", timings_ms={})
+    return codec.encode_reply(reply)
+
+
+def test_submit_rides_out_a_redis_restart_and_logs_the_outage_once_each_way(
+    server: LocalRedis, redis_url: str, signal: LogSignal, outage_log: pytest.LogCaptureFixture
+) -> None:
+    # Given a client that has talked to Redis, and a Redis that then dies
+    with Client(MODEL, redis_url, retry_s=30) as client:
+        client.backlog()
+        server.stop(kill=True)
+        rids: list[str] = []
+        sender = threading.Thread(target=lambda: rids.append(client.submit({"x": xs(1)})))
+
+        # When a submit starts during the outage and Redis comes back while it retries
+        sender.start()
+        signal.wait("redis_down")
+        server.start()
+        sender.join(timeout=30)
+
+    # Then the submit went through once, with one log line at each end of the outage
+    assert not sender.is_alive()
+    assert [f[b"rid"].decode() for f in entries(redis_url)] == rids
+    assert outage_events(outage_log) == ["redis_down", "redis_up"]
+
+
+def test_wait_blocks_through_an_outage_and_gets_the_reply_written_after_it(
+    server: LocalRedis, redis_url: str, signal: LogSignal, outage_log: pytest.LogCaptureFixture
+) -> None:
+    # Given a caller blocked in wait() when Redis dies
+    results: list[bool] = []
+    with Client(MODEL, redis_url, retry_s=30) as client:
+        waiter = threading.Thread(target=lambda: results.append(client.wait("r-1", 30).ok))
+        waiter.start()
+        server.stop(kill=True)
+        signal.wait("redis_down")
+
+        # When Redis comes back and the reply is written only then
+        server.start()
+        writer = redis.Redis.from_url(redis_url)
+        writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-1"), reply_bytes("r-1"))
+        writer.close()
+        waiter.join(timeout=30)
+
+    # Then the wait returns that reply
+    assert results == [True]
+    assert outage_events(outage_log) == ["redis_down", "redis_up"]
+
+
+def test_a_restart_between_commands_is_not_an_outage(
+    server: LocalRedis, redis_url: str, outage_log: pytest.LogCaptureFixture
+) -> None:
+    with Client(MODEL, redis_url, retry_s=30) as client:
+        client.backlog()
+        server.restart(kill=True)  # the client's pooled connection is now dead
+        assert client.backlog() == 0
+
+    assert outage_events(outage_log) == []
+
+
+def test_the_budget_runs_out_with_redis_unavailable(
+    server: LocalRedis, redis_url: str, outage_log: pytest.LogCaptureFixture
+) -> None:
+    server.stop(kill=True)
+    with Client(MODEL, redis_url, retry_s=0.3) as client:
+        started = time.monotonic()
+        with pytest.raises(RedisUnavailable, match=r"retry_s=0\.3") as info:
+            client.submit({"x": xs(1)})
+        elapsed_s = time.monotonic() - started
+
+    assert 0.3 <= elapsed_s < 5
+    assert isinstance(info.value.__cause__, rex.ConnectionError)
+    assert outage_events(outage_log) == ["redis_down"]
+
+
+def test_a_rejected_command_is_not_retried(
+    redis_url: str, rconn: redis.Redis, outage_log: pytest.LogCaptureFixture
+) -> None:
+    rconn.set(STREAM, "not a stream")
+    rconn.config_resetstat()
+    with (
+        Client(MODEL, redis_url, retry_s=30) as client,
+        pytest.raises(ConnectionFailed, match="WRONGTYPE") as info,
+    ):
+        client.backlog()
+
+    assert not isinstance(info.value, RedisUnavailable)
+    assert rconn.info("commandstats")["cmdstat_xlen"]["calls"] == 1
+    assert outage_events(outage_log) == []
+
+
+def test_async_calls_ride_out_a_redis_restart_with_one_outage_logged(
+    server: LocalRedis, redis_url: str, signal: LogSignal, outage_log: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> tuple[str, object]:
+        async with AsyncClient(MODEL, redis_url, retry_s=30) as client:
+            await client.backlog()
+            await asyncio.to_thread(server.stop, True)
+            # Two commands retry at once: a pipelined submit and a plain LINDEX
+            submit = asyncio.create_task(client.submit({"x": xs(2)}, rid="job-7"))
+            poll = asyncio.create_task(client.poll("job-7"))
+            await asyncio.to_thread(signal.wait, "redis_down")
+            await asyncio.to_thread(server.start)
+            return await submit, await poll
+
+    rid, polled = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+
+    assert (rid, polled) == ("job-7", None)
+    assert [f[b"rid"] for f in entries(redis_url)] == [b"job-7"]
+    assert outage_events(outage_log) == ["redis_down", "redis_up"]
+
+
+def test_async_budget_runs_out_with_redis_unavailable(
+    server: LocalRedis, redis_url: str, outage_log: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url, retry_s=0.3) as client:
+            with pytest.raises(RedisUnavailable):
+                await client.poll("r-1")
+
+    server.stop(kill=True)
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+    assert outage_events(outage_log) == ["redis_down"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy without Redis
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (rex.ConnectionError("Connection refused"), True),
+        (rex.TimeoutError("Timeout reading from socket"), True),
+        (rex.BusyLoadingError("Redis is loading the dataset in memory"), True),
+        (rex.OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'"), True),
+        (rex.ResponseError("BUSY Redis is busy running a script"), True),
+        (rex.ResponseError("Command # 2 (XADD s * a b) of pipeline caused error: BUSY x"), True),
+        (rex.TryAgainError("TRYAGAIN Multiple keys request during rehashing"), True),
+        (rex.ResponseError("BUSYGROUP Consumer Group name already exists"), False),
+        (rex.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"), False),
+        (rex.ReadOnlyError("You can't write against a read only replica."), False),
+        (rex.AuthenticationError("invalid username-password pair"), False),
+        (rex.NoPermissionError("NOPERM this user has no permissions"), False),
+    ],
+)
+def test_only_errors_a_later_try_may_not_hit_are_transient(exc: Exception, transient: bool) -> None:
+    assert is_transient(exc) is transient
+
+
+@pytest.mark.parametrize("retry_s", [-1, True, "30", float("nan")])
+def test_retry_s_must_be_a_non_negative_number(retry_s: object) -> None:
+    with pytest.raises(ValueError, match="retry_s"):
+        RetryPolicy("redis://h:6379/0", retry_s)  # type: ignore[arg-type]
+
+
+def test_retry_s_zero_tries_once() -> None:
+    tries: list[int] = []
+
+    def refuse() -> None:
+        tries.append(1)
+        raise rex.ConnectionError("Connection refused")
+
+    with pytest.raises(RedisUnavailable, match="not retried"):
+        RetryPolicy("redis://h:6379/0", 0).call(refuse)
+    assert len(tries) == 1
