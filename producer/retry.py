@@ -107,11 +107,6 @@ class Outage:
         self._lock = threading.Lock()
         self._since: float | None = None  # monotonic start of the current outage
 
-    @property
-    def down(self) -> bool:
-        """True from a failed retry until the next command that succeeds."""
-        return self._since is not None
-
     def began(self, exc: BaseException | None, retry_s: float) -> None:
         """Note a failed retry; logs only when it starts an outage."""
         with self._lock:
