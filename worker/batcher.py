@@ -9,6 +9,8 @@ Waiting is adaptive: the batcher keeps an average of how many requests arrived w
 waited. When waiting stops paying (a trickle, or one caller waiting on each answer before it
 sends the next) it closes batches at once, so a lone request costs the model's own time, not the
 window; every 16th batch still waits, to notice when traffic picks up.
+
+A redelivered request (one a worker may have died on) always runs in a batch of its own.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Batcher:
         first = self._take(timeout_s)
         if first is None:
             return []
+        if first.alone:
+            return [first]
         batch, rows = [first], first.rows
         deadline = self._deadline(first) if rows else None
         waited, gained = False, 0
@@ -77,7 +81,7 @@ class Batcher:
                 if item is None:
                     break
                 gained += 1
-            if rows + item.rows > self.max_rows:
+            if item.alone or rows + item.rows > self.max_rows:
                 self._buffer.appendleft(item)  # first in line for the next batch
                 break
             batch.append(item)

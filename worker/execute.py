@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker import faults
 from worker.errors import Rejected
 from worker.intake import WorkItem
 from worker.model import Model
@@ -89,6 +90,8 @@ def run_isolated(
             *run_isolated(model, items[mid:], output_names, fixed_batch, on_run),
         ]
     elapsed = (time.perf_counter() - started) * 1000.0
+    if faults.ACTIVE:
+        faults.executed(item.rid or "" for item in items)
     if on_run is not None:
         on_run(rows, elapsed / 1000.0)
     return _split(items, outputs, output_names, rows, elapsed)
@@ -103,6 +106,8 @@ def _run(
 ) -> list[np.ndarray]:
     if fixed_batch and rows < fixed_batch:
         feeds = {name: _pad(arr, fixed_batch) for name, arr in feeds.items()}
+    if faults.ACTIVE:
+        faults.crash_if_pill(feeds)
     try:
         outputs = model.run(feeds, output_names)
     except Exception as exc:  # the runtime raises untyped errors; their text is the message

@@ -2,7 +2,8 @@
 
 It runs on its own thread so that reading, decoding and validating overlap with inference, and
 it blocks on Redis (which wakes at once when data arrives) rather than polling. Its queue is
-bounded, so the worker holds a few batches of entries at most whatever the backlog.
+bounded, so the worker holds a few batches of entries at most whatever the backlog. Between
+reads it asks the reclaimer for entries other workers left behind, and hands each over alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 from producer.codec import decode_request
 from producer.errors import WireFormatError
 from producer.keys import is_valid_rid
+from worker import faults
 from worker.errors import Rejected
+from worker.leases import Leases
+from worker.reclaim import Reclaimer, Redelivery
 from worker.retry import Outage
 from worker.schema import Schema, ValidRequest
 from worker.stream import RawEntry, RequestStream
@@ -25,6 +29,8 @@ from worker.stream import RawEntry, RequestStream
 __all__ = ["Intake", "WorkItem", "admit"]
 
 log = logging.getLogger(__name__)
+
+_RECLAIM_WAIT_S = 0.1  # while redelivering: how long to wait for the entry in flight per turn
 
 
 @dataclass(slots=True)
@@ -40,6 +46,12 @@ class WorkItem:
     meta_raw: bytes | None = None
     reply_ttl_s: int | None = None
     decode_ms: float = 0.0
+    deliveries: int = 1
+
+    @property
+    def alone(self) -> bool:
+        """Redelivered entries run in a batch of their own: one may be what killed a worker."""
+        return self.deliveries > 1
 
     @property
     def rows(self) -> int:
@@ -47,10 +59,10 @@ class WorkItem:
         return self.request.rows if self.request is not None else 0
 
 
-def admit(entry: RawEntry, schema: Schema, max_request_bytes: int) -> WorkItem:
+def admit(entry: RawEntry, schema: Schema, max_request_bytes: int, deliveries: int = 1) -> WorkItem:
     """Turn a raw entry into a WorkItem: valid, rejected with a code, or bound for dead letters."""
     started = time.perf_counter()
-    item = WorkItem(entry)
+    item = WorkItem(entry, deliveries=deliveries)
     try:
         _admit(item, schema, max_request_bytes)
     except Rejected as exc:
@@ -59,17 +71,45 @@ def admit(entry: RawEntry, schema: Schema, max_request_bytes: int) -> WorkItem:
     return item
 
 
+def poisoned(redelivery: Redelivery, max_deliveries: int) -> WorkItem:
+    """A WorkItem for an entry delivered ``max_deliveries`` times: dead-letter it, never run it."""
+    assert redelivery.claimed.entry is not None
+    item = WorkItem(redelivery.claimed.entry, deliveries=redelivery.deliveries)
+    item.rid = _rid(item)
+    times = redelivery.deliveries - 1
+    item.dead_reason = (
+        f"delivered {times} times without an answer (max_deliveries {max_deliveries}); "
+        f"last held by consumer {redelivery.previous_consumer!r}"
+    )
+    if item.rid is not None:
+        item.rejection = Rejected(
+            "POISONED",
+            f"the request was delivered {times} times and each time its worker stopped before "
+            f"answering (max_deliveries {max_deliveries}); it was moved to the dead-letter "
+            "stream and was not run again.",
+        )
+    return item
+
+
+def _rid(item: WorkItem) -> str | None:
+    """The entry's rid, or None (with ``dead_reason`` set) when it cannot name a reply key."""
+    raw_rid = item.entry.fields.get(b"rid")
+    rid = raw_rid.decode("ascii", "replace") if raw_rid is not None else None
+    if rid is not None and is_valid_rid(rid):
+        return rid
+    item.dead_reason = (
+        "entry has no 'rid' field"
+        if rid is None
+        else f"rid {rid[:140]!r} does not match [A-Za-z0-9_.:-]{{1,128}}; no reply key is "
+        "written for it"
+    )
+    return None
+
+
 def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
     fields = item.entry.fields
-    raw_rid = fields.get(b"rid")
-    rid = raw_rid.decode("ascii", "replace") if raw_rid is not None else None
-    if rid is None or not is_valid_rid(rid):
-        item.dead_reason = (
-            "entry has no 'rid' field"
-            if rid is None
-            else f"rid {rid[:140]!r} does not match [A-Za-z0-9_.:-]{{1,128}}; no reply key is "
-            "written for it"
-        )
+    rid = _rid(item)
+    if rid is None:
         return
     item.rid = rid
     body = fields.get(b"body")
@@ -96,6 +136,8 @@ class Intake(threading.Thread):
         out: queue.Queue[list[WorkItem]],
         stop: threading.Event,
         read_count: int,
+        leases: Leases,
+        reclaimer: Reclaimer | None = None,
         block_ms: int = 500,
         on_outage: Callable[[str], None] | None = None,
     ) -> None:
@@ -106,6 +148,8 @@ class Intake(threading.Thread):
         self.out = out
         self.stop = stop
         self.read_count = read_count
+        self.leases = leases
+        self.reclaimer = reclaimer
         self.block_ms = block_ms
         self.idle = threading.Event()  # set when a read came back empty: the stream is drained
         self.failure: BaseException | None = None
@@ -114,19 +158,46 @@ class Intake(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop.is_set():
-                entries = self._read()
+                if self._redeliver():
+                    continue
+                reclaiming = self.reclaimer is not None and self.reclaimer.busy
+                entries = self._read(0 if reclaiming else self.block_ms)
                 if not entries:
-                    self.idle.set()
+                    if reclaiming:  # wait for the redelivered entry rather than spin on Redis
+                        self.leases.wait_redelivered_done(_RECLAIM_WAIT_S)
+                    else:
+                        self.idle.set()
                     continue
                 self.idle.clear()
-                items = [admit(e, self.schema, self.max_request_bytes) for e in entries]
-                self._mark_cancelled(items)
-                # Entries already read are ours: hand every one over, even while stopping.
-                self.out.put(items)
+                self.leases.hold(e.entry_id for e in entries)
+                if faults.ACTIVE:
+                    faults.hit("after_read")
+                self._hand_over([admit(e, self.schema, self.max_request_bytes) for e in entries])
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _redeliver(self) -> bool:
+        """Claim and hand over one entry another worker left behind, when one is due."""
+        if self.reclaimer is None:
+            return False
+        reclaimer = self.reclaimer
+        found = self._outage.call(reclaimer.next) if not self.stop.is_set() else None
+        if found is None or found.claimed.entry is None:
+            return False
+        self.idle.clear()
+        if found.poisoned:
+            item = poisoned(found, reclaimer.max_deliveries)
+        else:
+            item = admit(found.claimed.entry, self.schema, self.max_request_bytes, found.deliveries)
+        self._hand_over([item])
+        return True
+
+    def _hand_over(self, items: list[WorkItem]) -> None:
+        self._mark_cancelled(items)
+        # Entries already read are ours: hand every one over, even while stopping.
+        self.out.put(items)
 
     def _mark_cancelled(self, items: list[WorkItem]) -> None:
         """Reject requests whose cancel key exists: one MGET per read, off the main thread."""
@@ -145,9 +216,9 @@ class Intake(threading.Thread):
                     "CANCELLED", "the request was cancelled (its cancel key was set)."
                 )
 
-    def _read(self) -> list[RawEntry]:
+    def _read(self, block_ms: int) -> list[RawEntry]:
         try:
-            return self._outage.call(lambda: self.stream.read(self.read_count, self.block_ms))
+            return self._outage.call(lambda: self.stream.read(self.read_count, block_ms))
         except Exception:
             if self.stop.is_set():
                 return []

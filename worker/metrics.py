@@ -80,6 +80,21 @@ class Metrics:
             ["during"],
             registry=r,
         )
+        self.claims = Counter(
+            "redbatch_claims",
+            "Entries taken over from a stopped or stuck consumer, by what became of them "
+            "(reclaimed, own after a restart, poisoned, deleted).",
+            ["kind"],
+            registry=r,
+        )
+        self.lease_renewals = Counter(
+            "redbatch_lease_renewals", "Held entries whose lease was renewed.", registry=r
+        )
+        self.consumers_removed = Counter(
+            "redbatch_consumers_removed",
+            "Idle consumers with nothing pending removed from the group.",
+            registry=r,
+        )
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
@@ -108,6 +123,16 @@ class Metrics:
     def redis_down(self, during: str) -> None:
         """Count one Redis outage noticed while ``during`` (reading or writing)."""
         self.redis_outages.labels(during=during).inc()
+
+    def claimed(self, kind: str) -> None:
+        """Count one entry taken over from another consumer (or an earlier self)."""
+        self.claims.labels(kind=kind).inc()
+
+    def leases_renewed(self, count: int) -> None:
+        self.lease_renewals.inc(count)
+
+    def consumers_forgotten(self, count: int) -> None:
+        self.consumers_removed.inc(count)
 
     def batch_done(
         self,

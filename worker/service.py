@@ -18,13 +18,17 @@ from typing import Any
 import redis
 
 from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
+from worker import faults
 from worker.batcher import Batcher
+from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.errors import Rejected, WorkerError
 from worker.execute import Outcome, run_batch
 from worker.intake import Intake, WorkItem
+from worker.leases import LeaseKeeper, Leases
 from worker.metrics import Metrics
 from worker.model import OnnxModel, read_model_file
+from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
 from worker.retry import Outage
 from worker.schema import Schema
@@ -95,6 +99,15 @@ class Worker:
             cfg.batching.max_wait_ms,
             adaptive=cfg.batching.adaptive_wait,
         )
+        self.leases = Leases()
+        claims = Claims(self.stream)
+        self.keeper = LeaseKeeper(
+            claims,
+            self.leases,
+            cfg.delivery.claim_idle_ms,
+            on_renewed=self.metrics.leases_renewed,
+            on_forgotten=self.metrics.consumers_forgotten,
+        )
         self.intake = Intake(
             self.stream,
             self.schema,
@@ -102,8 +115,17 @@ class Worker:
             self.queue,
             self.stop,
             read_count=cfg.batching.max_batch_size,
+            leases=self.leases,
+            reclaimer=Reclaimer(
+                claims,
+                self.leases,
+                cfg.delivery.claim_idle_ms,
+                cfg.delivery.max_deliveries,
+                on_claimed=self.metrics.claimed,
+            ),
             on_outage=self.metrics.redis_down,
         )
+        self._claims = claims
         self.writer = ReplyWriter(
             self.stream,
             self.hard_stop,
@@ -133,6 +155,7 @@ class Worker:
         starting.call(self.registry.beat)
         starting.call(self._sample_stream)
         self.registry.start()
+        self.keeper.start()
         self.writer.start()
         self.intake.start()
         self.ready.set()
@@ -174,9 +197,19 @@ class Worker:
         if self.writer.failure is not None:
             return  # what is left stays pending in Redis; run() raises the writer's error
         self.writer.close()
+        self.keeper.close()
+        self._forget_self()
         self.registry.join(timeout=1.0)
         self.registry.remove()
         log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
+
+    def _forget_self(self) -> None:
+        """Leave the group on a clean exit, so restarts do not pile up consumers."""
+        try:
+            if self._claims.forget_self():
+                log.debug("removed consumer %s from the group", self.name)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not remove consumer %s from the group (%s)", self.name, exc)
 
     # -- one batch --------------------------------------------------------------------------
 
@@ -191,6 +224,8 @@ class Worker:
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
+        if faults.ACTIVE:
+            faults.hit("after_inference")
         self.writer.submit(
             Batch(
                 finishes,
@@ -202,6 +237,7 @@ class Worker:
 
     def _written(self, batch: Batch, write_s: float) -> None:
         """Called on the writer's thread once a batch is in Redis."""
+        self.leases.release(f.entry_id for f in batch.finishes)
         self.metrics.batch_done(
             codes=[f.code for f in batch.finishes],
             queued_s=batch.queued_s,
@@ -264,20 +300,32 @@ class Worker:
     def _failure(
         self, item: WorkItem, error: Rejected | None, started_ms: float, inference_ms: float = 0.0
     ) -> Finish:
-        if item.dead_reason is not None or item.rid is None:
+        if item.dead_reason is not None:
             log.warning(
-                "dead-lettered an entry without a usable rid",
+                "dead-lettered an entry",
                 extra={
-                    "fields": {"entry": item.entry.entry_id.decode(), "reason": item.dead_reason}
+                    "fields": {
+                        "entry": item.entry.entry_id.decode(),
+                        "rid": item.rid,
+                        "reason": item.dead_reason,
+                    }
                 },
             )
+        if item.rid is None:  # no reply key can be named: the dead-letter stream is its answer
             return Finish(
                 item.entry.entry_id, dead_reason=item.dead_reason or "no rid", code="DEAD_LETTER"
             )
         assert error is not None
         info = ErrorInfo(error.code, error.message, error.retryable)
         reply = self._reply(item, started_ms, inference_ms, error=info)
-        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item), code=error.code)
+        return Finish(
+            item.entry.entry_id,
+            item.rid,
+            reply,
+            self._ttl(item),
+            dead_reason=item.dead_reason,
+            code=error.code,
+        )
 
     def _reply(
         self,

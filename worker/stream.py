@@ -118,10 +118,11 @@ class RequestStream:
                 raise
 
     def read(self, count: int, block_ms: int) -> list[RawEntry]:
-        """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first."""
+        """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first (0: not
+        at all; Redis reads BLOCK 0 as forever)."""
         try:
             reply: Any = self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.key: ">"}, count=count, block=block_ms
+                CONSUMER_GROUP, self.consumer, {self.key: ">"}, count=count, block=block_ms or None
             )
         except redis.ResponseError as exc:
             # NOGROUP: the group is gone; UNBLOCKED: the stream was deleted under a blocked read.

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from worker import faults
 from worker.errors import WorkerError
 from worker.retry import Outage
 from worker.stream import Finish, RequestStream
@@ -85,7 +86,11 @@ class ReplyWriter(threading.Thread):
                 if batch is None:
                     return
                 started = time.perf_counter()
+                if faults.ACTIVE:
+                    faults.hit("before_finish")
                 self._outage.call(functools.partial(self.stream.finish, batch.finishes))
+                if faults.ACTIVE:
+                    faults.hit("after_finish")
                 self.on_written(batch, time.perf_counter() - started)
             except BaseException as exc:  # surfaced by the service, which stops the worker
                 self.failure = exc

@@ -1,0 +1,165 @@
+"""Entries that change hands: leases, reclaiming a dead consumer's work, dead-lettering poison.
+
+A "ghost" consumer stands in for a worker that read entries and died: it reads with raw
+XREADGROUP and never answers, which is exactly what a SIGKILLed worker leaves in Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import redis
+from harness import running_worker, send, stream_is_empty, wait_reply, write_config
+
+from worker.metrics import Metrics
+
+STREAM = "redbatch:{demo}:requests"
+DEAD = "redbatch:{demo}:dead"
+GROUP = "workers"
+
+
+def _features(value: float = 0.5) -> dict[str, np.ndarray]:
+    return {"features": np.full((1, 16), value, dtype=np.float32)}
+
+
+def _ghost_reads(rconn: redis.Redis, name: str, count: int) -> list[bytes]:
+    """A consumer reads ``count`` entries and never answers them (a crashed worker)."""
+    rconn.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    got = rconn.xreadgroup(GROUP, name, {STREAM: ">"}, count=count)
+    return [entry_id for entry_id, _ in got[0][1]]
+
+
+def _consumers(rconn: redis.Redis) -> set[str]:
+    return {c["name"].decode() for c in rconn.xinfo_consumers(STREAM, GROUP)}
+
+
+def _eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    """Poll Redis state that has no event to wait on, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def _config(tmp_path: Path, redis_url: str, delivery: str, model: str = "demo", **kw) -> Path:
+    return write_config(tmp_path, model, redis_url, extra=f"[delivery]\n{delivery}", **kw)
+
+
+def test_entries_of_a_dead_consumer_are_claimed_and_each_runs_alone(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given five requests read by a consumer that then died
+    rids = [send(rconn, "demo", f"orphan-{i}", _features()) for i in range(5)]
+    _ghost_reads(rconn, "ghost", 5)
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 300")
+    metrics = Metrics()
+    # When a live worker runs past claim_idle_ms
+    with running_worker(config, name="live", metrics=metrics):
+        replies = [wait_reply(rconn, rid) for rid in rids]
+        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+        # Then the ghost, with nothing pending and idle, is removed from the group
+        assert _eventually(lambda: "ghost" not in _consumers(rconn))
+    assert all(r.ok for r in replies), [r.error for r in replies]
+    assert {r.worker for r in replies} == {"live"}
+    assert [r.batch_rows for r in replies] == [1] * 5  # redelivered: batches of one
+    assert metrics.claims.labels(kind="reclaimed")._value.get() == 5
+    assert metrics.consumers_removed._value.get() >= 1
+    assert "live" not in _consumers(rconn)  # a clean exit leaves the group
+
+
+def test_an_entry_delivered_max_deliveries_times_is_dead_lettered_and_answered_poisoned(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a request that three consumers read and died on (delivery count 3)
+    send(rconn, "demo", "pill", _features(), meta={"who": "pill"})
+    healthy = send(rconn, "demo", "healthy", _features())
+    _ghost_reads(rconn, "ghost", 1)
+    for name in ("ghost2", "ghost3"):
+        rconn.xclaim(STREAM, GROUP, name, 0, [rconn.xrange(STREAM, count=1)[0][0]])
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 200\nmax_deliveries = 3")
+    metrics = Metrics()
+    with running_worker(config, name="live", metrics=metrics):
+        poisoned = wait_reply(rconn, "pill")
+        ok = wait_reply(rconn, healthy)
+        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+    assert ok.ok
+    assert poisoned.error is not None
+    assert poisoned.error.code == "POISONED"
+    assert "delivered 3 times" in poisoned.error.message
+    assert poisoned.meta is None  # the body of a poison pill is not decoded again
+    dead = rconn.xrange(DEAD)
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert fields[b"rid"] == b"pill"
+    assert b"body" in fields
+    assert b"max_deliveries 3" in fields[b"reason"]
+    assert b"ghost3" in fields[b"reason"]
+    assert metrics.claims.labels(kind="poisoned")._value.get() == 1
+
+
+def test_a_restarted_worker_takes_its_own_pending_entries_first(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given entries pending on the name "w1" from an earlier process, and a long claim_idle_ms
+    rids = [send(rconn, "demo", f"mine-{i}", _features()) for i in range(3)]
+    _ghost_reads(rconn, "w1", 3)
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 600000")
+    metrics = Metrics()
+    # When w1 starts again, it answers them at once rather than after claim_idle_ms
+    with running_worker(config, name="w1", metrics=metrics):
+        replies = [wait_reply(rconn, rid, timeout_s=10) for rid in rids]
+        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+    assert all(r.ok and r.batch_rows == 1 for r in replies)
+    assert metrics.claims.labels(kind="own")._value.get() == 3
+
+
+def test_an_entry_deleted_while_pending_is_dropped_from_the_group(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    send(rconn, "demo", "gone", _features())
+    kept = send(rconn, "demo", "kept", _features())
+    ids = _ghost_reads(rconn, "ghost", 2)
+    rconn.xdel(STREAM, ids[0])
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 200")
+    metrics = Metrics()
+    with running_worker(config, name="live", metrics=metrics):
+        assert wait_reply(rconn, kept).ok
+        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+    assert metrics.claims.labels(kind="deleted")._value.get() == 1
+    assert not rconn.exists("redbatch:reply:gone")
+
+
+def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a model run (1,024 rows through 24 layers) that takes far longer than claim_idle_ms
+    config = write_config(
+        tmp_path,
+        "slow",
+        redis_url,
+        batching="max_batch_size = 1024\nmax_wait_ms = 1",
+        extra="[delivery]\nclaim_idle_ms = 100",
+    )
+    x = np.random.default_rng(0).normal(size=(1024, 512)).astype(np.float32)
+    first, second = Metrics(), Metrics()
+    with (
+        running_worker(config, name="a", metrics=first),
+        running_worker(config, name="b", metrics=second),
+    ):
+        rids = [send(rconn, "slow", f"long-{i}", {"x": x}) for i in range(4)]
+        replies = [wait_reply(rconn, rid, timeout_s=60) for rid in rids]
+        assert _eventually(lambda: stream_is_empty(rconn, "slow"))
+    assert all(r.ok for r in replies)
+    runs = [r.timings_ms["inference"] for r in replies]
+    assert max(runs) > 100, runs  # the premise: a run outlasted claim_idle_ms
+    workers = (first, second)
+    assert sum(m.lease_renewals._value.get() for m in workers) > 0
+    # Every execution is counted where it ran; a claimed duplicate would add to these.
+    assert sum(m.claims.labels(kind="reclaimed")._value.get() for m in workers) == 0
+    assert sum(m.requests.labels(code="OK")._value.get() for m in workers) == 4
+    assert sum(m.batch_rows._sum.get() for m in workers) == 4 * 1024
