@@ -6,7 +6,7 @@ import argparse
 
 from producer import keys
 
-__all__ = ["model_name", "positive_float", "positive_int", "prefix"]
+__all__ = ["model_name", "non_negative_float", "positive_float", "positive_int", "prefix"]
 
 
 def positive_int(text: str) -> int:
@@ -28,6 +28,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number of seconds that may be 0 (turning the feature off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
     return value
 
 

@@ -32,6 +32,7 @@ from producer.job import (
     write_errors,
     write_outputs,
 )
+from producer.retry import DEFAULT_RETRY_S
 
 __all__ = [
     "EXIT_FAILED",
@@ -54,7 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     input_path, output_path = Path(args.input), Path(args.output)
     errors_path = Path(args.errors) if args.errors else Path(f"{output_path}.errors.jsonl")
     _check_run_paths(input_path, output_path, errors_path)
-    with Client(args.model, args.redis_url, prefix=args.prefix) as client:
+    with Client(args.model, args.redis_url, prefix=args.prefix, retry_s=args.retry_s) as client:
         records = [r for r in client.workers() if isinstance(r, dict)]
         arrays = load_inputs(input_path, lambda: _single_input_name(args, records))
         _check_against_workers(args, arrays, records)
@@ -246,6 +247,14 @@ def _add_connection_options(parser: argparse.ArgumentParser, *, top: bool) -> No
         default=keys.DEFAULT_PREFIX if top else argparse.SUPPRESS,
         type=argtypes.prefix,
         help=f"key prefix the workers use (default: {keys.DEFAULT_PREFIX})",
+    )
+    parser.add_argument(
+        "--retry-s",
+        default=DEFAULT_RETRY_S if top else argparse.SUPPRESS,
+        type=argtypes.non_negative_float,
+        metavar="S",
+        help="how long to keep retrying while Redis is unreachable, with backoff (default: "
+        f"{DEFAULT_RETRY_S:g}; 0: fail at once)",
     )
 
 

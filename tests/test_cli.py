@@ -399,7 +399,8 @@ def test_unreachable_redis_exits_2_with_one_line_without_password(
     url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
     np.save(tmp_path / "x.npy", make_inputs(4, []))
     extra = ["--input", str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")]
-    argv = ["--redis-url", url, command, "--model", MODEL, *(extra if command == "run" else [])]
+    argv = ["--redis-url", url, "--retry-s", "0.2", command, "--model", MODEL]
+    argv += extra if command == "run" else []
 
     code = main(argv)
 
