@@ -1,0 +1,321 @@
+"""The ACL rules of docs/security.md, passwords and TLS, against real redis-servers.
+
+The rules are read from the doc itself, so a rule the code needs but the doc lacks (or a rule the
+doc grants that should be refused) fails here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import trustme
+from harness import direct_run, running_worker, send, wait_reply, write_config
+
+from producer import Client
+from producer.errors import ConnectionFailed
+from producer.keys import cancel_key, dead_key, reply_key, request_stream, worker_key, workers_key
+from producer.status import gather_status
+from worker.localredis import LocalRedis, TlsFiles
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "security.md"
+MARKER = "<!-- aclfile: tests/test_security.py reads the next code block verbatim -->"
+ADMIN, ADMIN_PASSWORD = "test-admin", "test-admin-password"
+MODEL = "demo"
+STREAM = request_stream("redbatch", MODEL)
+DEAD = dead_key("redbatch", MODEL)
+X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+
+
+def doc_aclfile() -> str:
+    """The code block after the marker in docs/security.md, verbatim."""
+    _, after = DOC.read_text(encoding="utf-8").split(MARKER, 1)
+    return after.split("```", 2)[1].strip("\n")
+
+
+ACL = doc_aclfile()
+PASSWORDS = dict(re.findall(r"^user (\S+) on >(\S+)", ACL, flags=re.MULTILINE))
+SERVER_ACL = f"{ACL}\nuser {ADMIN} on >{ADMIN_PASSWORD} ~* &* +@all"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalRedis]:
+    """A redis-server with exactly the doc's users, plus an administrator for the test itself."""
+    with LocalRedis(acl=SERVER_ACL, username=ADMIN, password=ADMIN_PASSWORD) as s:
+        yield s
+
+
+@pytest.fixture
+def admin(server: LocalRedis) -> Iterator[redis.Redis]:
+    client = server.client(socket_timeout=60)
+    yield client
+    client.flushall()
+    client.close()
+
+
+def url(server: LocalRedis, role: str) -> str:
+    user = f"redbatch-{role}"
+    return server.url_for(user, PASSWORDS[user])
+
+
+@pytest.fixture
+def as_producer(server: LocalRedis, admin: redis.Redis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(url(server, "producer"), socket_timeout=60)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def as_worker(server: LocalRedis, admin: redis.Redis) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(url(server, "worker"), socket_timeout=60)
+    yield client
+    client.close()
+
+
+def test_doc_defines_the_three_roles_and_turns_default_off() -> None:
+    assert set(PASSWORDS) == {"redbatch-producer", "redbatch-worker", "redbatch-operator"}
+    assert "user default off" in ACL.splitlines()
+
+
+def test_default_user_is_refused(server: LocalRedis) -> None:
+    for client in (
+        redis.Redis(port=server.port),
+        redis.Redis(port=server.port, password="anything"),
+    ):
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+        client.close()
+
+
+def test_producer_and_worker_users_serve_requests_end_to_end(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    # Given a worker and a producer that log in with the doc's users and nothing else
+    config = write_config(tmp_path, MODEL, url(server, "worker"))
+    model_path = tmp_path / f"{MODEL}.onnx"
+    with Client(MODEL, url(server, "producer"), max_backlog=1000) as client:
+        client.cancel("cancelled-early", ttl_s=600)
+        client.submit({"features": X}, rid="cancelled-early")
+        assert client.backlog() == 1
+        assert 0 < admin.ttl(cancel_key("redbatch", "cancelled-early")) <= 600
+        with running_worker(config, name="w-acl"):
+            # When it submits, waits, polls and maps
+            outputs = client.infer({"features": X}, timeout_s=20)
+            cancelled = client.wait("cancelled-early", timeout_s=20)
+            rid = client.submit({"features": X})
+            popped = admin.blpop([reply_key("redbatch", rid)], timeout=20)
+            assert popped is not None
+            admin.rpush(reply_key("redbatch", rid), popped[1])  # put it back for poll
+            polled = client.poll(rid)
+            chunks = list(client.map({"features": np.repeat(X, 5, axis=0)}, timeout_s=20))
+            workers = [w["name"] for w in client.workers()]
+            backlog = client.backlog()
+    # Then every call works, and the answers are the model's
+    expected = direct_run(model_path, {"features": X})
+    np.testing.assert_allclose(outputs["probs"], expected["probs"], rtol=1e-6)
+    assert cancelled.error is not None
+    assert cancelled.error.code == "CANCELLED"
+    assert polled is not None
+    assert polled.ok
+    assert all(c.error is None for c in chunks)
+    assert sum(len(c.outputs["label"]) for c in chunks if c.outputs) == 5
+    assert workers == ["w-acl"]
+    assert backlog == 0
+
+
+def test_worker_user_writes_dead_letters_through_its_script(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    # Given an entry whose rid cannot name a reply key, then a good one behind it
+    config = write_config(tmp_path, MODEL, url(server, "worker"))
+    admin.xadd(STREAM, {"rid": "not a rid!", "body": b"\x80"})
+    send(admin, MODEL, "after-the-bad-one", {"features": X})
+    # When a worker with the doc's rules serves them
+    with running_worker(config):
+        assert wait_reply(admin, "after-the-bad-one").ok
+    # Then the bad one was copied to the dead-letter stream, and both left the request stream
+    dead = admin.xrange(DEAD)
+    assert [fields[b"rid"] for _, fields in dead] == [b"not a rid!"]
+    assert b"does not match" in dead[0][1][b"reason"]
+    assert admin.xlen(STREAM) == 0
+
+
+def test_worker_user_may_run_the_reclaim_commands(
+    as_worker: redis.Redis, admin: redis.Redis
+) -> None:
+    # Given a request read by one consumer (what a worker that then died leaves behind)
+    as_worker.xgroup_create(STREAM, "workers", id="0", mkstream=True)
+    admin.xadd(STREAM, {"rid": "r1", "body": b""})
+    [[_, [(entry_id, _)]]] = as_worker.xreadgroup("workers", "dead-one", {STREAM: ">"}, count=1)
+    # Then the worker user may inspect, claim and clean up, directly and from a script
+    assert as_worker.xpending_range(STREAM, "workers", "-", "+", 10)[0]["consumer"] == b"dead-one"
+    assert as_worker.xclaim(STREAM, "workers", "alive", 0, [entry_id], justid=True) == [entry_id]
+    as_worker.xautoclaim(STREAM, "workers", "other", 0, justid=True)
+    assert as_worker.xpending_range(STREAM, "workers", "-", "+", 10)[0]["consumer"] == b"other"
+    names = {c["name"] for c in as_worker.xinfo_consumers(STREAM, "workers")}
+    assert names == {b"dead-one", b"alive", b"other"}
+    forget = as_worker.register_script(
+        "redis.call('XPENDING', KEYS[1], ARGV[1]) "
+        "return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])"
+    )
+    assert forget(keys=[STREAM], args=["workers", "dead-one"]) == 0
+    assert as_worker.xinfo_groups(STREAM)[0]["consumers"] == 2
+    assert as_worker.xack(STREAM, "workers", entry_id) == 1
+    assert as_worker.xdel(STREAM, entry_id) == 1
+
+
+REPLY = reply_key("redbatch", "someone-else")
+RECORD = worker_key("redbatch", MODEL, "w1")
+PRODUCER_REFUSED = [
+    ("XREADGROUP", "GROUP", "workers", "p", "STREAMS", STREAM, ">"),
+    ("XRANGE", STREAM, "-", "+"),
+    ("XDEL", STREAM, "1-0"),
+    ("XACK", STREAM, "workers", "1-0"),
+    ("XGROUP", "DESTROY", STREAM, "workers"),
+    ("DEL", STREAM),
+    ("XRANGE", DEAD, "-", "+"),
+    ("XADD", DEAD, "*", "rid", "x"),
+    ("RPUSH", REPLY, "forged"),
+    ("SET", REPLY, "forged"),
+    ("GET", cancel_key("redbatch", "someone-else")),
+    ("SET", RECORD, "{}"),
+    ("SADD", workers_key("redbatch", MODEL), "impostor"),
+    ("FLUSHALL",),
+    ("KEYS", "*"),
+    ("CONFIG", "GET", "requirepass"),
+    ("EVAL", "return 1", "0"),
+]
+WORKER_REFUSED = [
+    ("XADD", STREAM, "*", "rid", "injected", "body", ""),
+    ("SET", cancel_key("redbatch", "r1"), "1"),
+    ("DEL", cancel_key("redbatch", "r1")),
+    ("LINDEX", REPLY, "0"),
+    ("LPOP", REPLY),
+    ("XRANGE", DEAD, "-", "+"),
+    ("GET", RECORD),
+    ("FLUSHALL",),
+    ("KEYS", "*"),
+    ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
+    ("XADD", "redbatch:other", "*", "a", "b"),
+]
+
+
+@pytest.mark.parametrize("command", PRODUCER_REFUSED, ids=lambda c: " ".join(c[:2]))
+def test_producer_user_is_refused_what_it_must_not_do(
+    as_producer: redis.Redis, command: tuple[str, ...]
+) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        as_producer.execute_command(*command)
+
+
+@pytest.mark.parametrize("command", WORKER_REFUSED, ids=lambda c: " ".join(c[:2]))
+def test_worker_user_is_refused_what_it_must_not_do(
+    as_worker: redis.Redis, command: tuple[str, ...]
+) -> None:
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        as_worker.execute_command(*command)
+
+
+def test_worker_script_cannot_reach_keys_outside_its_rules(as_worker: redis.Redis) -> None:
+    # A script is checked command by command: a key the worker may pass to EVALSHA is still
+    # refused to a command its rules do not allow on that key.
+    script = as_worker.register_script("return redis.call('LINDEX', KEYS[1], 0)")
+    with pytest.raises(redis.exceptions.ResponseError, match=r"user executing the script can't"):
+        script(keys=[REPLY])
+
+
+def test_operator_user_reads_status_and_is_refused_the_queue(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    config = write_config(tmp_path, MODEL, url(server, "worker"))
+    operator = redis.Redis.from_url(url(server, "operator"))
+    with running_worker(config, name="w-status"):
+        report = gather_status(operator, MODEL)
+    assert [w.name for w in report.workers] == ["w-status"]
+    assert report.requests.group is not None
+    for command in (("XREADGROUP", "GROUP", "workers", "o", "STREAMS", STREAM, ">"), ("FLUSHALL",)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            operator.execute_command(*command)
+    operator.close()
+
+
+def test_wrong_password_fails_with_a_clear_error(server: LocalRedis) -> None:
+    wrong = server.url_for("redbatch-producer", "not-the-password")
+    with Client(MODEL, wrong) as client, pytest.raises(ConnectionFailed) as info:
+        client.backlog()
+    assert "invalid username-password pair" in str(info.value)
+    assert "not-the-password" not in str(info.value)
+
+
+def test_requirepass_alone_protects_the_default_user(tmp_path: Path) -> None:
+    with LocalRedis(password="only-password") as plain:
+        with Client(MODEL, plain.url) as client:
+            assert client.backlog() == 0
+        for bad in (plain.url_for(None, "wrong"), f"redis://127.0.0.1:{plain.port}/0"):
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis.from_url(bad).ping()
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+
+def _lacks_tls(startup_error: str) -> bool:
+    """redis-server built without TLS rejects the tls-* options as unknown, or says so."""
+    text = startup_error.lower()
+    return "tls" in text and any(
+        words in text for words in ("bad directive", "not supported", "not compiled")
+    )
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    """A TLS-only server (no plain port) with the doc's users and a CA made for this module."""
+    where = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = TlsFiles(where / "server.pem", where / "server.key", where / "ca.pem")
+    cert.cert_chain_pems[0].write_to_path(files.cert)
+    cert.private_key_pem.write_to_path(files.key)
+    ca.cert_pem.write_to_path(files.ca)
+    server = LocalRedis(acl=SERVER_ACL, username=ADMIN, password=ADMIN_PASSWORD, tls=files)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if _lacks_tls(str(exc)):
+            server.close()
+            pytest.skip(f"this redis-server has no TLS support: {exc}")
+        raise
+    yield server
+    server.close()
+
+
+def test_worker_and_client_work_over_tls(tmp_path: Path, tls_server: LocalRedis) -> None:
+    assert url(tls_server, "worker").startswith("rediss://")
+    config = write_config(tmp_path, MODEL, url(tls_server, "worker"))
+    with Client(MODEL, url(tls_server, "producer")) as client, running_worker(config):
+        outputs = client.infer({"features": X}, timeout_s=20)
+    expected = direct_run(tmp_path / f"{MODEL}.onnx", {"features": X})
+    np.testing.assert_allclose(outputs["probs"], expected["probs"], rtol=1e-6)
+
+
+def test_plain_tcp_to_the_tls_port_fails(tls_server: LocalRedis) -> None:
+    password = PASSWORDS["redbatch-producer"]
+    plain = redis.Redis(
+        port=tls_server.port, username="redbatch-producer", password=password, socket_timeout=5
+    )
+    with pytest.raises(redis.ConnectionError):
+        plain.ping()
+    plain.close()
+
+
+def test_tls_without_trusting_the_ca_fails(tls_server: LocalRedis) -> None:
+    untrusting = url(tls_server, "producer").split("?", 1)[0]  # rediss:// with the system CAs
+    client = redis.Redis.from_url(untrusting, socket_timeout=5)
+    with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
+        client.ping()
+    client.close()
