@@ -18,13 +18,15 @@ T = TypeVar("T")
 
 #: Errors that mean "Redis is unreachable right now", worth retrying.
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+_CODES = frozenset({"OOM", "BUSY", "LOADING", "TRYAGAIN"})
 
 
 def _transient(exc: BaseException) -> bool:
     """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry."""
     if isinstance(exc, TRANSIENT):
         return True
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("OOM", "BUSY"))
+    # The first word is the error code; BUSYGROUP (group exists) must not read as BUSY.
+    return isinstance(exc, redis.ResponseError) and str(exc).split(" ", 1)[0] in _CODES
 
 
 class Outage:
