@@ -195,6 +195,7 @@ class Worker:
             if batch:
                 self.process(batch)
         if self.writer.failure is not None:
+            self.keeper.close()  # stop renewing, so that other workers can claim what is left
             return  # what is left stays pending in Redis; run() raises the writer's error
         self.writer.close()
         self.keeper.close()
