@@ -4,11 +4,17 @@ No I/O lives here, so every other language's implementation can be checked again
 functions and the test vectors in ``docs/protocol.md``. Decoding is strict: any structural fault
 raises ``WireFormatError`` (code ``MALFORMED``, or ``TOO_LARGE`` for size limits), whose message
 says what is wrong and where. Tensor data is never copied on decode (``numpy.frombuffer``).
+
+A hostile body costs little more than its own size: the size limit comes first, the values it
+declares are counted from its headers before the unpacker builds any (``MAX_VALUES``), shapes
+are checked against the data length before an array exists, and error messages quote at most a
+hundred characters of what was sent.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +29,7 @@ __all__ = [
     "DTYPES",
     "MAX_META_BYTES",
     "MAX_RANK",
+    "MAX_VALUES",
     "ErrorInfo",
     "ModelRef",
     "Reply",
@@ -62,6 +69,10 @@ MAX_RANK = 32
 # Bounds that keep a hostile body from making the unpacker allocate: no body needs more.
 _MAX_CONTAINER_LEN = 4096
 _MAX_STR_LEN = 65536
+# Values a body may declare in all: a thousand inputs of rank 32 and 4 KiB of meta fit. Each value
+# the unpacker builds costs up to ~70 bytes (an empty list), so this caps it near 5 MB.
+MAX_VALUES = 1 << 16
+_MAX_QUOTE = 100  # characters of a hostile value quoted in an error message
 
 _BODY_KEYS = frozenset({"inputs", "outputs", "deadline_ms", "meta", "reply_ttl_s"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
@@ -147,7 +158,7 @@ def decode_tensor(obj: Any, where: str) -> np.ndarray:
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireFormatError(
-            f"{where}: unknown dtype {dtype_name!r}; expected one of {', '.join(DTYPES)}."
+            f"{where}: unknown dtype {_quote(dtype_name)}; expected one of {', '.join(DTYPES)}."
         )
     shape = _check_shape(obj["shape"], where)
     data = obj["data"]
@@ -174,7 +185,9 @@ def _check_shape(shape: Any, where: str) -> list[int]:
         raise WireFormatError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK}.")
     for dim in shape:
         if type(dim) is not int or dim < 0:
-            raise WireFormatError(f"{where}: shape {shape!r} must hold non-negative integers only.")
+            raise WireFormatError(
+                f"{where}: shape {_quote(shape)} must hold non-negative integers only."
+            )
     return shape
 
 
@@ -224,8 +237,8 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         raise WireFormatError("'inputs' must be a non-empty map of input name to tensor.")
     for name in raw_inputs:
         if not isinstance(name, str):
-            raise WireFormatError(f"input names must be strings; got {_kind(name)} {name!r}.")
-    inputs = {name: decode_tensor(t, f"input {name!r}") for name, t in raw_inputs.items()}
+            raise WireFormatError(f"input names must be strings; got {_kind(name)} {_quote(name)}.")
+    inputs = {name: decode_tensor(t, f"input {_quote(name)}") for name, t in raw_inputs.items()}
     return RequestBody(
         inputs=inputs,
         outputs=_optional_names(doc.get("outputs")),
@@ -240,7 +253,7 @@ def _optional_names(value: Any) -> tuple[str, ...] | None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise WireFormatError(
-            f"'outputs' must be an array of output names (strings), got {value!r:.200}."
+            f"'outputs' must be an array of output names (strings), got {_quote(value)}."
         )
     return tuple(value)
 
@@ -250,7 +263,7 @@ def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < minimum:
-        raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {value!r}.")
+        raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {_quote(value)}.")
     return value
 
 
@@ -473,6 +486,7 @@ def _unpacker(max_bytes: int) -> msgpack.Unpacker:
 
 
 def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
+    _check_declared(data, what)
     try:
         return msgpack.unpackb(data, **_limits(max_bytes))
     except msgpack.StackError as exc:
@@ -491,4 +505,89 @@ def _kind(value: Any) -> str:
 
 
 def _names(keys: Any) -> str:
-    return ", ".join(repr(k) for k in sorted(keys, key=str))
+    names = sorted(keys, key=lambda k: str(k)[:_MAX_QUOTE])
+    listed = ", ".join(_quote(k) for k in names[:5])
+    return listed if len(names) <= 5 else f"{listed} and {len(names) - 5} more"
+
+
+class _ShortRepr(reprlib.Repr):
+    """``repr`` cut short, bytes too: a hostile value must not make a reply outgrow its request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxdict = 2, 8, 4
+        self.maxstring = self.maxother = self.maxlong = _MAX_QUOTE
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        text = repr(value[: self.maxstring])
+        return text if len(value) <= self.maxstring else text + "..."
+
+
+_quote = _ShortRepr().repr
+
+
+def _check_declared(data: bytes, what: str) -> None:
+    """Refuse msgpack that declares more values than its bytes hold or than any body needs.
+
+    The unpacker allocates a container's slots when it reads its header, and an empty list is one
+    byte on the wire but ~70 in memory, so ``[[]] * 4096`` nested or repeated makes a small body
+    cost gigabytes and seconds. Walking headers (payloads are skipped, not read) first bounds both
+    by ``MAX_VALUES``, at a few microseconds per ordinary body. Anything else wrong is left to the
+    unpacker, which names it.
+    """
+    limit = min(MAX_VALUES, len(data))
+    declared = _declared_values(data, limit)
+    if declared > len(data):
+        raise WireFormatError(
+            f"{what} is not valid msgpack: it declares more values than its {len(data)} bytes hold."
+        )
+    if declared > limit:
+        raise WireFormatError(
+            f"{what} holds more than {MAX_VALUES} msgpack values; none needs that."
+        )
+
+
+def _declared_values(data: bytes, limit: int) -> int:
+    """Count the values the first msgpack object in ``data`` declares, stopping past ``limit``."""
+    pos, pending, count, end, heads = 0, 1, 0, len(data), _HEADS
+    while pending and pos < end:
+        head = heads[data[pos]]
+        if head is None:  # 0xc1, never used: the unpacker reports it
+            break
+        size, width, per_byte, per_child, children = head
+        if width:
+            n = int.from_bytes(data[pos + 1 : pos + 1 + width], "big")
+            size += n * per_byte
+            children += n * per_child
+        pos += size
+        count += children
+        if count > limit:
+            break
+        pending += children - 1
+    return count
+
+
+def _head_table() -> tuple[tuple[int, int, int, int, int] | None, ...]:
+    """Per first byte: (size, length width, bytes per length unit, values per unit, values)."""
+    heads: list[tuple[int, int, int, int, int] | None] = [(1, 0, 0, 0, 0)] * 256  # fixint, nil..
+    for b in range(0x80, 0x90):
+        heads[b] = (1, 0, 0, 0, 2 * (b & 0x0F))  # fixmap
+    for b in range(0x90, 0xA0):
+        heads[b] = (1, 0, 0, 0, b & 0x0F)  # fixarray
+    for b in range(0xA0, 0xC0):
+        heads[b] = (1 + (b & 0x1F), 0, 0, 0, 0)  # fixstr
+    heads[0xC1] = None
+    for b, width in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
+        heads[b] = (1 + width, width, 1, 0, 0)  # bin, str
+    for b, width in ((0xC7, 1), (0xC8, 2), (0xC9, 4)):
+        heads[b] = (2 + width, width, 1, 0, 0)  # ext: length, type, data
+    fixed = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5}
+    fixed |= {0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18}  # int, float, fixext
+    for b, size in fixed.items():
+        heads[b] = (size, 0, 0, 0, 0)
+    for b, width, per_child in ((0xDC, 2, 1), (0xDD, 4, 1), (0xDE, 2, 2), (0xDF, 4, 2)):
+        heads[b] = (1 + width, width, 0, per_child, 0)  # array, map
+    return tuple(heads)
+
+
+_HEADS = _head_table()
