@@ -298,6 +298,27 @@ restarts, {sum(r.duplicates for r in total)} duplicate executions,
   `aof_everysec` the producer re-sends, with the same rid, what has no reply once the stream
   is drained (`recovered_by_resend`).
 
+The fast tier runs the same scenarios at small sizes in CI: `.venv/bin/python -m pytest
+tests/test_faults.py` (about 100 s on 2 cores).
+
+## Simulating lost writes under `appendfsync everysec`
+
+A SIGKILLed `redis-server` loses nothing it had written, even under `everysec`: the data is in
+the page cache. A power cut would lose what was written since the last fsync, so the everysec
+scenario cuts the last 32 KiB of the AOF while Redis is down, at a command boundary outside any
+`MULTI` block. What that removes (XADDs, replies with their acks, deliveries) comes back as
+unanswered requests that the producer re-sends with the same rid, and as entries delivered and
+run again (the duplicates column).
+
+Cutting *inside* a `MULTI` block instead (a torn write) shows a Redis 7.0.15 bug, not a worker
+one: the server logs "Revert incomplete MULTI/EXEC transaction ... Truncating the AOF at offset
+N" but leaves the open block in the file, and the next `EXEC` appended after it makes a later
+restart replay it, so a finish script's `RPUSH` rolled back once comes back on top of the reply
+written since: a reply list with two replies. Reproduction: AOF on, `MULTI; RPUSH reply A; SET
+acked yes; EXEC`, SIGKILL, cut the file a few bytes into that block, start (the reply is gone, as
+it should be; the file still ends in the open block), `SET later 1`, SIGKILL, start: `later` is
+gone too.
+
 ## Fault points and what cannot be interrupted
 
 The worker's reply, acknowledgement and deletion are one Lua script, so "after the reply,
