@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -119,6 +121,23 @@ def build_model(path: Path, *, work_width: int = 0, work_depth: int = 0, seed: i
     onnx.checker.check_model(model)
     path.write_bytes(model.SerializeToString())
     return path
+
+
+def slow_depth(batch_ms: float, width: int = 1024) -> int:
+    """Side-chain depth for a run of about ``batch_ms`` on this machine (one thread), measured
+    here, so "slower than claim_idle_ms" holds on a fast CI machine too."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp) / "probe.onnx", work_width=width, work_depth=4)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        feed = {"x": np.zeros((32, 8), np.float32)}
+        session.run(None, feed)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            session.run(None, feed)
+        per_layer_ms = (time.perf_counter() - t0) * 1000 / 12
+    return max(4, min(400, math.ceil(batch_ms / per_layer_ms)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -1055,14 +1074,12 @@ def slow_batch(
     requests: int = 128,
     workers: int = 2,
     claim_idle_ms: int = 300,
-    work_depth: int = 24,
     seed: int = 7,
 ) -> Result:
-    """Batches that run longer than ``claim_idle_ms``: lease renewal must keep other workers from
+    """Batches that run about 3 x ``claim_idle_ms``: lease renewal must keep other workers from
     claiming them, so nothing runs twice."""
-    s = Settings(
-        claim_idle_ms=claim_idle_ms, max_wait_ms=50, work_width=1024, work_depth=work_depth
-    )
+    depth = slow_depth(3 * claim_idle_ms)
+    s = Settings(claim_idle_ms=claim_idle_ms, max_wait_ms=50, work_width=1024, work_depth=depth)
     with Run("slow-batch", workdir, seed, s) as run:
         rids = run.requests.make(requests, "sb")
         for i in range(workers):
@@ -1092,12 +1109,14 @@ def sigterm_mid_batch(
     *,
     requests: int = 160,
     grace_s: float = 20.0,
-    work_depth: int = 24,
+    batch_ms: int = 800,
     seed: int = 8,
 ) -> Result:
-    """SIGTERM while a slow batch runs: exit 0 within ``grace_s``, nothing left pending on it, its
-    consumer gone; a second worker then serves the rest, and nothing ran twice."""
-    s = Settings(claim_idle_ms=1000, max_wait_ms=50, work_width=1024, work_depth=work_depth)
+    """SIGTERM while a slow batch (about ``batch_ms``) runs: exit 0 within ``grace_s``, nothing
+    left pending on it, its consumer gone; a second worker then serves the rest, and nothing ran
+    twice."""
+    depth = slow_depth(batch_ms)
+    s = Settings(claim_idle_ms=1000, max_wait_ms=50, work_width=1024, work_depth=depth)
     with Run("sigterm", workdir, seed, s) as run:
         rids = run.requests.make(requests, "st")
         first = run.pool.start("term")

@@ -102,12 +102,12 @@ def test_crash_pill_is_dead_lettered_and_its_batch_succeeds(tmp_path: Path) -> N
 
 
 def test_batch_slower_than_claim_idle_runs_once(tmp_path: Path) -> None:
-    result = chaos.slow_batch(tmp_path, requests=96, claim_idle_ms=300, work_depth=20)
+    result = chaos.slow_batch(tmp_path, requests=96, claim_idle_ms=300)
     _passes(result)
     assert result.duplicates == 0
 
 
 def test_sigterm_mid_batch_exits_zero_and_duplicates_nothing(tmp_path: Path) -> None:
-    result = chaos.sigterm_mid_batch(tmp_path, requests=128, work_depth=20)
+    result = chaos.sigterm_mid_batch(tmp_path, requests=128)
     _passes(result)
     assert result.duplicates == 0
