@@ -6,7 +6,9 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from harness import write_config
 
+from worker.cli import main
 from worker.config import parse_config
 from worker.errors import ConfigError
 from worker.model import check_sha256, read_model_file
@@ -62,3 +64,16 @@ def test_different_file_is_refused_naming_key_expected_and_actual(model_path: Pa
     assert pinned in message
     assert swapped.sha256 in message
     assert str(model_path) in message
+
+
+def test_worker_refuses_a_pinned_hash_mismatch_before_touching_redis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Port 1 refuses connections: reaching Redis at all would be a different error.
+    config = write_config(
+        tmp_path, "demo", "redis://127.0.0.1:1/0", model_extra=f'sha256 = "{"0" * 64}"'
+    )
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "'model.sha256'" in err
+    assert "0" * 64 in err

@@ -247,3 +247,29 @@ def test_entry_with_thousands_of_fields_and_no_rid_is_dead_lettered(multi_io, rc
     assert dead[b"reason"] == b"entry has no 'rid' field"
     assert len(dead) == 65  # the first 64 fields, then the reason
     assert stream_is_empty(rconn, "multi_io")
+
+
+def test_a_decoder_bug_fails_only_its_request(
+    tmp_path: Path, redis_url: str, rconn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a schema check that raises something no rule anticipated, for one request only
+    config = write_config(tmp_path, "demo", redis_url)
+    x = np.zeros((1, 16), np.float32)
+    with running_worker(config) as worker:
+        real = worker.schema.validate
+
+        def buggy(decoded):
+            if decoded.meta_raw is not None:
+                raise RecursionError("a bug")
+            return real(decoded)
+
+        monkeypatch.setattr(worker.schema, "validate", buggy)
+        send(rconn, "demo", "before", {"features": x})
+        send(rconn, "demo", "buggy", {"features": x}, meta="trigger")
+        send(rconn, "demo", "after", {"features": x})
+        replies = {rid: wait_reply(rconn, rid) for rid in ("before", "buggy", "after")}
+        assert worker.intake.is_alive()
+    assert replies["before"].ok
+    assert replies["after"].ok
+    assert replies["buggy"].error is not None
+    assert replies["buggy"].error.code == "INTERNAL"

@@ -67,6 +67,12 @@ def admit(entry: RawEntry, schema: Schema, max_request_bytes: int, deliveries: i
         _admit(item, schema, max_request_bytes)
     except Rejected as exc:
         item.rejection = exc
+    except Exception:  # a decoder bug must fail this request only, never stop the intake thread
+        log.exception("unexpected error decoding entry %s", entry.entry_id.decode())
+        item.request = None
+        item.rejection = Rejected(
+            "INTERNAL", "the worker could not decode this request (a worker bug; it is logged)."
+        )
     item.decode_ms = (time.perf_counter() - started) * 1000.0
     return item
 

@@ -22,7 +22,12 @@ _CODES = frozenset({"OOM", "BUSY", "LOADING", "TRYAGAIN"})
 
 
 def _transient(exc: BaseException) -> bool:
-    """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry."""
+    """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry.
+
+    A wrong password or a missing permission is not: no retry can fix it, so the worker stops
+    with the error instead of waiting forever (redis-py makes them ConnectionErrors)."""
+    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+        return False
     if isinstance(exc, TRANSIENT):
         return True
     # The first word is the error code; BUSYGROUP (group exists) must not read as BUSY.

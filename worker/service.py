@@ -27,7 +27,7 @@ from worker.execute import Outcome, run_batch
 from worker.intake import Intake, WorkItem
 from worker.leases import LeaseKeeper, Leases
 from worker.metrics import Metrics
-from worker.model import OnnxModel, read_model_file
+from worker.model import OnnxModel, check_sha256, read_model_file
 from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
 from worker.retry import Outage
@@ -57,6 +57,7 @@ class Prepared:
 def prepare(config: WorkerConfig, name: str) -> Prepared:
     """Load the model, derive its schema, warm it up and build the validation record."""
     model_file = read_model_file(config.model.path)
+    check_sha256(model_file, config.model.sha256)
     model = OnnxModel(config.model)
     schema = Schema(model.inputs, model.outputs, config)
     warmup = warm_up(model, schema, config.warmup.runs)

@@ -1,0 +1,79 @@
+"""A Redis outage in the middle of a batch: answered when Redis returns, one log line per outage."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from harness import running_worker, send, stream_is_empty, wait_reply, write_config
+
+from worker.localredis import LocalRedis
+
+
+@pytest.fixture(scope="module")
+def aof_server() -> Iterator[LocalRedis]:
+    """A private Redis that persists every write, so the batch in hand survives a restart."""
+    with LocalRedis("--appendonly", "yes", "--appendfsync", "always") as server:
+        yield server
+
+
+def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Poll state that offers no event to wait on, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def _outage_lines(caplog: pytest.LogCaptureFixture) -> Counter[str]:
+    return Counter(
+        r.getMessage().split(" (", 1)[0]
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "unreachable" in r.getMessage()
+    )
+
+
+def test_a_batch_run_while_redis_is_down_is_answered_when_it_returns(
+    tmp_path: Path,
+    aof_server: LocalRedis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    config = write_config(tmp_path, "demo", aof_server.url)
+    x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    r = redis.Redis.from_url(aof_server.url, socket_timeout=30)
+    running, proceed = threading.Event(), threading.Event()
+    with running_worker(config, name="w1") as worker:
+        real_run = worker.model.run
+
+        def held_run(feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+            running.set()
+            assert proceed.wait(60)
+            return real_run(feeds, names)
+
+        monkeypatch.setattr(worker.model, "run", held_run)
+        # Given a batch that the worker has read and is running
+        send(r, "demo", "through-outage", {"features": x})
+        assert running.wait(30)
+        # When Redis dies under it, and comes back after the writer has noticed
+        aof_server.stop(kill=True)
+        proceed.set()
+        _until(lambda: any("writing replies" in k for k in _outage_lines(caplog)))
+        aof_server.start()
+        r = redis.Redis.from_url(aof_server.url, socket_timeout=30)
+        # Then the reply written after the restart is the batch's, and nothing is left over
+        reply = wait_reply(r, "through-outage", timeout_s=30)
+        _until(lambda: stream_is_empty(r, "demo"))
+    assert reply.ok
+    assert reply.batch_rows == 3
+    lines = _outage_lines(caplog)
+    assert max(lines.values()) == 1, lines  # one line per outage per task, not per retry
+    assert any("reachable again; writing replies resumed" in m for m in caplog.messages)
