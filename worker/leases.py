@@ -75,6 +75,7 @@ class LeaseKeeper(threading.Thread):
         claim_idle_ms: int,
         on_renewed: Callable[[int], None] | None = None,
         on_forgotten: Callable[[int], None] | None = None,
+        on_failure: Callable[[], None] | None = None,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(name="redbatch-leases", daemon=True)
@@ -84,6 +85,8 @@ class LeaseKeeper(threading.Thread):
         self.forget_idle_ms = max(2 * claim_idle_ms, _MIN_FORGET_IDLE_MS)
         self.on_renewed = on_renewed
         self.on_forgotten = on_forgotten
+        self.on_failure = on_failure
+        self.failure: BaseException | None = None
         self._rng = rng or random.Random()
         self._done = threading.Event()
         self._down = False
@@ -106,6 +109,12 @@ class LeaseKeeper(threading.Thread):
                 self._up()
             except TRANSIENT as exc:
                 self._note_down(exc)
+            except BaseException as exc:  # e.g. NOPERM: without leases, work would run twice
+                self.failure = exc
+                log.exception("lease renewal stopped on an unexpected error; stopping the worker")
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
 
     def _renew(self) -> None:
         held = self.leases.ids()

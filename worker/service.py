@@ -108,6 +108,7 @@ class Worker:
             cfg.delivery.claim_idle_ms,
             on_renewed=self.metrics.leases_renewed,
             on_forgotten=self.metrics.consumers_forgotten,
+            on_failure=self.stop.set,
         )
         self.intake = Intake(
             self.stream,
@@ -173,7 +174,8 @@ class Worker:
             self.ready.clear()
             self.metrics.ready.set(0)
             self._drain()
-        for part, failure in (("intake", self.intake.failure), ("writer", self.writer.failure)):
+        parts = ("intake", self.intake), ("writer", self.writer), ("leases", self.keeper)
+        for part, failure in ((name, thread.failure) for name, thread in parts):
             if failure is not None:
                 raise WorkerError(f"{part} failed: {failure}") from failure
 
