@@ -189,7 +189,12 @@ class Intake(threading.Thread):
         if self.reclaimer is None:
             return False
         reclaimer = self.reclaimer
-        found = self._outage.call(reclaimer.next) if not self.stop.is_set() else None
+        try:
+            found = None if self.stop.is_set() else self._outage.call(reclaimer.next)
+        except Exception:
+            if self.stop.is_set():  # stopping during an outage: claim nothing more
+                return False
+            raise
         if found is None or found.claimed.entry is None:
             return False
         self.idle.clear()
