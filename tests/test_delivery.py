@@ -14,7 +14,9 @@ import numpy as np
 import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
+from worker.claims import Claims
 from worker.metrics import Metrics
+from worker.stream import RequestStream
 
 STREAM = "redbatch:{demo}:requests"
 DEAD = "redbatch:{demo}:dead"
@@ -163,3 +165,33 @@ def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     assert sum(m.claims.labels(kind="reclaimed")._value.get() for m in workers) == 0
     assert sum(m.requests.labels(code="OK")._value.get() for m in workers) == 4
     assert sum(m.batch_rows._sum.get() for m in workers) == 4 * 1024
+
+
+def test_forgetting_consumers_keeps_any_with_pending_entries(redis_url: str, rconn) -> None:
+    # Given 50 consumers with nothing pending and one holding an entry
+    send(rconn, "demo", "held", _features())
+    _ghost_reads(rconn, "holder", 1)
+    for i in range(50):
+        rconn.xgroup_createconsumer(STREAM, GROUP, f"empty-{i}")
+    stream = RequestStream(rconn, "redbatch", "demo", "me")
+    # When a worker forgets idle consumers (any idle time)
+    gone = Claims(stream).forget_consumers(0)
+    # Then every empty one is gone and the holder is kept, with its entry still pending
+    assert sorted(gone) == sorted(f"empty-{i}" for i in range(50))
+    assert _consumers(rconn) == {"holder"}
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 1
+
+
+def test_consumers_left_by_hundreds_of_restarts_are_removed(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given the names of 300 workers that died with nothing pending
+    rconn.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+    for i in range(300):
+        rconn.xgroup_createconsumer(STREAM, GROUP, f"host-{i}")
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 100")
+    metrics = Metrics()
+    # When a worker runs for a little over its forget interval (2 x claim_idle_ms, at least 1 s)
+    with running_worker(config, name="live", metrics=metrics):
+        assert _eventually(lambda: len(_consumers(rconn)) <= 1)
+    assert metrics.consumers_removed._value.get() == 300
