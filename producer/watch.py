@@ -1,14 +1,12 @@
 """``redbatch status --watch``: one model's queue as a live view, redrawn every few seconds.
 
-Each refresh takes a ``Snapshot`` (``take_snapshot``): the status ``producer.status`` gathers,
-the stream's and group's counters (``XINFO STREAM`` entries-added, ``XINFO GROUPS``
-entries-read), and, when asked, the workers' ``/metrics``. ``render`` turns two snapshots into
-a frame of plain text: backlog and where it sits, requests in and out per second (counter
-deltas, so they cover every worker, registered or not), dead letters, worker-side latency
-percentiles and batch rows from the metrics histograms, and each live worker's model version,
-providers and requests per second (from the ``served`` counters its heartbeat publishes every
-5 s). Callers' end-to-end latency is not in Redis; ``redbatch run`` and ``redbatch bench``
-measure it.
+Each refresh takes a ``Snapshot`` (``producer.watchstats.take_snapshot``): the model's status, the
+stream's and group's counters and, when asked, the workers' ``/metrics``. ``render`` turns two
+snapshots into a frame of plain text: backlog and where it sits, requests in and out per second,
+dead letters, worker-side latency percentiles and batch rows from the metrics histograms, and
+each live worker's model version, providers and requests per second; ``producer.watchstats``
+does the maths. Callers' end-to-end latency is not in Redis; ``redbatch run`` and
+``redbatch bench`` measure it.
 
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
 Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.
@@ -19,18 +17,28 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import redis
 
-from producer import argtypes, core, keys, status
+from producer import argtypes, core, keys
 from producer.errors import ConnectionFailed
+from producer.watchstats import (
+    Scrape,
+    Snapshot,
+    WorkerRates,
+    epoch_s,
+    flow_per_s,
+    format_seconds,
+    histogram_buckets,
+    metrics_window,
+    quantile,
+    sample_total,
+    take_snapshot,
+)
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -45,7 +53,6 @@ __all__ = [
 
 DEFAULT_INTERVAL_S = 2.0
 _CLEAR = "\x1b[H\x1b[2J"  # cursor home, erase screen
-_SCRAPE_TIMEOUT_S = 2.0
 # Worker stages with a seconds histogram, in the order a request meets them.
 _STAGES = (
     ("queue wait", "redbatch_queue_wait_seconds"),
@@ -53,132 +60,6 @@ _STAGES = (
     ("inference", "redbatch_inference_seconds"),
     ("reply write", "redbatch_reply_write_seconds"),
 )
-
-SampleKey = tuple[str, tuple[tuple[str, str], ...]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Snapshots
-
-
-@dataclass(frozen=True, slots=True)
-class Scrape:
-    """One worker's /metrics: every sample by name and labels, or the error that stopped it."""
-
-    url: str
-    samples: Mapping[SampleKey, float] | None
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    """The model's queue at one moment; ``taken_s`` is monotonic, for rates."""
-
-    taken_s: float
-    status: status.ModelStatus
-    entries_added: int | None
-    entries_read: int | None
-    scrapes: tuple[Scrape, ...] = ()
-
-
-def take_snapshot(
-    conn: redis.Redis,
-    model: str,
-    prefix: str = keys.DEFAULT_PREFIX,
-    metrics_urls: Sequence[str] = (),
-    *,
-    clock: Callable[[], float] = time.monotonic,
-) -> Snapshot:
-    """Read the model's queue, counters and metrics; raises ConnectionFailed when Redis fails."""
-    report = status.gather_status(conn, model, prefix, dead_limit=1)
-    added = read = None
-    if report.requests.exists:
-        try:
-            pipe = conn.pipeline(transaction=False)
-            pipe.xinfo_stream(report.requests.key)
-            pipe.xinfo_groups(report.requests.key)
-            stream_info, groups = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
-            raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
-        if isinstance(stream_info, dict):
-            added = _int_or_none(stream_info.get("entries-added"))
-        for group in groups if isinstance(groups, list) else []:
-            if _text(group.get("name")) == keys.CONSUMER_GROUP:
-                read = _int_or_none(group.get("entries-read"))
-                if read is None and _text(group.get("last-delivered-id")) == "0-0":
-                    read = 0  # a group that has read nothing yet reports nil
-    scrapes = tuple(_scrape(url) for url in metrics_urls)
-    return Snapshot(clock(), report, added, read, scrapes)
-
-
-def _scrape(url: str) -> Scrape:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as response:
-            text = response.read().decode("utf-8", "replace")
-        samples: dict[SampleKey, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                samples[key] = samples.get(key, 0.0) + float(s.value)
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        return Scrape(url, None, " ".join(str(exc).split()) or type(exc).__name__)
-    return Scrape(url, samples)
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-worker rates from the registry
-
-
-@dataclass(frozen=True, slots=True)
-class _Served:
-    heartbeat_s: float
-    requests: int
-    batches: int
-
-
-class WorkerRates:
-    """Requests/s and requests per batch of each live worker, from its registry record.
-
-    A record's ``served`` counters change only with its heartbeat (every 5 s), so a rate is
-    taken between two different heartbeats and kept until the next one.
-    """
-
-    def __init__(self) -> None:
-        self._base: dict[str, _Served] = {}
-        self.rates: dict[str, tuple[float, float | None]] = {}
-
-    def update(self, workers: Iterable[status.WorkerInfo]) -> None:
-        """Take in this refresh's live workers; forget the ones that are gone."""
-        seen = set()
-        for worker in workers:
-            served = _served(worker)
-            if served is None:
-                continue
-            seen.add(worker.name)
-            base = self._base.get(worker.name)
-            if base is None or served.requests < base.requests:
-                self._base[worker.name] = served
-            elif served.heartbeat_s > base.heartbeat_s:
-                seconds = served.heartbeat_s - base.heartbeat_s
-                batches = served.batches - base.batches
-                self.rates[worker.name] = (
-                    (served.requests - base.requests) / seconds,
-                    (served.requests - base.requests) / batches if batches > 0 else None,
-                )
-                self._base[worker.name] = served
-        for name in set(self._base) - seen:
-            del self._base[name]
-            self.rates.pop(name, None)
-
-
-def _served(worker: status.WorkerInfo) -> _Served | None:
-    requests, batches = worker.get("served", "requests"), worker.get("served", "batches")
-    beat = _epoch_s(worker.get("heartbeat_at"))
-    if not isinstance(requests, int) or not isinstance(batches, int) or beat is None:
-        return None
-    return _Served(beat, requests, batches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +101,9 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     group = req.group
     held = group.pending if group else 0
     oldest = (
-        "" if req.oldest_entry_age_s is None else f", oldest {_seconds(req.oldest_entry_age_s)}"
+        ""
+        if req.oldest_entry_age_s is None
+        else f", oldest {format_seconds(req.oldest_entry_age_s)}"
     )
     lines = [
         f"queue       backlog {req.backlog:,} (waiting {max(req.backlog - held, 0):,}, "
@@ -228,7 +111,7 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     ]
     if group is None:
         lines.append(f"            no consumer group {keys.CONSUMER_GROUP!r} yet")
-    flow = _flow(before, now)
+    flow = flow_per_s(before, now)
     if flow is None:
         lines.append("flow        in and out per second from the next refresh on")
     else:
@@ -241,28 +124,9 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
         trend = (req.backlog - before.status.requests.backlog) / seconds if before else 0.0
         parts.append(f"backlog {trend:+,.0f}/s")
         if finished_s and trend < 0 and req.backlog:
-            parts.append(f"drains in about {_seconds(req.backlog / -trend)}")
+            parts.append(f"drains in about {format_seconds(req.backlog / -trend)}")
         lines.append(f"flow        {', '.join(parts)} (last {seconds:.1f} s)")
     return lines
-
-
-def _flow(
-    before: Snapshot | None, now: Snapshot
-) -> tuple[float | None, float | None, float] | None:
-    """Requests added and answered per second between two snapshots."""
-    if before is None or now.taken_s <= before.taken_s:
-        return None
-    seconds = now.taken_s - before.taken_s
-    added = None
-    if now.entries_added is not None and before.entries_added is not None:
-        added = max(now.entries_added - before.entries_added, 0) / seconds
-    finished = None
-    g_now, g_before = now.status.requests.group, before.status.requests.group
-    if now.entries_read is not None and before.entries_read is not None and g_now and g_before:
-        # Every entry read is either still pending or answered.
-        answered = (now.entries_read - before.entries_read) - (g_now.pending - g_before.pending)
-        finished = max(answered, 0) / seconds
-    return added, finished, seconds
 
 
 def _dead_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
@@ -274,7 +138,7 @@ def _dead_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     line = f"dead        {dead.count:,} {noun}{new}"
     if dead.recent:
         d = dead.recent[0]
-        line += f"; newest {_seconds(d.age_s)} ago, rid {d.rid or '-'}: {d.reason}"
+        line += f"; newest {format_seconds(d.age_s)} ago, rid {d.rid or '-'}: {d.reason}"
     if dead.count:
         line += " (redbatch replay --from-dead re-sends)"
     return [line]
@@ -290,73 +154,24 @@ def _metrics_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     lines = [f"metrics     {sc.url}: {sc.error}" for sc in now.scrapes if sc.samples is None]
     if not ok:
         return lines
-    window, samples = _window(before, now)
+    window, samples = metrics_window(before, now)
     lines.insert(0, f"worker-side {window}, {len(ok)} of {len(now.scrapes)} workers scraped")
     parts = []
     for label, metric in _STAGES:
-        buckets = _buckets(samples, metric)
-        p50, p99 = _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+        buckets = histogram_buckets(samples, metric)
+        p50, p99 = quantile(buckets, 0.5), quantile(buckets, 0.99)
         if p50 is not None and p99 is not None:
             parts.append(f"{label} p50 {p50} p99 {p99}")
     lines.append("latency     " + ("; ".join(parts) if parts else "no requests answered"))
-    rows_sum = _total(samples, "redbatch_batch_rows_sum")
-    runs = _total(samples, "redbatch_batch_rows_count")
-    answered = _total(samples, "redbatch_requests_total")
+    rows_sum = sample_total(samples, "redbatch_batch_rows_sum")
+    runs = sample_total(samples, "redbatch_batch_rows_count")
+    answered = sample_total(samples, "redbatch_requests_total")
     if runs:
         lines.append(
             f"batches     mean {rows_sum / runs:.1f} rows per model run, {runs:,.0f} runs, "
             f"{answered:,.0f} requests answered"
         )
     return lines
-
-
-def _window(before: Snapshot | None, now: Snapshot) -> tuple[str, dict[SampleKey, float]]:
-    """Samples summed over workers: deltas since ``before`` when it has them, else totals."""
-    earlier = {sc.url: sc.samples for sc in before.scrapes} if before else {}
-    total: dict[SampleKey, float] = {}
-    deltas = True
-    for sc in now.scrapes:
-        if sc.samples is None:
-            continue
-        old = earlier.get(sc.url)
-        restarted = old is not None and any(v < old.get(k, 0.0) for k, v in sc.samples.items())
-        if old is None or restarted:
-            deltas = False
-        for key, value in sc.samples.items():
-            base = old.get(key, 0.0) if old is not None and not restarted else 0.0
-            total[key] = total.get(key, 0.0) + value - base
-    if before is not None and deltas:
-        return f"last {now.taken_s - before.taken_s:.1f} s", total
-    return "since the workers started", total
-
-
-def _buckets(samples: Mapping[SampleKey, float], metric: str) -> list[tuple[float, float]]:
-    by_bound: dict[float, float] = {}
-    for (name, labels), value in samples.items():
-        if name == f"{metric}_bucket":
-            bound = float(dict(labels).get("le", "nan"))
-            by_bound[bound] = by_bound.get(bound, 0.0) + value
-    return sorted(by_bound.items())
-
-
-def _quantile(buckets: Sequence[tuple[float, float]], q: float) -> str | None:
-    """The q-quantile of cumulative buckets, interpolated as Prometheus' histogram_quantile."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if bound == float("inf"):
-                return f"> {_seconds(lower_bound)}"
-            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
-            return _seconds(lower_bound + (bound - lower_bound) * share)
-        lower_bound, lower_count = bound, count
-    return None
-
-
-def _total(samples: Mapping[SampleKey, float], name: str) -> float:
-    return sum(v for (n, _), v in samples.items() if n == name)
 
 
 def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
@@ -386,7 +201,7 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
                 "-" if rate is None else f"{rate[0]:,.0f}",
                 "-" if per_batch is None else f"{per_batch:.1f}",
                 f"{served:,}" if isinstance(served, int) else "-",
-                _age(_epoch_s(w.get("heartbeat_at")), s.observed_at),
+                _age(epoch_s(w.get("heartbeat_at")), s.observed_at),
             ]
         )
     return lines + _table(rows)
@@ -397,38 +212,12 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
 
 
-def _seconds(seconds: float) -> str:
-    if seconds < 1.0:
-        return f"{seconds * 1000:.1f} ms" if seconds < 0.1 else f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    return f"{seconds / 60:.0f} min"
-
-
-def _age(epoch_s: float | None, now_s: float) -> str:
-    return "-" if epoch_s is None else f"{_seconds(max(now_s - epoch_s, 0.0))} ago"
+def _age(at_s: float | None, now_s: float) -> str:
+    return "-" if at_s is None else f"{format_seconds(max(now_s - at_s, 0.0))} ago"
 
 
 def _show(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def _epoch_s(stamp: Any) -> float | None:
-    if not isinstance(stamp, str):
-        return None
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when.timestamp() if when.tzinfo is not None else None
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 # ---------------------------------------------------------------------------------------------

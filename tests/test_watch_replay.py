@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import redis
 
-from producer import codec, keys, replay, watch
+from producer import codec, keys, replay, watch, watchstats
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
+from producer.status import WorkerInfo
 from worker.localredis import free_port
 from worker.metrics import Metrics, MetricsServer
 
@@ -151,7 +152,7 @@ def test_worker_rates_are_taken_between_heartbeats() -> None:
             "served": {"requests": requests, "batches": batches},
             "heartbeat_at": (start + timedelta(seconds=after_s)).isoformat(),
         }
-        return watch.status.WorkerInfo("w", ttl_s=15, record=record)
+        return WorkerInfo("w", ttl_s=15, record=record)
 
     rates.update([worker(100, 10, 0)])
     assert rates.rates == {}
@@ -205,10 +206,10 @@ def test_metrics_urls_add_worker_side_percentiles_and_batch_rows(
 
 def test_quantiles_interpolate_like_histogram_quantile() -> None:
     buckets = [(0.001, 0.0), (0.005, 50.0), (0.01, 100.0), (float("inf"), 100.0)]
-    assert watch._quantile(buckets, 0.5) == "5.0 ms"
-    assert watch._quantile(buckets, 0.99) == "9.9 ms"
-    assert watch._quantile([(0.01, 0.0), (float("inf"), 4.0)], 0.5) == "> 10.0 ms"
-    assert watch._quantile([(float("inf"), 0.0)], 0.5) is None
+    assert watchstats.quantile(buckets, 0.5) == "5.0 ms"
+    assert watchstats.quantile(buckets, 0.99) == "9.9 ms"
+    assert watchstats.quantile([(0.01, 0.0), (float("inf"), 4.0)], 0.5) == "> 10.0 ms"
+    assert watchstats.quantile([(float("inf"), 0.0)], 0.5) is None
 
 
 def test_watch_refuses_json(redis_url: str) -> None:

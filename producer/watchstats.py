@@ -1,0 +1,269 @@
+"""What ``redbatch status --watch`` measures: snapshots of a model's queue, and their maths.
+
+``take_snapshot`` reads the status ``producer.status`` gathers, the stream's and group's counters
+(``XINFO STREAM`` entries-added, ``XINFO GROUPS`` entries-read) and, when asked, the workers'
+``/metrics``. The functions below turn two snapshots into numbers: requests in and out per second
+(counter deltas, so they cover every worker, registered or not), metrics summed over workers
+since the last scrape, percentiles from the histogram buckets, and (``WorkerRates``) each live
+worker's requests per second from the ``served`` counters its heartbeat publishes every 5 s.
+``producer.watch`` draws them.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import redis
+
+from producer import keys, status
+from producer.errors import ConnectionFailed
+
+__all__ = [
+    "SampleKey",
+    "Scrape",
+    "Snapshot",
+    "WorkerRates",
+    "epoch_s",
+    "flow_per_s",
+    "format_seconds",
+    "histogram_buckets",
+    "metrics_window",
+    "quantile",
+    "sample_total",
+    "take_snapshot",
+]
+
+_SCRAPE_TIMEOUT_S = 2.0
+
+SampleKey = tuple[str, tuple[tuple[str, str], ...]]
+
+# ---------------------------------------------------------------------------------------------
+# Snapshots
+
+
+@dataclass(frozen=True, slots=True)
+class Scrape:
+    """One worker's /metrics: every sample by name and labels, or the error that stopped it."""
+
+    url: str
+    samples: Mapping[SampleKey, float] | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The model's queue at one moment; ``taken_s`` is monotonic, for rates."""
+
+    taken_s: float
+    status: status.ModelStatus
+    entries_added: int | None
+    entries_read: int | None
+    scrapes: tuple[Scrape, ...] = ()
+
+
+def take_snapshot(
+    conn: redis.Redis,
+    model: str,
+    prefix: str = keys.DEFAULT_PREFIX,
+    metrics_urls: Sequence[str] = (),
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> Snapshot:
+    """Read the model's queue, counters and metrics; raises ConnectionFailed when Redis fails."""
+    report = status.gather_status(conn, model, prefix, dead_limit=1)
+    added = read = None
+    if report.requests.exists:
+        try:
+            pipe = conn.pipeline(transaction=False)
+            pipe.xinfo_stream(report.requests.key)
+            pipe.xinfo_groups(report.requests.key)
+            stream_info, groups = pipe.execute(raise_on_error=False)
+        except redis.RedisError as exc:
+            raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
+        if isinstance(stream_info, dict):
+            added = _int_or_none(stream_info.get("entries-added"))
+        for group in groups if isinstance(groups, list) else []:
+            if _text(group.get("name")) == keys.CONSUMER_GROUP:
+                read = _int_or_none(group.get("entries-read"))
+                if read is None and _text(group.get("last-delivered-id")) == "0-0":
+                    read = 0  # a group that has read nothing yet reports nil
+    scrapes = tuple(_scrape(url) for url in metrics_urls)
+    return Snapshot(clock(), report, added, read, scrapes)
+
+
+def _scrape(url: str) -> Scrape:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as response:
+            text = response.read().decode("utf-8", "replace")
+        samples: dict[SampleKey, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                samples[key] = samples.get(key, 0.0) + float(s.value)
+    except (OSError, urllib.error.URLError, ValueError) as exc:
+        return Scrape(url, None, " ".join(str(exc).split()) or type(exc).__name__)
+    return Scrape(url, samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-worker rates from the registry
+
+
+@dataclass(frozen=True, slots=True)
+class _Served:
+    heartbeat_s: float
+    requests: int
+    batches: int
+
+
+class WorkerRates:
+    """Requests/s and requests per batch of each live worker, from its registry record.
+
+    A record's ``served`` counters change only with its heartbeat (every 5 s), so a rate is
+    taken between two different heartbeats and kept until the next one.
+    """
+
+    def __init__(self) -> None:
+        self._base: dict[str, _Served] = {}
+        self.rates: dict[str, tuple[float, float | None]] = {}
+
+    def update(self, workers: Iterable[status.WorkerInfo]) -> None:
+        """Take in this refresh's live workers; forget the ones that are gone."""
+        seen = set()
+        for worker in workers:
+            served = _served(worker)
+            if served is None:
+                continue
+            seen.add(worker.name)
+            base = self._base.get(worker.name)
+            if base is None or served.requests < base.requests:
+                self._base[worker.name] = served
+            elif served.heartbeat_s > base.heartbeat_s:
+                seconds = served.heartbeat_s - base.heartbeat_s
+                batches = served.batches - base.batches
+                self.rates[worker.name] = (
+                    (served.requests - base.requests) / seconds,
+                    (served.requests - base.requests) / batches if batches > 0 else None,
+                )
+                self._base[worker.name] = served
+        for name in set(self._base) - seen:
+            del self._base[name]
+            self.rates.pop(name, None)
+
+
+def _served(worker: status.WorkerInfo) -> _Served | None:
+    requests, batches = worker.get("served", "requests"), worker.get("served", "batches")
+    beat = epoch_s(worker.get("heartbeat_at"))
+    if not isinstance(requests, int) or not isinstance(batches, int) or beat is None:
+        return None
+    return _Served(beat, requests, batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Maths on two snapshots
+
+
+def flow_per_s(
+    before: Snapshot | None, now: Snapshot
+) -> tuple[float | None, float | None, float] | None:
+    """Requests added and answered per second between two snapshots."""
+    if before is None or now.taken_s <= before.taken_s:
+        return None
+    seconds = now.taken_s - before.taken_s
+    added = None
+    if now.entries_added is not None and before.entries_added is not None:
+        added = max(now.entries_added - before.entries_added, 0) / seconds
+    finished = None
+    g_now, g_before = now.status.requests.group, before.status.requests.group
+    if now.entries_read is not None and before.entries_read is not None and g_now and g_before:
+        # Every entry read is either still pending or answered.
+        answered = (now.entries_read - before.entries_read) - (g_now.pending - g_before.pending)
+        finished = max(answered, 0) / seconds
+    return added, finished, seconds
+
+
+def metrics_window(before: Snapshot | None, now: Snapshot) -> tuple[str, dict[SampleKey, float]]:
+    """Samples summed over workers: deltas since ``before`` when it has them, else totals."""
+    earlier = {sc.url: sc.samples for sc in before.scrapes} if before else {}
+    total: dict[SampleKey, float] = {}
+    deltas = True
+    for sc in now.scrapes:
+        if sc.samples is None:
+            continue
+        old = earlier.get(sc.url)
+        restarted = old is not None and any(v < old.get(k, 0.0) for k, v in sc.samples.items())
+        if old is None or restarted:
+            deltas = False
+        for key, value in sc.samples.items():
+            base = old.get(key, 0.0) if old is not None and not restarted else 0.0
+            total[key] = total.get(key, 0.0) + value - base
+    if before is not None and deltas:
+        return f"last {now.taken_s - before.taken_s:.1f} s", total
+    return "since the workers started", total
+
+
+def histogram_buckets(samples: Mapping[SampleKey, float], metric: str) -> list[tuple[float, float]]:
+    """The cumulative ``(le, count)`` buckets of histogram ``metric``, summed over labels."""
+    by_bound: dict[float, float] = {}
+    for (name, labels), value in samples.items():
+        if name == f"{metric}_bucket":
+            bound = float(dict(labels).get("le", "nan"))
+            by_bound[bound] = by_bound.get(bound, 0.0) + value
+    return sorted(by_bound.items())
+
+
+def quantile(buckets: Sequence[tuple[float, float]], q: float) -> str | None:
+    """The q-quantile of cumulative buckets, interpolated as Prometheus' histogram_quantile."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return f"> {format_seconds(lower_bound)}"
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
+            return format_seconds(lower_bound + (bound - lower_bound) * share)
+        lower_bound, lower_count = bound, count
+    return None
+
+
+def sample_total(samples: Mapping[SampleKey, float], name: str) -> float:
+    """Every sample called ``name`` added up, whatever its labels."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for people: ``4.2 ms``, ``250 ms``, ``3.5 s``, ``7 min``."""
+    if seconds < 1.0:
+        return f"{seconds * 1000:.1f} ms" if seconds < 0.1 else f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.0f} min"
+
+
+def epoch_s(stamp: Any) -> float | None:
+    """An ISO-8601 timestamp with a zone as epoch seconds; None for anything else."""
+    if not isinstance(stamp, str):
+        return None
+    try:
+        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when.timestamp() if when.tzinfo is not None else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
