@@ -1,7 +1,7 @@
 """Fuzzing, fast tier: no input crashes, hangs or bloats the decoder, admit or a real worker.
 
 Each hostile-input rule has an explicit case; hypothesis and the seeded mutator of
-``tests/fuzzing.py`` cover the space between them. Everything is seeded or derandomized, so a
+``tests/fuzzing/`` cover the space between them. Everything is seeded or derandomized, so a
 failure here fails the same way on every run. The full tier (100,000 inputs and more through a
 subprocess worker) is ``fuzz_worker`` called from ``scripts/reliability.py``.
 """

@@ -1,0 +1,64 @@
+"""What is fuzzed: a synthetic model's inputs and outputs, and the limits of its worker."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.config import BatchingConfig, LimitsConfig, ModelConfig, RedisConfig, WorkerConfig
+from worker.model import TensorSpec
+from worker.schema import Schema
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model's inputs (dtype name, dims after the batch axis) and output names."""
+
+    inputs: Mapping[str, tuple[str, tuple[int, ...]]]
+    outputs: Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+#: The synthetic models of ``worker.synthetic`` that the fuzzers know how to feed.
+SPECS = {
+    "demo": ModelSpec(
+        {"features": ("float32", (16,))}, {"probs": ("float32", (4,)), "label": ("int64", ())}
+    ),
+    "tiny": ModelSpec({"x": ("float32", (128,))}, {"y": ("float32", (64,))}),
+    "multi_io": ModelSpec(
+        {"a": ("float32", (3,)), "b": ("int64", (2,))},
+        {"twice": ("float32", (3,)), "total": ("int64", ())},
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FuzzTarget:
+    """The worker under test as the fuzzer sees it: its model and the limits from its config."""
+
+    model: str = "demo"
+    prefix: str = "redbatch"
+    max_request_bytes: int = 16384
+    max_batch_size: int = 32
+
+    @property
+    def spec(self) -> ModelSpec:
+        return SPECS[self.model]
+
+
+def schema_for(target: FuzzTarget) -> Schema:
+    """The worker's Schema for ``target``, built from its spec (no model file, no runtime)."""
+    spec = target.spec
+
+    def tensors(table: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(n, np.dtype(d), ("N", *dims)) for n, (d, dims) in table.items())
+
+    config = WorkerConfig(
+        RedisConfig(),
+        ModelConfig(target.model, Path(f"{target.model}.onnx")),
+        batching=BatchingConfig(max_batch_size=target.max_batch_size),
+        limits=LimitsConfig(max_request_bytes=target.max_request_bytes),
+    )
+    return Schema(tensors(spec.inputs), tensors(spec.outputs), config)
