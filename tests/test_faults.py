@@ -1,6 +1,6 @@
 """The fault-injection fast tier: workers, connections and Redis killed under load, black box.
 
-Each test runs one scenario of ``tests/chaos.py`` at a small size, in its own redis-server and
+Each test runs one scenario of ``tests/chaos/`` at a small size, in its own redis-server and
 worker subprocesses, and fails with every problem the oracle found (exactly one correct reply per
 request, an empty stream, nothing pending, only the injected poison dead-lettered, a bounded
 consumer list). ``scripts/reliability.py`` runs the same scenarios at full size. Run this tier

@@ -1,0 +1,97 @@
+"""Fault injection, black box: real worker processes, a real Redis, a model built here, an oracle.
+
+The fast tier (``tests/test_faults.py``) and the full tier (``scripts/reliability.py``) run the
+same scenario functions at different sizes. Each scenario starts its own ``redis-server`` and
+worker subprocesses (``python -m worker``), drives load and faults, then asks the oracle:
+
+- every request has exactly one reply (the reply list has length 1: a second ``RPUSH`` would
+  show as 2), equal to its expected output or its expected error code;
+- the stream is empty, nothing is pending, the dead-letter stream holds exactly the injected
+  poison, and the consumer list is bounded by the live workers;
+- duplicate executions are counted from ``REDBATCH_EXEC_LOG`` (``worker/faults.py``): at-least-
+  once allows them after a kill, and the report shows how many.
+
+The model (``y = tanh(x @ W + b)``, ``[N, 8] -> [N, 4]``, optionally with a fixed-cost side
+chain that adds exactly zero) is built here with ``onnx.helper``; it is not in the repository
+and the worker knows nothing about it. Expected outputs come from a direct onnxruntime run.
+
+The package, one module a job: ``common`` (names, fault points, the polling wait), ``model``
+(the ONNX model), ``workload`` (requests and their expected answers), ``processes`` (worker
+subprocesses and the restarting pool), ``load`` (the load driver), ``oracle`` (state and
+verdict), ``run`` (one scenario's world), ``worker_scenarios`` and ``redis_scenarios``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .common import (
+    CRASH_VALUE,
+    DEAD,
+    MODEL,
+    POINTS,
+    PREFIX,
+    ROOT,
+    STREAM,
+    ScenarioTimeout,
+    wait_for,
+)
+from .model import build_model, slow_depth
+from .oracle import Result, describe
+from .processes import Pool, Settings, WorkerProcess, write_config
+from .redis_scenarios import client_kills, flushall, redis_restart
+from .run import Run
+from .worker_scenarios import (
+    crash_pill,
+    fault_storm,
+    phase_kills,
+    random_kills,
+    sigterm_mid_batch,
+    slow_batch,
+)
+from .workload import Expected, Requests
+
+__all__ = [
+    "CRASH_VALUE",
+    "DEAD",
+    "MODEL",
+    "POINTS",
+    "PREFIX",
+    "ROOT",
+    "SCENARIOS",
+    "STREAM",
+    "Expected",
+    "Pool",
+    "Requests",
+    "Result",
+    "Run",
+    "ScenarioTimeout",
+    "Settings",
+    "WorkerProcess",
+    "build_model",
+    "client_kills",
+    "crash_pill",
+    "describe",
+    "fault_storm",
+    "flushall",
+    "phase_kills",
+    "random_kills",
+    "redis_restart",
+    "sigterm_mid_batch",
+    "slow_batch",
+    "slow_depth",
+    "wait_for",
+    "write_config",
+]
+
+SCENARIOS: dict[str, Callable[..., Result]] = {
+    "random_kills": random_kills,
+    "phase_kills": phase_kills,
+    "fault_storm": fault_storm,
+    "redis_restart": redis_restart,
+    "client_kills": client_kills,
+    "flushall": flushall,
+    "crash_pill": crash_pill,
+    "slow_batch": slow_batch,
+    "sigterm_mid_batch": sigterm_mid_batch,
+}
