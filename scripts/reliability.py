@@ -5,7 +5,7 @@ The scenarios live in tests/chaos/ and are the ones the fast tier (tests/test_fa
 here at full size: 10 SIGKILLs among 4 workers over 2,000+ requests, kills at each fault point,
 Redis killed and restarted with AOF always and everysec, CLIENT KILL every second, FLUSHALL
 mid-run, a crash pill, batches slower than claim_idle_ms, SIGTERM mid-batch, and 100,000 fuzzed
-requests when tests/fuzzing.py exists. Each scenario's oracle verdict and figures go into one
+requests (tests/fuzzing). Each scenario's oracle verdict and figures go into one
 table; the exit status is 1 when any scenario failed.
 """
 
@@ -136,10 +136,10 @@ def _phase(workdir: Path, seed: int, *, point: str) -> chaos.Result:
 
 
 def _fuzz(workdir: Path, n: int, seed: int) -> chaos.Result:
-    """tests/fuzzing.py's fuzz_worker against a worker subprocess serving the demo model."""
+    """tests/fuzzing's fuzz_worker against a worker subprocess serving the demo model."""
     res = chaos.Result("fuzz")
     if importlib.util.find_spec("fuzzing") is None:
-        res.notes["skipped"] = "tests/fuzzing.py does not exist"
+        res.notes["skipped"] = "the tests/fuzzing package does not exist"
         return res
     import fuzzing
     import onnxruntime as ort
