@@ -73,3 +73,7 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_dead_letters") == 1
     assert _value(text, 'redbatch_requests_total{code="DEAD_LETTER"}') == 1
     assert 'redbatch_model_info{name="demo"' in text
+    # Codes and outages that did not happen are exported at 0, so their first count is seen.
+    assert _value(text, 'redbatch_requests_total{code="POISONED"}') == 0
+    assert _value(text, 'redbatch_redis_outages_total{during="writing replies"}') == 0
+    assert _value(text, 'redbatch_claims_total{kind="reclaimed"}') == 0

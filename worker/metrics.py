@@ -16,10 +16,16 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 
+from producer.errors import ERROR_CODES
+
 __all__ = ["Metrics", "MetricsServer"]
 
 log = logging.getLogger(__name__)
 
+#: What a worker can be doing when Redis goes away (the ``Outage`` names) and what becomes of
+#: a claimed entry (``Reclaimer``): labels exported at 0 from the start.
+OUTAGE_TASKS = ("starting up", "reading requests", "writing replies")
+CLAIM_KINDS = ("reclaimed", "own", "poisoned", "deleted")
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -98,6 +104,17 @@ class Metrics:
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
+        self._zero_known_labels()
+
+    def _zero_known_labels(self) -> None:
+        """Export every known label at 0 from the start: a series that first appears at 1 hides
+        that first count from rate() and increase(), so a worker's first error went unseen."""
+        for code in ("OK", *ERROR_CODES, "DEAD_LETTER"):
+            self.requests.labels(code=code)
+        for during in OUTAGE_TASKS:
+            self.redis_outages.labels(during=during)
+        for kind in CLAIM_KINDS:
+            self.claims.labels(kind=kind)
 
     def describe(self, record: dict[str, Any]) -> None:
         """Publish the validation record's identity fields and warmup time."""

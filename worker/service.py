@@ -152,7 +152,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stopped (or, in burst mode, until the stream is drained)."""
-        starting = Outage("starting up", give_up=self.stop)
+        starting = Outage("starting up", give_up=self.stop, on_down=self.metrics.redis_down)
         starting.call(self.stream.ensure_group)
         starting.call(self.registry.beat)
         starting.call(self._sample_stream)

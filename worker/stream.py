@@ -154,10 +154,14 @@ class RequestStream:
             if isinstance(groups, list)
             else None
         )
+        backlog = int(backlog) if isinstance(backlog, int) else 0
+        lag = group.get("lag") if group else None
         return StreamStats(
-            backlog=int(backlog) if isinstance(backlog, int) else 0,
+            backlog=backlog,
             pending=int(group["pending"]) if group else 0,
-            lag=group.get("lag") if group else None,
+            # Entries not yet read are still in the stream, so lag <= XLEN. Redis 7.0 loses the
+            # group's entries-read on an AOF reload and then reports a stale, larger lag.
+            lag=None if lag is None else min(int(lag), backlog),
             dead=int(dead) if isinstance(dead, int) else 0,
         )
 
