@@ -54,6 +54,12 @@ class Outage:
         self._down = False
 
     def call(self, fn: Callable[[], T]) -> T:
+        if not self._down:
+            try:
+                return fn()  # the hot path skips building a tenacity loop per call
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
         retrying = Retrying(
             retry=retry_if_exception(_transient),
             wait=wait_exponential_jitter(multiplier=0.05, max=self.max_wait_s, jitter=0.1),
