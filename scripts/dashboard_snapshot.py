@@ -12,12 +12,15 @@ drawn with matplotlib, not Grafana.
 The load: steady closed-loop traffic (``Client.map``) whose request size changes twice, a few
 percent invalid requests (wrong shape, wrong dtype, out of range: INVALID_INPUT; a body that is
 not msgpack: MALFORMED), two cancelled requests, a burst queued at once that builds a backlog,
-two dead letters (entries whose rid cannot name a reply key), a Redis restart (AOF on, so nothing
-is lost: one outage per worker) and a worker stopped with SIGTERM and started again.
+two dead letters (entries whose rid cannot name a reply key), a worker killed with SIGKILL during
+the burst while it holds entries and started again under a new name (the workers run with
+``claim_idle_ms = 3000``, so its entries are reclaimed about 3 s later and its consumer removed
+about 6 s after that), a Redis restart (AOF on, so nothing is lost: one outage per worker) and a
+worker stopped with SIGTERM and started again.
 
-It also lists counter series whose first sample was already above zero: a labelled counter's
-child exists only from its first increment, so rate() and increase() never see the increments
-made before Prometheus first scraped it (a first Redis outage, a first dead letter).
+It also lists counter series whose first sample was already above zero: rate() and increase()
+never see the increments made before Prometheus first scraped a series (workers export every
+known label at 0 from the start, so there should be none).
 
 Every query that fails or returns no series is printed and marked on its panel, so the run is
 also a check that the dashboard's queries are valid PromQL on the metrics the worker exports.
@@ -61,7 +64,7 @@ import redis  # noqa: E402
 
 from producer.client import Client  # noqa: E402
 from producer.codec import encode_request  # noqa: E402
-from producer.keys import request_stream  # noqa: E402
+from producer.keys import CONSUMER_GROUP, request_stream  # noqa: E402
 from worker.localredis import LocalRedis, free_port  # noqa: E402
 from worker.synthetic import save  # noqa: E402
 
@@ -69,6 +72,7 @@ MODEL = "demo"
 PREFIX = "redbatch"
 JOB = "redbatch"
 SCRAPE_S = 1
+CLAIM_IDLE_MS = 3000
 DASHBOARD = ROOT / "deploy" / "grafana" / "redbatch.json"
 
 _T0 = time.monotonic()
@@ -83,7 +87,8 @@ def progress(message: str) -> None:
 
 
 WORKER_CONFIG = """\
-# Written by scripts/dashboard_snapshot.py: configs/demo.toml with a metrics port and CPU only.
+# Written by scripts/dashboard_snapshot.py: configs/demo.toml with a metrics port, CPU only, and
+# a short claim_idle_ms so that a killed worker's entries are reclaimed within the run.
 [redis]
 url = "{url}"
 prefix = "{prefix}"
@@ -108,6 +113,9 @@ max = 10.0
 
 [warmup]
 runs = 5
+
+[delivery]
+claim_idle_ms = {claim_idle_ms}
 
 [metrics]
 port = {port}
@@ -155,13 +163,20 @@ class WorkerProc:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    names: list[str] = field(default_factory=list)  # every --name it ran under, in order
 
     @property
     def instance(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def label(self) -> str:
+        return ", then ".join(self.names or [self.name])
+
     def start(self) -> None:
         self.starts += 1
+        if self.name not in self.names:
+            self.names.append(self.name)
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "worker", "--config", str(self.config), "--name", self.name],
@@ -181,6 +196,13 @@ class WorkerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+    def kill(self) -> int | None:
+        """SIGKILL and reap: whatever it had read stays pending on its consumer name."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.kill()
+        return self.proc.wait()
 
 
 @dataclass
@@ -821,7 +843,13 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             config = work / f"{name}.toml"
             config.write_text(
-                WORKER_CONFIG.format(url=server.url, prefix=PREFIX, model=MODEL, port=port),
+                WORKER_CONFIG.format(
+                    url=server.url,
+                    prefix=PREFIX,
+                    model=MODEL,
+                    port=port,
+                    claim_idle_ms=CLAIM_IDLE_MS,
+                ),
                 encoding="utf-8",
             )
             workers.append(WorkerProc(name, config, port, work / f"{name}.log"))
@@ -857,13 +885,28 @@ class RunResult:
     events: list[Event]
     codes: Counter[str]
     client_errors: Counter[str]
+    consumers: dict[str, int]  # the group's consumers at the end, with their pending counts
 
 
-def drive(args: argparse.Namespace, server: LocalRedis, workers: list[WorkerProc]) -> RunResult:
-    duration = args.duration_s
-    load = Load(server.url, duration, args.burst)
-    load.prepare_burst()
-    w2 = workers[1]
+def group_state(url: str) -> tuple[int, dict[str, int]]:
+    """XLEN of the request stream and the group's consumers with their pending entries."""
+    raw = redis.Redis.from_url(url)
+    try:
+        stream = request_stream(PREFIX, MODEL)
+        consumers = {}
+        for c in raw.xinfo_consumers(stream, CONSUMER_GROUP):
+            name = c["name"]
+            consumers[name.decode() if isinstance(name, bytes) else str(name)] = int(c["pending"])
+        return int(raw.xlen(stream)), consumers
+    finally:
+        raw.close()
+
+
+def scheduled_events(
+    args: argparse.Namespace, load: Load, server: LocalRedis, workers: list[WorkerProc]
+) -> list[Event]:
+    """The run's events, at fractions of the duration; each runs on the main thread."""
+    w1, w2 = workers
 
     def restart_redis() -> None:
         server.restart()
@@ -876,14 +919,41 @@ def drive(args: argparse.Namespace, server: LocalRedis, workers: list[WorkerProc
         w2.start()
         progress(f"{w2.name} ready again")
 
-    events = [
+    def kill_worker() -> None:
+        """SIGKILL w1 while the burst keeps it busy, then start it again under a new name: the
+        entries it held stay pending on the old name until a worker reclaims them (after
+        claim_idle_ms), and the old name is removed once idle and empty (2 x claim_idle_ms)."""
+        old, new = w1.name, f"{w1.name}b"
+        status = w1.kill()
+        backlog, consumers = group_state(server.url)
+        held = consumers.get(old, 0)
+        kill.label = f"{old} SIGKILL holding {held} entries, back as {new}"
+        progress(
+            f"{old} killed by SIGKILL (status {status}) holding {held} entries, backlog "
+            f"{backlog}; starting it again as {new}"
+        )
+        time.sleep(1)
+        w1.name = new
+        w1.start()
+        progress(f"{new} ready on {w1.instance}")
+
+    kill = Event(0.26, f"{w1.name} SIGKILL + restart as {w1.name}b", kill_worker)
+    return [
         Event(0.10, "2 cancelled requests", load.cancelled),
         Event(0.22, f"burst of {args.burst}", lambda: load.spawn(load.burst, "burst")),
+        kill,
         Event(0.40, "dead letter", lambda: load.dead_letter(1)),
         Event(0.50, "Redis restart", restart_redis),
         Event(0.62, "w2 SIGTERM + restart", restart_worker),
         Event(0.82, "dead letter", lambda: load.dead_letter(2)),
     ]
+
+
+def drive(args: argparse.Namespace, server: LocalRedis, workers: list[WorkerProc]) -> RunResult:
+    duration = args.duration_s
+    load = Load(server.url, duration, args.burst)
+    load.prepare_burst()
+    events = scheduled_events(args, load, server, workers)
     wall_start = time.time()
     load.started = time.monotonic()
     progress(f"load for {duration:.0f}s: steady closed loop + ~4 invalid requests/s")
@@ -910,7 +980,9 @@ def drive(args: argparse.Namespace, server: LocalRedis, workers: list[WorkerProc
     progress(f"outcomes seen by the callers: {dict(load.codes)}")
     if load.client_errors:
         progress(f"client-side errors (the Redis restart): {dict(load.client_errors)}")
-    return RunResult(wall_start, wall_end, events, load.codes, load.client_errors)
+    backlog, consumers = group_state(server.url)
+    progress(f"at the end: backlog {backlog}, group consumers (pending) {consumers}")
+    return RunResult(wall_start, wall_end, events, load.codes, load.client_errors, consumers)
 
 
 def draw_panels(
@@ -998,13 +1070,15 @@ def render(
         if e.wall
     )
     codes = ", ".join(f"{k} {v}" for k, v in sorted(run.codes.items(), key=lambda kv: -kv[1]))
-    instances = ", ".join(f"{w.name} = {w.instance}" for w in workers)
+    instances = ", ".join(f"{w.label} = {w.instance}" for w in workers)
+    group = ", ".join(f"{name} ({n} pending)" for name, n in sorted(run.consumers.items()))
     lines = [
         f"Run {stamp}, {run.end - run.start:.0f}s of load on the CPU demo model "
         f"(scripts/dashboard_snapshot.py); scrape interval {SCRAPE_S}s; "
         f"$job = All (.*), $__rate_interval = {rate_interval}. Workers: {instances}.",
         f"Events (dotted lines): {events}.",
-        f"Outcomes the callers saw: {codes}. Dashboard time zone: browser (local time).",
+        f"Outcomes the callers saw: {codes}. Consumers left in the group: {group}. "
+        f"claim_idle_ms = {CLAIM_IDLE_MS}. Dashboard time zone: browser (local time).",
         f"{n_queries} queries, {len(problems)} with an error or no data"
         + (": see the panels marked." if problems else "."),
     ]

@@ -411,9 +411,14 @@ def test_dashboard_is_grafana_json_on_metrics_the_worker_exports() -> None:
 
     exported = _exported_names() | {"redbatch_backlog", "redbatch_pending", "redbatch_dead_letters"}
     used: set[str] = set()
+    cells: dict[tuple[int, int], str] = {}
     for panel in panels:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):  # no two panels share a grid cell
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, (panel["title"], cells.get((x, y)))
+                cells[(x, y)] = panel["title"]
         if panel["type"] == "row":
             continue
         assert panel["targets"], panel["title"]
@@ -433,5 +438,8 @@ def test_dashboard_is_grafana_json_on_metrics_the_worker_exports() -> None:
         "redbatch_decode_validate_seconds_sum",
         "redbatch_inference_seconds_bucket",
         "redbatch_reply_write_seconds_bucket",
+        "redbatch_claims_total",
+        "redbatch_lease_renewals_total",
+        "redbatch_consumers_removed_total",
     ):
         assert needed in used, needed
