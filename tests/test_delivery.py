@@ -6,6 +6,7 @@ XREADGROUP and never answers, which is exactly what a SIGKILLed worker leaves in
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -195,3 +196,32 @@ def test_consumers_left_by_hundreds_of_restarts_are_removed(
     with running_worker(config, name="live", metrics=metrics):
         assert _eventually(lambda: len(_consumers(rconn)) <= 1)
     assert metrics.consumers_removed._value.get() == 300
+
+
+def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
+    tmp_path: Path, redis_url: str, rconn, monkeypatch
+) -> None:
+    config = _config(tmp_path, redis_url, "claim_idle_ms = 200\nmax_run_s = 0.5")
+    running, release = threading.Event(), threading.Event()
+    with running_worker(config, name="hung") as hung:
+        real_run = hung.model.run
+
+        def hanging_run(feeds, names):
+            running.set()
+            assert release.wait(60)
+            return real_run(feeds, names)
+
+        monkeypatch.setattr(hung.model, "run", hanging_run)
+        # Given a worker whose model run hangs on the request it read
+        rid = send(rconn, "demo", "stuck", _features())
+        assert running.wait(30)
+        with running_worker(config, name="rescuer"):
+            # Then past max_run_s it reports itself unhealthy and stops renewing, so the other
+            # worker claims the request and answers it
+            assert _eventually(lambda: rconn.exists(f"redbatch:reply:{rid}") == 1)
+            assert not hung.healthy()
+            release.set()
+            assert _eventually(lambda: hung.served["batches"] >= 1)
+        assert hung.healthy()
+    assert rconn.llen(f"redbatch:reply:{rid}") == 1  # the late finish was fenced off
+    assert wait_reply(rconn, rid).worker == "rescuer"

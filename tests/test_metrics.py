@@ -77,3 +77,18 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, 'redbatch_requests_total{code="POISONED"}') == 0
     assert _value(text, 'redbatch_redis_outages_total{during="writing replies"}') == 0
     assert _value(text, 'redbatch_claims_total{kind="reclaimed"}') == 0
+
+
+def test_healthz_fails_while_a_batch_hangs() -> None:
+    hung = [False]
+    server = MetricsServer(Metrics(), lambda: not hung[0], 0, is_healthy=lambda: not hung[0])
+    server.start()
+    try:
+        assert _get(server.port, "/healthz")[0] == 200
+        hung[0] = True
+        status, body = _get(server.port, "/healthz")
+        assert status == 503
+        assert "max_run_s" in body
+        assert _get(server.port, "/readyz")[0] == 503
+    finally:
+        server.close()

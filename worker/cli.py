@@ -97,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.metrics.port and not args.check:
         # Up before warmup, so /healthz answers and /readyz says "not ready" while warming.
         server = MetricsServer(
-            metrics, lambda: bool(serving) and serving[0].ready.is_set(), config.metrics.port
+            metrics,
+            lambda: bool(serving) and serving[0].ready.is_set() and serving[0].healthy(),
+            config.metrics.port,
+            is_healthy=lambda: not serving or serving[0].healthy(),
         )
         server.start()
     try:

@@ -89,6 +89,7 @@ class DeliveryConfig:
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
     reply_ttl_s: int = 3600
+    max_run_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,11 +289,12 @@ def _limits(t: _Table) -> LimitsConfig:
 
 
 def _delivery(t: _Table) -> DeliveryConfig:
-    t.check_keys({"claim_idle_ms", "max_deliveries", "reply_ttl_s"})
+    t.check_keys({"claim_idle_ms", "max_deliveries", "reply_ttl_s", "max_run_s"})
     return DeliveryConfig(
         claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100),
         max_deliveries=t.get_int("max_deliveries", 3, minimum=1),
         reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1),
+        max_run_s=t.get_number("max_run_s", 300.0, minimum=0.0),
     )
 
 

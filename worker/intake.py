@@ -164,6 +164,7 @@ class Intake(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop.is_set():
+                self._check_interrupted()
                 if self._redeliver():
                     continue
                 reclaiming = self.reclaimer is not None and self.reclaimer.busy
@@ -183,6 +184,13 @@ class Intake(threading.Thread):
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _check_interrupted(self) -> None:
+        """After a failed Redis call, entries may be pending here unheld: let reclaim look."""
+        if self._outage.interrupted:
+            self._outage.interrupted = False
+            if self.reclaimer is not None:
+                self.reclaimer.after_outage()
 
     def _redeliver(self) -> bool:
         """Claim and hand over one entry another worker left behind, when one is due."""

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from worker.claims import Claims
-from worker.retry import TRANSIENT
+from worker.retry import is_transient
 
 __all__ = ["LeaseKeeper", "Leases"]
 
@@ -29,17 +29,19 @@ class Leases:
 
     def __init__(self) -> None:
         self._held: dict[bytes, bool] = {}  # id -> redelivered
+        self._redelivered = 0  # how many of the held are redelivered, so checks cost O(1)
         self._changed = threading.Condition()
 
     def hold(self, entry_ids: Iterable[bytes], redelivered: bool = False) -> None:
         with self._changed:
             for entry_id in entry_ids:
+                self._redelivered += redelivered - self._held.get(entry_id, False)
                 self._held[entry_id] = redelivered
 
     def release(self, entry_ids: Iterable[bytes]) -> None:
         with self._changed:
             for entry_id in entry_ids:
-                self._held.pop(entry_id, None)
+                self._redelivered -= self._held.pop(entry_id, False)
             self._changed.notify_all()
 
     def ids(self) -> list[bytes]:
@@ -57,12 +59,12 @@ class Leases:
     def holds_redelivered(self) -> bool:
         """True while a redelivered entry is being worked on."""
         with self._changed:
-            return any(self._held.values())
+            return self._redelivered > 0
 
     def wait_redelivered_done(self, timeout_s: float) -> bool:
         """Block until no redelivered entry is held (or the timeout); True when none is."""
         with self._changed:
-            return self._changed.wait_for(lambda: not any(self._held.values()), timeout_s)
+            return self._changed.wait_for(lambda: self._redelivered == 0, timeout_s)
 
 
 class LeaseKeeper(threading.Thread):
@@ -76,6 +78,7 @@ class LeaseKeeper(threading.Thread):
         on_renewed: Callable[[int], None] | None = None,
         on_forgotten: Callable[[int], None] | None = None,
         on_failure: Callable[[], None] | None = None,
+        is_stuck: Callable[[], bool] = lambda: False,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(name="redbatch-leases", daemon=True)
@@ -86,6 +89,8 @@ class LeaseKeeper(threading.Thread):
         self.on_renewed = on_renewed
         self.on_forgotten = on_forgotten
         self.on_failure = on_failure
+        self.is_stuck = is_stuck
+        self._stuck_logged = False
         self.failure: BaseException | None = None
         self._rng = rng or random.Random()
         self._done = threading.Event()
@@ -107,24 +112,43 @@ class LeaseKeeper(threading.Thread):
                 if tick % forget_every == 0:
                     self._forget()
                 self._up()
-            except TRANSIENT as exc:
-                self._note_down(exc)
-            except BaseException as exc:  # e.g. NOPERM: without leases, work would run twice
-                self.failure = exc
-                log.exception("lease renewal stopped on an unexpected error; stopping the worker")
-                if self.on_failure is not None:
-                    self.on_failure()
+            except Exception as exc:
+                if is_transient(exc):
+                    self._note_down(exc)
+                    continue
+                self._fail(exc)
                 return
+
+    def _fail(self, exc: BaseException) -> None:
+        """E.g. NOPERM or a changed password: without leases, held work would run twice."""
+        self.failure = exc
+        log.error("lease renewal stopped (%s); stopping the worker", exc, exc_info=exc)
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _renew(self) -> None:
         held = self.leases.ids()
-        if not held:
+        if not held or self._hung():
             return
         renewed = self.claims.renew(held)
         if self.on_renewed is not None:
             self.on_renewed(renewed)
         if renewed < len(held):  # finished meanwhile, or claimed away: the finish step decides
             log.debug("%d held entries were not pending on this worker", len(held) - renewed)
+
+    def _hung(self) -> bool:
+        """A hung batch must not hold its entries forever: let the leases lapse."""
+        if not self.is_stuck():
+            self._stuck_logged = False
+            return False
+        if not self._stuck_logged:
+            self._stuck_logged = True
+            log.error(
+                "a batch has run longer than delivery.max_run_s; no longer renewing the %d "
+                "entries held, so other workers can claim them",
+                len(self.leases),
+            )
+        return True
 
     def _forget(self) -> None:
         gone = self.claims.forget_consumers(self.forget_idle_ms)

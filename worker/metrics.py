@@ -182,10 +182,17 @@ class _QuietHandler(WSGIRequestHandler):
 class MetricsServer(threading.Thread):
     """Serves /metrics, /healthz and /readyz on ``port`` (0 picks a free one) until closed."""
 
-    def __init__(self, metrics: Metrics, is_ready: Callable[[], bool], port: int) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        is_ready: Callable[[], bool],
+        port: int,
+        is_healthy: Callable[[], bool] = lambda: True,
+    ) -> None:
         super().__init__(name="redbatch-metrics", daemon=True)
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._is_ready = is_ready
+        self._is_healthy = is_healthy
         self._server: WSGIServer = make_server(
             "0.0.0.0", port, self._app, handler_class=_QuietHandler
         )
@@ -194,8 +201,9 @@ class MetricsServer(threading.Thread):
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")
         if path == "/healthz":
-            start_response("200 OK", [("Content-Type", "text/plain")])
-            return [b"ok\n"]
+            healthy = self._is_healthy()
+            start_response("200 OK" if healthy else "503 Service Unavailable", [])
+            return [b"ok\n" if healthy else b"a batch has run longer than max_run_s\n"]
         if path == "/readyz":
             ready = self._is_ready()
             start_response("200 OK" if ready else "503 Service Unavailable", [])

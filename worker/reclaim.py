@@ -59,11 +59,24 @@ class Reclaimer:
         self._own = True  # look at this consumer's own pending entries first
         self._busy = True  # more candidates may be waiting: claim again as soon as one is done
         self._next_at = 0.0
+        self._others_after = 0.0  # no scan of other consumers' entries before this time
 
     @property
     def busy(self) -> bool:
         """True while claimed work is in flight or more candidates may remain."""
         return self._busy or self.leases.holds_redelivered()
+
+    def after_outage(self) -> None:
+        """A Redis call failed: look at this consumer's own entries at once, others' later.
+
+        A read or claim whose reply was lost leaves entries pending on this consumer that it
+        does not hold: adopt them now rather than after ``claim_idle_ms``. Other consumers'
+        entries look idle after an outage only because their keepers could not renew either,
+        so give those keepers ``claim_idle_ms`` to catch up first.
+        """
+        self._own = True
+        self._busy = True
+        self._others_after = self.clock() + self.claim_idle_ms / 1000.0
 
     def next(self) -> Redelivery | None:
         """The next entry to redeliver, when it is time to claim one; None otherwise."""
@@ -79,8 +92,10 @@ class Reclaimer:
             if not self._own:
                 break
             self._own = False  # own entries done: now the other consumers' idle ones
+            if self.clock() < self._others_after:
+                break
         self._busy = False
-        self._next_at = self.clock() + self._interval_s()
+        self._next_at = max(self.clock() + self._interval_s(), self._others_after)
         return None
 
     def _interval_s(self) -> float:

@@ -21,7 +21,6 @@ import redis
 from producer.keys import worker_key, workers_key
 from worker.config import WorkerConfig
 from worker.model import ModelFile, OnnxModel
-from worker.retry import TRANSIENT
 from worker.schema import Schema
 
 __all__ = ["Registry", "build_record", "utc_now"]
@@ -90,6 +89,7 @@ def build_record(
             "claim_idle_ms": config.delivery.claim_idle_ms,
             "max_deliveries": config.delivery.max_deliveries,
             "reply_ttl_s": config.delivery.reply_ttl_s,
+            "max_run_s": config.delivery.max_run_s,
         },
         "warmup": warmup,
         "host": socket.gethostname(),
@@ -153,10 +153,10 @@ class Registry(threading.Thread):
                 if self._down:
                     self._down = False
                     log.warning("heartbeat reached Redis again")
-            except TRANSIENT as exc:
+            except redis.RedisError as exc:  # the record only informs: never stop serving for it
                 if not self._down:
                     self._down = True
-                    log.warning("heartbeat cannot reach Redis (%s); will keep trying", exc)
+                    log.warning("heartbeat cannot update Redis (%s); will keep trying", exc)
 
     def remove(self) -> None:
         """Take the record out of Redis on a clean exit."""
@@ -165,5 +165,5 @@ class Registry(threading.Thread):
             pipe.delete(self.key)
             pipe.srem(self.set_key, self.record["name"])
             pipe.execute()
-        except TRANSIENT as exc:
+        except redis.RedisError as exc:
             log.warning("could not remove the worker record (%s); it expires on its own", exc)

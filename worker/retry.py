@@ -10,7 +10,7 @@ from typing import TypeVar
 import redis
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
-__all__ = ["TRANSIENT", "Outage"]
+__all__ = ["TRANSIENT", "Outage", "is_transient"]
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 _CODES = frozenset({"OOM", "BUSY", "LOADING", "TRYAGAIN"})
 
 
-def _transient(exc: BaseException) -> bool:
+def is_transient(exc: BaseException) -> bool:
     """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry.
 
     A wrong password or a missing permission is not: no retry can fix it, so the worker stops
@@ -52,16 +52,18 @@ class Outage:
         self.give_up = give_up
         self.max_wait_s = max_wait_s
         self._down = False
+        self.interrupted = False  # set when a call failed transiently; the caller resets it
 
     def call(self, fn: Callable[[], T]) -> T:
         if not self._down:
             try:
                 return fn()  # the hot path skips building a tenacity loop per call
             except Exception as exc:
-                if not _transient(exc):
+                if not is_transient(exc):
                     raise
+                self.interrupted = True
         retrying = Retrying(
-            retry=retry_if_exception(_transient),
+            retry=retry_if_exception(is_transient),
             wait=wait_exponential_jitter(multiplier=0.05, max=self.max_wait_s, jitter=0.1),
             stop=self._should_stop,
             before_sleep=self._note_down,

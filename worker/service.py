@@ -109,6 +109,7 @@ class Worker:
             on_renewed=self.metrics.leases_renewed,
             on_forgotten=self.metrics.consumers_forgotten,
             on_failure=self.stop.set,
+            is_stuck=self.stuck,
         )
         self.intake = Intake(
             self.stream,
@@ -136,6 +137,7 @@ class Worker:
             on_outage=self.metrics.redis_down,
         )
         self._encoder = ReplyEncoder(self.model_ref, self.name)
+        self._running_since: float | None = None  # monotonic start of the batch being run
         self.served = {"requests": 0, "batches": 0}
         self.metrics.describe(prepared.record)
 
@@ -143,6 +145,16 @@ class Worker:
         """Heartbeat hook: the stream's backlog, pending, lag and dead letters for metrics."""
         s = self.stream.stats()
         self.metrics.stream_seen(s.backlog, s.pending, s.lag, s.dead)
+
+    def stuck(self) -> bool:
+        """True while one batch has been running longer than ``delivery.max_run_s``."""
+        limit = self.config.delivery.max_run_s
+        started = self._running_since
+        return bool(limit) and started is not None and time.monotonic() - started > limit
+
+    def healthy(self) -> bool:
+        """For /healthz: alive unless a batch hangs (then a restart is the cure)."""
+        return not self.stuck()
 
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held. Second call: give up on Redis."""
@@ -222,12 +234,15 @@ class Worker:
         writer, which finishes the batch in one round trip while the next one runs."""
         started_ms = time.time() * 1000.0
         runs: list[tuple[int, float]] = []
+        self._running_since = time.monotonic()
         try:
             finishes = self._answer(batch, started_ms, runs)
         except Exception:  # a bug here must not stop the worker or leave requests unanswered
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
+        finally:
+            self._running_since = None
         if faults.ACTIVE:
             faults.hit("after_inference")
         self.writer.submit(

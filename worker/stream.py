@@ -193,8 +193,9 @@ class RequestStream:
         done = int(self._finish(keys=keys, args=args))
         if done < len(items):
             log.warning(
-                "%d of %d entries were no longer pending on %s (claimed by another worker, or "
-                "the stream was flushed); their replies were not written",
+                "%d of %d entries were no longer pending on %s (claimed by another worker, "
+                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
+                "try wrote no reply for them",
                 len(items) - done,
                 len(items),
                 self.consumer,
