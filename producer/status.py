@@ -28,6 +28,7 @@ __all__ = [
     "ModelStatus",
     "RequestsInfo",
     "WorkerInfo",
+    "epoch_s",
     "format_status",
     "gather_status",
     "status_to_json",
@@ -248,16 +249,20 @@ def _id_age_s(entry_id: str, now_s: float) -> float:
     return max(0.0, now_s - ms / 1000.0)
 
 
-def _iso_age_s(stamp: Any, now_s: float) -> float | None:
+def epoch_s(stamp: Any) -> float | None:
+    """An ISO-8601 timestamp with a zone as epoch seconds; None for anything else."""
     if not isinstance(stamp, str):
         return None
     try:
         when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     except ValueError:
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, now_s - when.timestamp())
+    return when.timestamp() if when.tzinfo is not None else None
+
+
+def _iso_age_s(stamp: Any, now_s: float) -> float | None:
+    at = epoch_s(stamp)
+    return None if at is None else max(0.0, now_s - at)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import redis
 
 from producer import keys, status
 from producer.errors import ConnectionFailed
+from producer.status import epoch_s
 
 __all__ = [
     "SampleKey",
@@ -248,17 +248,6 @@ def format_seconds(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     return f"{seconds / 60:.0f} min"
-
-
-def epoch_s(stamp: Any) -> float | None:
-    """An ISO-8601 timestamp with a zone as epoch seconds; None for anything else."""
-    if not isinstance(stamp, str):
-        return None
-    try:
-        when = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when.timestamp() if when.tzinfo is not None else None
 
 
 def _int_or_none(value: Any) -> int | None:
