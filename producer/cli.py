@@ -146,7 +146,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     where = core.redact_url(args.redis_url)
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
-        report = status.gather_status(conn, args.model, args.prefix, dead_limit=args.dead_letters)
+        report = status.gather_status(
+            conn, args.model, args.prefix, dead_limit=args.dead_letters, retry_s=args.retry_s
+        )
     except ConnectionFailed as exc:
         raise ConnectionFailed(f"Could not talk to Redis at {where}: {exc}") from exc
     finally:

@@ -31,6 +31,7 @@ import redis
 
 from producer import argtypes, codec, core, keys
 from producer.errors import ConnectionFailed, WireFormatError
+from producer.retry import RetryPolicy
 
 __all__ = [
     "PAGE_SIZE",
@@ -114,34 +115,37 @@ def replay(
     delete: bool = False,
     dry_run: bool = False,
     new_rid: Callable[[], str] = _new_rid,
+    retry_s: float = 0.0,
 ) -> ReplayReport:
-    """Re-send up to ``limit`` dead letters of ``model``; Redis errors raise ConnectionFailed."""
+    """Re-send up to ``limit`` dead letters of ``model``, retrying each step through an outage
+    for up to ``retry_s``; Redis errors raise ConnectionFailed.
+
+    A page's MULTI that ran but whose answer was lost is sent again on retry: its requests are
+    queued twice under the same ids (at-least-once; a worker writes one reply per id)."""
+    call = RetryPolicy(f"redbatch replay ({model})", retry_s).call
     dead_key = keys.dead_key(prefix, model)
     stream_key = keys.request_stream(prefix, model)
     resent: list[Resent] = []
     skipped: list[Skipped] = []
     examined = 0
-    try:
-        newest = conn.xrevrange(dead_key, "+", "-", count=1)
-        if newest:
-            end = _text(newest[0][0])
-            start = "-"
-            taken: set[str] = set()
-            while limit is None or examined < limit:
-                count = PAGE_SIZE if limit is None else min(PAGE_SIZE, limit - examined)
-                page = conn.xrange(dead_key, start, end, count=count)
-                if not page:
-                    break
-                examined += len(page)
-                start = "(" + _text(page[-1][0])
-                plans = _plan_page(page, same_ids, new_rid, taken, skipped)
-                if same_ids:
-                    plans = _check_replies(conn, prefix, plans, skipped)
-                resent += _send(conn, stream_key, dead_key, prefix, plans, delete, dry_run)
-                if _text(page[-1][0]) == end:
-                    break
-    except redis.RedisError as exc:
-        raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
+    newest = call(conn.xrevrange, dead_key, "+", "-", count=1)
+    if newest:
+        end = _text(newest[0][0])
+        start = "-"
+        taken: set[str] = set()
+        while limit is None or examined < limit:
+            count = PAGE_SIZE if limit is None else min(PAGE_SIZE, limit - examined)
+            page = call(conn.xrange, dead_key, start, end, count=count)
+            if not page:
+                break
+            examined += len(page)
+            start = "(" + _text(page[-1][0])
+            plans = _plan_page(page, same_ids, new_rid, taken, skipped)
+            if same_ids:
+                plans = call(_check_replies, conn, prefix, plans, skipped)
+            resent += call(_send, conn, stream_key, dead_key, prefix, plans, delete, dry_run)
+            if _text(page[-1][0]) == end:
+                break
     return ReplayReport(
         model=model,
         prefix=prefix,
@@ -427,6 +431,7 @@ def run_command(args: argparse.Namespace) -> int:
             limit=args.limit,
             delete=args.delete,
             dry_run=args.dry_run,
+            retry_s=args.retry_s,
         )
     except ConnectionFailed as exc:
         raise ConnectionFailed(f"Could not talk to Redis at {where}: {exc}") from exc

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from producer import keys
-from producer.errors import ConnectionFailed
+from producer.retry import RetryPolicy
 
 __all__ = [
     "ConsumerInfo",
@@ -130,15 +130,15 @@ def gather_status(
     *,
     dead_limit: int = DEFAULT_DEAD_LIMIT,
     now_s: float | None = None,
+    retry_s: float = 0.0,
 ) -> ModelStatus:
-    """Read the model's queue state; raises ConnectionFailed when Redis cannot be asked."""
+    """Read the model's queue state, retrying through an outage for up to ``retry_s``; raises
+    ConnectionFailed when Redis cannot be asked."""
     now = time.time() if now_s is None else now_s
-    try:
-        requests = _requests_info(conn, keys.request_stream(prefix, model), now)
-        dead = _dead_letters(conn, keys.dead_key(prefix, model), dead_limit, now)
-        workers, expired = _live_workers(conn, prefix, model)
-    except redis.RedisError as exc:
-        raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
+    call = RetryPolicy(f"redbatch status ({model})", retry_s).call
+    requests = call(_requests_info, conn, keys.request_stream(prefix, model), now)
+    dead = call(_dead_letters, conn, keys.dead_key(prefix, model), dead_limit, now)
+    workers, expired = call(_live_workers, conn, prefix, model)
     return ModelStatus(
         model=model,
         prefix=prefix,

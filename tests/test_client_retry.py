@@ -23,7 +23,9 @@ from producer.aio import AsyncClient
 from producer.client import Client
 from producer.codec import ModelRef, Reply
 from producer.errors import ConnectionFailed, RedisUnavailable
+from producer.replay import replay
 from producer.retry import RetryPolicy, is_transient
+from producer.status import gather_status
 from worker.localredis import LocalRedis
 
 MODEL = "demo"
@@ -257,3 +259,27 @@ def test_retry_s_zero_tries_once() -> None:
     with pytest.raises(RedisUnavailable, match="not retried"):
         RetryPolicy("redis://h:6379/0", 0).call(refuse)
     assert len(tries) == 1
+
+
+def test_status_and_replay_ride_out_an_outage(
+    server: LocalRedis, redis_url: str, signal: LogSignal
+) -> None:
+    # Given a Redis that dies before the operator's commands
+    conn = redis.Redis.from_url(redis_url, socket_timeout=10)
+    server.stop(kill=True)
+    results: list[object] = []
+
+    def operator() -> None:
+        results.append(gather_status(conn, MODEL, retry_s=30).dead.count)
+        results.append(len(replay(conn, MODEL, retry_s=30, same_ids=True).resent))
+
+    thread = threading.Thread(target=operator)
+    # When they start during the outage and Redis comes back while they retry
+    thread.start()
+    signal.wait("redis_down")
+    server.start()
+    thread.join(timeout=30)
+    # Then both complete against the restarted (empty) server instead of failing
+    assert not thread.is_alive()
+    assert results == [0, 0]
+    conn.close()

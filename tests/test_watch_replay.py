@@ -38,6 +38,7 @@ def _parser(add: Any) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="redbatch")
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--prefix", default=P)
+    parser.add_argument("--retry-s", type=float, default=0.0)
     if add is watch.add_arguments:
         parser.add_argument("--model", default=MODEL)
         parser.add_argument("--json", action="store_true")
