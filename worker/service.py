@@ -59,6 +59,8 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
     model_file = read_model_file(config.model.path)
     check_sha256(model_file, config.model.sha256)
     model = OnnxModel(config.model)
+    if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
+        check_sha256(read_model_file(config.model.path), config.model.sha256)
     schema = Schema(model.inputs, model.outputs, config)
     warmup = warm_up(model, schema, config.warmup.runs)
     record = build_record(name, config, model, model_file, schema, warmup)
