@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from harness import write_config
 
+from worker import service
 from worker.cli import main
-from worker.config import parse_config
+from worker.config import load_config, parse_config
 from worker.errors import ConfigError
 from worker.model import check_sha256, read_model_file
 from worker.synthetic import save
@@ -77,3 +78,25 @@ def test_worker_refuses_a_pinned_hash_mismatch_before_touching_redis(
     err = capsys.readouterr().err
     assert "'model.sha256'" in err
     assert "0" * 64 in err
+
+
+def test_a_file_swapped_while_the_worker_loads_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a config pinned to the deployed file
+    config_path = write_config(tmp_path, "demo", "redis://127.0.0.1:1/0")
+    model_path = tmp_path / "demo.onnx"
+    pinned = read_model_file(model_path).sha256
+    config_path.write_text(
+        config_path.read_text().replace('version = "7"', f'version = "7"\nsha256 = "{pinned}"')
+    )
+    real_model = service.OnnxModel
+
+    def swapping(model_config):  # When another model lands on the path during the load
+        save("tiny", model_path)
+        return real_model(model_config)
+
+    monkeypatch.setattr(service, "OnnxModel", swapping)
+    # Then the worker refuses to serve it
+    with pytest.raises(ConfigError, match=r"'model\.sha256'"):
+        service.prepare(load_config(config_path), "w1")
