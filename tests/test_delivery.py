@@ -140,15 +140,15 @@ def test_an_entry_deleted_while_pending_is_dropped_from_the_group(
 def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     tmp_path: Path, redis_url: str, rconn
 ) -> None:
-    # Given a model run (1,024 rows through 24 layers) that takes far longer than claim_idle_ms
+    # Given a model run (2,048 rows through 24 layers) that takes far longer than claim_idle_ms
     config = write_config(
         tmp_path,
         "slow",
         redis_url,
-        batching="max_batch_size = 1024\nmax_wait_ms = 1",
+        batching="max_batch_size = 2048\nmax_wait_ms = 1",
         extra="[delivery]\nclaim_idle_ms = 100",
     )
-    x = np.random.default_rng(0).normal(size=(1024, 512)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(2048, 512)).astype(np.float32)
     first, second = Metrics(), Metrics()
     with (
         running_worker(config, name="a", metrics=first),
@@ -165,7 +165,7 @@ def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     # Every execution is counted where it ran; a claimed duplicate would add to these.
     assert sum(m.claims.labels(kind="reclaimed")._value.get() for m in workers) == 0
     assert sum(m.requests.labels(code="OK")._value.get() for m in workers) == 4
-    assert sum(m.batch_rows._sum.get() for m in workers) == 4 * 1024
+    assert sum(m.batch_rows._sum.get() for m in workers) == 4 * 2048
 
 
 def test_forgetting_consumers_keeps_any_with_pending_entries(redis_url: str, rconn) -> None:
