@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker import faults
+from worker.assemble import FeedBuffers
 from worker.errors import Rejected
 from worker.intake import WorkItem
 from worker.model import Model
-from worker.schema import Schema
+from worker.schema import Schema, ValidRequest
 
 __all__ = ["Outcome", "run_batch", "run_isolated"]
 
@@ -44,21 +45,23 @@ def run_batch(
     items: Sequence[WorkItem],
     output_names: list[str],
     on_run: Callable[[int, float], None] | None = None,
+    buffers: FeedBuffers | None = None,
 ) -> list[Outcome]:
     """Screen the values of a sub-batch (equal non-batch shapes), then run it isolated.
 
     Requests with a bad value are answered INVALID_INPUT and taken out before the run, so they
     never reach the runtime; the batch is assembled once unless one was taken out.
     """
-    requests = [item.request for item in items if item.request is not None]
-    feeds = _concat(items)
-    rejected = schema.screen(feeds, requests)
+    buffers = buffers or FeedBuffers(0)
+    feeds = buffers.assemble(_requests(items), schema.fixed_batch)
+    rejected = schema.screen(feeds, _requests(items))
+    run = _Runner(model, output_names, schema.fixed_batch, on_run, buffers)
     if not rejected:
-        return run_isolated(model, items, output_names, schema.fixed_batch, on_run, feeds)
+        return run.isolated(items, feeds)
     outcomes = [Outcome(items[i], None, error, 0, 0.0) for i, error in rejected.items()]
     rest = [item for i, item in enumerate(items) if i not in rejected]
     if rest:
-        outcomes += run_isolated(model, rest, output_names, schema.fixed_batch, on_run)
+        outcomes += run.isolated(rest)
     return outcomes
 
 
@@ -68,75 +71,72 @@ def run_isolated(
     output_names: list[str],
     fixed_batch: int | None = None,
     on_run: Callable[[int, float], None] | None = None,
-    feeds: dict[str, np.ndarray] | None = None,
+    buffers: FeedBuffers | None = None,
 ) -> list[Outcome]:
     """Run ``items`` (equal non-batch shapes) as one batch, bisecting on failure.
 
-    ``feeds`` are the items' inputs already concatenated, when the caller has them.
     ``on_run(rows, seconds)`` is called for every successful model run, for metrics.
     """
-    started = time.perf_counter()
-    rows = sum(item.rows for item in items)
-    try:
-        outputs = _run(model, feeds or _concat(items), rows, output_names, fixed_batch)
-    except _RunFailed as exc:
-        if len(items) == 1:
-            elapsed = (time.perf_counter() - started) * 1000.0
-            error = Rejected("INFERENCE_FAILED", str(exc))
-            return [Outcome(items[0], None, error, rows, elapsed)]
-        mid = len(items) // 2
-        return [
-            *run_isolated(model, items[:mid], output_names, fixed_batch, on_run),
-            *run_isolated(model, items[mid:], output_names, fixed_batch, on_run),
-        ]
-    elapsed = (time.perf_counter() - started) * 1000.0
-    if faults.ACTIVE:
-        faults.executed(item.rid or "" for item in items)
-    if on_run is not None:
-        on_run(rows, elapsed / 1000.0)
-    return _split(items, outputs, output_names, rows, elapsed)
+    runner = _Runner(model, output_names, fixed_batch, on_run, buffers or FeedBuffers(0))
+    return runner.isolated(items)
 
 
-def _run(
-    model: Model,
-    feeds: dict[str, np.ndarray],
-    rows: int,
-    output_names: list[str],
-    fixed_batch: int | None,
-) -> list[np.ndarray]:
-    if fixed_batch and rows < fixed_batch:
-        feeds = {name: _pad(arr, fixed_batch) for name, arr in feeds.items()}
-    if faults.ACTIVE:
-        faults.crash_if_pill(feeds)
-    try:
-        outputs = model.run(feeds, output_names)
-    except Exception as exc:  # the runtime raises untyped errors; their text is the message
-        raise _RunFailed(f"the model failed on this request: {exc}") from exc
-    expected = fixed_batch or rows
-    for name, out in zip(output_names, outputs, strict=True):
-        got = out.shape[0] if out.ndim else None
-        if got != expected:
-            raise _RunFailed(
-                f"model output {name!r} has {got} rows for a batch of {expected}; outputs must "
-                "keep the batch axis first."
-            )
-    return [out[:rows] for out in outputs]
+@dataclass(slots=True)
+class _Runner:
+    """One sub-batch's runs: the whole, then halves of a failing part, down to single requests."""
+
+    model: Model
+    output_names: list[str]
+    fixed_batch: int | None
+    on_run: Callable[[int, float], None] | None
+    buffers: FeedBuffers
+
+    def isolated(
+        self, items: Sequence[WorkItem], feeds: dict[str, np.ndarray] | None = None
+    ) -> list[Outcome]:
+        """``feeds``: the items' inputs already assembled, when the caller has them."""
+        started = time.perf_counter()
+        rows = sum(item.rows for item in items)
+        try:
+            if feeds is None:
+                feeds = self.buffers.assemble(_requests(items), self.fixed_batch)
+            outputs = self._run(feeds, rows)
+        except _RunFailed as exc:
+            if len(items) == 1:
+                elapsed = (time.perf_counter() - started) * 1000.0
+                error = Rejected("INFERENCE_FAILED", str(exc))
+                return [Outcome(items[0], None, error, rows, elapsed)]
+            mid = len(items) // 2
+            return [*self.isolated(items[:mid]), *self.isolated(items[mid:])]
+        elapsed = (time.perf_counter() - started) * 1000.0
+        if faults.ACTIVE:
+            faults.executed(item.rid or "" for item in items)
+        if self.on_run is not None:
+            self.on_run(rows, elapsed / 1000.0)
+        return _split(items, outputs, self.output_names, rows, elapsed)
+
+    def _run(self, feeds: dict[str, np.ndarray], rows: int) -> list[np.ndarray]:
+        if faults.ACTIVE:
+            faults.crash_if_pill(feeds)
+        try:
+            outputs = self.model.run(feeds, self.output_names)
+        except Exception as exc:  # the runtime raises untyped errors; their text is the message
+            raise _RunFailed(f"the model failed on this request: {exc}") from exc
+        expected = self.fixed_batch or rows
+        for name, out in zip(self.output_names, outputs, strict=True):
+            got = out.shape[0] if out.ndim else None
+            if got != expected:
+                raise _RunFailed(
+                    f"model output {name!r} has {got} rows for a batch of {expected}; outputs "
+                    "must keep the batch axis first."
+                )
+        # An output may alias its input (an Identity graph): copy it out of the reused buffer
+        # before a bisection's next run overwrites it, and before the replies are encoded.
+        return [out[:rows].copy() if self.buffers.holds(out) else out[:rows] for out in outputs]
 
 
-def _concat(items: Sequence[WorkItem]) -> dict[str, np.ndarray]:
-    """Each input of the items, concatenated in order: the batch's one copy."""
-    requests = [item.request for item in items if item.request is not None]
-    return {
-        name: requests[0].inputs[name]
-        if len(requests) == 1
-        else np.concatenate([r.inputs[name] for r in requests])
-        for name in requests[0].inputs
-    }
-
-
-def _pad(arr: np.ndarray, rows: int) -> np.ndarray:
-    """Fill a fixed-batch model's unused rows by repeating the first row (always valid input)."""
-    return np.concatenate([arr, np.repeat(arr[:1], rows - arr.shape[0], axis=0)])
+def _requests(items: Sequence[WorkItem]) -> list[ValidRequest]:
+    return [item.request for item in items if item.request is not None]
 
 
 def _split(

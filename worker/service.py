@@ -19,6 +19,7 @@ import redis
 
 from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
 from worker import faults
+from worker.assemble import FeedBuffers
 from worker.batcher import Batcher
 from worker.claims import Claims
 from worker.config import WorkerConfig
@@ -139,6 +140,8 @@ class Worker:
             on_outage=self.metrics.redis_down,
         )
         self._encoder = ReplyEncoder(self.model_ref, self.name)
+        rows = max(cfg.batching.max_batch_size, self.schema.fixed_batch or 0)
+        self.buffers = FeedBuffers(rows)  # main thread only: batches are assembled there
         self._running_since: float | None = None  # monotonic start of the batch being run
         self.served = {"requests": 0, "batches": 0}
         self.metrics.describe(prepared.record)
@@ -296,6 +299,7 @@ class Worker:
                     live,
                     self._output_names(live),
                     on_run=lambda rows, seconds: runs.append((rows, seconds)),
+                    buffers=self.buffers,
                 )
                 finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
         return finishes
