@@ -36,7 +36,16 @@ __all__ = [
 #: Provider short names accepted in ``model.providers``, with their option keys.
 PROVIDERS: dict[str, frozenset[str]] = {
     "cpu": frozenset({"require"}),
-    "cuda": frozenset({"require", "device_id", "gpu_mem_limit", "arena_extend_strategy"}),
+    "cuda": frozenset(
+        {
+            "require",
+            "device_id",
+            "gpu_mem_limit",
+            "arena_extend_strategy",
+            "io_binding",
+            "cuda_graph",
+        }
+    ),
     "tensorrt": frozenset({"require", "device_id", "engine_cache_path", "fp16"}),
 }
 _DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -57,6 +66,8 @@ class ProviderConfig:
     name: str
     require: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
+    io_binding: bool = False  # bound, preallocated device buffers per batch shape (cuda)
+    cuda_graph: bool = False  # one captured CUDA graph per bucket size; implies io_binding
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +277,14 @@ def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:
         )
     if "fp16" in t.data:
         options["fp16"] = t.get_bool("fp16", False)
-    return ProviderConfig(name=name, require=t.get_bool("require", False), options=options)
+    cuda_graph = t.get_bool("cuda_graph", False)
+    return ProviderConfig(
+        name=name,
+        require=t.get_bool("require", False),
+        options=options,
+        io_binding=t.get_bool("io_binding", False) or cuda_graph,
+        cuda_graph=cuda_graph,
+    )
 
 
 def _batching(t: _Table) -> BatchingConfig:

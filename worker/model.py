@@ -82,9 +82,15 @@ class ModelFile:
 
 
 class OnnxModel:
-    """An ONNX Runtime session built from a ModelConfig."""
+    """An ONNX Runtime session built from a ModelConfig.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With the CUDA provider active and ``io_binding`` or ``cuda_graph`` set in ``[model.cuda]``,
+    runs go through a ``BoundRunner``; ``graph_sizes`` are then the batch sizes that runs are
+    padded to (one CUDA graph each), which warmup must run so that every graph is captured
+    before the first request.
+    """
+
+    def __init__(self, config: ModelConfig, max_batch_size: int = 32) -> None:
         import onnxruntime as ort  # heavy: imported only where a session is built
 
         self._ort = ort
@@ -105,6 +111,36 @@ class OnnxModel:
         self.inputs = tuple(_spec(a, "input") for a in self._session.get_inputs())
         self.outputs = tuple(_spec(a, "output") for a in self._session.get_outputs())
         self.runtime_version = ort.__version__
+        self.binding = "off"  # "io_binding" or "cuda_graph" once a BoundRunner is in use
+        self.graph_sizes: tuple[int, ...] = ()
+        self._runner: Any = None
+        self._bind(config.providers, max_batch_size)
+
+    def _bind(self, providers: tuple[ProviderConfig, ...], max_batch_size: int) -> None:
+        from worker.binding import BoundRunner, buckets_for
+
+        cuda = next((p for p in providers if p.name == "cuda" and p.io_binding), None)
+        if cuda is None:
+            return
+        if "CUDAExecutionProvider" not in self.providers:
+            log.warning("io_binding and cuda_graph need the CUDA provider; running without them")
+            return
+        fixed = {s.dims[0] for s in self.inputs if s.dims and isinstance(s.dims[0], int)}
+        max_rows = max(fixed) if fixed else max_batch_size
+        buckets = buckets_for(max_rows) if cuda.cuda_graph else None
+        if buckets and fixed:
+            buckets = (max_rows,)  # a fixed-batch model runs one shape
+        self._runner = BoundRunner(
+            self._ort,
+            self._session,
+            self.inputs,
+            self.outputs,
+            device="cuda",
+            device_id=int(cuda.options.get("device_id", 0)),
+            buckets=buckets,
+        )
+        self.binding = "cuda_graph" if buckets else "io_binding"
+        self.graph_sizes = buckets or ()
 
     def _available(self, providers: tuple[ProviderConfig, ...]) -> list[Any]:
         available = set(self._ort.get_available_providers())
@@ -120,7 +156,8 @@ class OnnxModel:
                     )
                 log.warning("provider %s is not in this onnxruntime build; skipping it", p.name)
                 continue
-            chosen.append((ort_name, _provider_options(p)) if p.options else ort_name)
+            options = _provider_options(p)
+            chosen.append((ort_name, options) if options else ort_name)
         if "CPUExecutionProvider" not in [c if isinstance(c, str) else c[0] for c in chosen]:
             chosen.append("CPUExecutionProvider")
         return chosen
@@ -143,6 +180,8 @@ class OnnxModel:
             )
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        if self._runner is not None:
+            return self._runner.run(feeds, output_names)
         return list(self._session.run(output_names, feeds))
 
 
@@ -171,6 +210,8 @@ def _provider_options(p: ProviderConfig) -> dict[str, str]:
         if opts.get("fp16"):
             renamed["trt_fp16_enable"] = True
         opts = renamed
+    if p.name == "cuda" and p.cuda_graph:
+        opts["enable_cuda_graph"] = "1"
     return {k: str(v) for k, v in opts.items()}
 
 

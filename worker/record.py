@@ -77,6 +77,8 @@ def build_record(
             "intra_op_threads": config.model.intra_op_threads,
             "inter_op_threads": config.model.inter_op_threads,
             "allow_spinning": config.model.allow_spinning,
+            "binding": model.binding,
+            "graph_batch_sizes": list(model.graph_sizes),
         },
         "batching": {
             "max_batch_size": config.batching.max_batch_size,

@@ -59,11 +59,11 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
     """Load the model, derive its schema, warm it up and build the validation record."""
     model_file = read_model_file(config.model.path)
     check_sha256(model_file, config.model.sha256)
-    model = OnnxModel(config.model)
+    model = OnnxModel(config.model, config.batching.max_batch_size)
     if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
         check_sha256(read_model_file(config.model.path), config.model.sha256)
     schema = Schema(model.inputs, model.outputs, config)
-    warmup = warm_up(model, schema, config.warmup.runs)
+    warmup = warm_up(model, schema, config.warmup.runs, model.graph_sizes)
     record = build_record(name, config, model, model_file, schema, warmup)
     ref = ModelRef(config.model.name, config.model.version, model_file.sha256)
     return Prepared(config, model, schema, ref, record)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from worker.errors import ModelError
@@ -18,10 +19,17 @@ __all__ = ["warm_up"]
 
 log = logging.getLogger(__name__)
 
+_GRAPH_RUNS = 3  # a regular run, the capture, and one replay
 
-def warm_up(model: Model, schema: Schema, runs: int) -> dict[str, Any]:
-    """Run ``runs`` times at batch 1 and at max_batch_size; returns timings for the record."""
-    sizes = sorted({1, schema.max_batch_size})
+
+def warm_up(
+    model: Model, schema: Schema, runs: int, extra_sizes: Sequence[int] = ()
+) -> dict[str, Any]:
+    """Run ``runs`` times at batch 1, at max_batch_size and at ``extra_sizes`` (the CUDA graph
+    sizes, each captured on one of its runs); returns timings for the record."""
+    sizes = sorted({1, schema.max_batch_size, *extra_sizes})
+    if extra_sizes:  # onnxruntime captures a CUDA graph on a shape's second run
+        runs = max(runs, _GRAPH_RUNS)
     names = list(schema.output_names)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     started = time.perf_counter()
