@@ -143,21 +143,27 @@ class BoundRunner:
         for (name, spec), tail in zip(self._inputs.items(), tails, strict=True):
             inputs[name] = self._alloc([rows, *tail], spec.dtype)
             binding.bind_ortvalue_input(name, inputs[name])
-        outputs: dict[str, Any] | None = {}
-        shapes = [_known_shape(spec, rows) for spec in self._outputs]
-        if all(shape is not None for shape in shapes):
-            for spec, shape in zip(self._outputs, shapes, strict=True):
-                outputs[spec.name] = self._alloc(shape, spec.dtype)
-                binding.bind_ortvalue_output(spec.name, outputs[spec.name])
-        else:
-            outputs = None
-            for spec in self._outputs:
-                binding.bind_output(spec.name, self._device, self._device_id)
+        outputs = self._bind_outputs(binding, rows)
         run_options = ort.RunOptions()
         if self.buckets is not None:
             # One graph per bucket; ids start at 1 (-1 tells onnxruntime not to capture).
             run_options.add_run_config_entry("gpu_graph_id", str(self.buckets.index(rows) + 1))
         return _Slot(binding, inputs, outputs, run_options)
+
+    def _bind_outputs(self, binding: Any, rows: int) -> dict[str, Any] | None:
+        """Preallocated outputs when the model file fixes their shapes, else None: onnxruntime
+        allocates them on the device on each run."""
+        shapes = [_known_shape(spec, rows) for spec in self._outputs]
+        if any(shape is None for shape in shapes):
+            for spec in self._outputs:
+                binding.bind_output(spec.name, self._device, self._device_id)
+            return None
+        outputs = {}
+        for spec, shape in zip(self._outputs, shapes, strict=True):
+            assert shape is not None
+            outputs[spec.name] = self._alloc(shape, spec.dtype)
+            binding.bind_ortvalue_output(spec.name, outputs[spec.name])
+        return outputs
 
     def _alloc(self, shape: list[int], dtype: np.dtype) -> Any:
         return self._ort.OrtValue.ortvalue_from_shape_and_type(
