@@ -5,22 +5,26 @@
 #   bash scripts/gpu_check.sh --pack DIR [--ort-parts PARTS]    here: what the GPU machine lacks
 #   bash scripts/gpu_check.sh --check-report REPORT.json        only the GPU check of one report
 #
-# Steps, each under `timeout` (a step that overruns is killed with what it started), 435 s in all:
+# Steps, each under `timeout` (a step that overruns is killed with what it started), 445 s in all:
 #   1 preflight   nvidia-smi lists a GPU                                             10 s
 #   2 install     the carried wheels (--wheels), or check the environment has all    45 s
 #   3 probe       onnxruntime starts CUDAExecutionProvider on the tiny model          45 s
-#   4 heavy       redbatch bench --model heavy --providers cuda,cpu, closed loop     150 s
-#   5 resnet18    the same with the resnet18 model                                    170 s
-#   6 summary     every session of both reports ran on CUDA; summary.txt               15 s
-# Steps 4 and 5: bare session.run (batch 1 and 32) and the Redis protocol alone as ceilings, then
+#   4 heavy       redbatch bench --model heavy --providers cuda,cpu, closed loop     130 s
+#   5 graphs      the heavy model again, workers with [model.cuda] cuda_graph = true  50 s
+#   6 resnet18    the same as 4 with the resnet18 model                              150 s
+#   7 summary     every session of the reports ran on CUDA; summary.txt               15 s
+# Steps 4 and 6: bare session.run (batch 1 and 32) and the Redis protocol alone as ceilings, then
 # 1 (single caller), 16, 64 and 128 closed-loop callers against one worker (max_batch_size 32),
-# each 1 or 2 s of warmup and 4 s measured; about a minute each on a 16-core machine.
+# each 1 or 2 s of warmup and 4 s measured; about a minute each on a 16-core machine. Step 5:
+# 1 and 64 callers against a worker that pads batches to 1, 2, 4, ..., 32 rows and replays one
+# CUDA graph per size (I/O binding included), set against step 4's bare ceiling.
 #
 # It fails (exit 1, one "gpu_check: FAILED:" line) when there is no nvidia-smi or GPU, when
 # onnxruntime has no CUDA provider or cannot start it, or when a report shows a session that fell
 # back to the CPU (the worker then logs one line and serves on the CPU): CPU figures are never
 # reported as GPU ones. Output in $OUT, else ./gpu-check-out: summary.txt, heavy.json,
-# heavy.txt, resnet18.json, resnet18.txt, nvidia-smi.txt and gpu_check.log (everything printed).
+# heavy.txt, heavy-graphs.json, resnet18.json, resnet18.txt, nvidia-smi.txt and gpu_check.log
+# (everything printed, heavy-graphs' table included).
 #
 # --wheels DIR (repeatable) installs DIR/*.whl with pip --target into a temporary folder, joins
 # DIR/NAME.whl.part-* back into NAME.whl first, and puts DIR/bin (a carried redis-server) on PATH.
@@ -93,6 +97,12 @@ for phase in phases:
         problems.append(f"phase {phase.get('id')}: no request was answered OK")
 for ran, ids in served.items():
     problems.append(f"the worker served {len(ids)} of {len(phases)} phases with {ran}")
+binding = report.get("settings", {}).get("binding", "off")
+for phase in phases:
+    bound = phase.get("worker", {}).get("binding", "off")
+    if bound != binding:
+        problems.append(f"phase {phase.get('id')}: the worker ran with binding {bound}, "
+                        f"not {binding}")
 if problems:
     fell_back = any(" ran with " in p or " served " in p for p in problems)
     sys.exit(
@@ -264,20 +274,43 @@ EOF
   fi
 }
 
-bench() {  # bench MODEL WARMUP_S
+bench() {  # bench MODEL WARMUP_S: the model's report and table, with its ceilings
   "$py" -m producer bench --model "$1" --providers cuda,cpu --concurrency "$CONCURRENCY" \
     --max-batch-size "$MAX_BATCH_SIZE" --duration-s "$DURATION_S" --warmup-s "$2" \
     --json "$out/$1.json" >"$out/$1.txt"
 }
 
+graphs() {  # heavy with CUDA graphs; no ceilings (the summary uses heavy's), table to the log
+  "$py" -m producer bench --model heavy --providers cuda,cpu --binding cuda_graph \
+    --concurrency 1,64 --max-batch-size "$MAX_BATCH_SIZE" --duration-s "$DURATION_S" \
+    --warmup-s 1 --no-ceilings --json "$out/heavy-graphs.json"
+}
+
 summary() {
-  "$py" - "$out" "${MODELS[@]}" <<'EOF' >"$out/summary.txt"
+  "$py" - "$out" "${MODELS[@]}" heavy-graphs <<'EOF' >"$out/summary.txt"
 import json, sys
 from pathlib import Path
 
 out, models = Path(sys.argv[1]), sys.argv[2:]
 for model in models:
     r = json.loads((out / f"{model}.json").read_text())
+    if model == "heavy-graphs":  # ratios against the plain heavy run's bare ceiling
+        bare32 = json.loads((out / "heavy.json").read_text())["ceilings"]["bare"]["heavy"]
+        bare32 = bare32["batch"]["32"]["rows_per_s"]
+        print("heavy with [model.cuda] cuda_graph = true (bare: the heavy run's, batch 32)")
+        print(f"  {'callers':>7} {'req/s':>8} {'/ bare':>7} {'p50 ms':>7} {'p99 ms':>7} "
+              f"{'batch':>6}")
+        for p in r["phases"]:
+            lat = p["latency_ms"]
+            stages = (p.get("worker_side") or {}).get("stages", {})
+            run = stages.get("inference", {}).get("mean_ms")
+            print(f"  {p['load']['concurrency']:>7} {p['throughput_per_s']:>8,.0f} "
+                  f"{p['throughput_per_s'] / bare32:>7.2f} {lat.get('p50', 0):>7.2f} "
+                  f"{lat.get('p99', 0):>7.2f} {p['batch_rows']['mean']:>6.1f} "
+                  f"run {'-' if run is None else f'{run:.2f}'} ms  binding "
+                  f"{p['worker'].get('binding')}")
+        print()
+        continue
     m = r["machine"]
     print(f"{model}: GPU {'; '.join(m.get('gpus') or ['?'])}; onnxruntime {m.get('onnxruntime')};"
           f" {m['cpus_usable']} cores; sessions ran with {', '.join(m.get('providers') or [])}")
@@ -329,6 +362,7 @@ while [ $# -gt 0 ]; do
         install) install ;;
         probe) probe ;;
         heavy) bench heavy 1 ;;
+        graphs) graphs ;;
         resnet18) bench resnet18 2 ;;
         summary) summary ;;
         *) fail "unknown step ${2:-}" ;;
@@ -374,9 +408,11 @@ command -v redis-server >/dev/null \
     "needs the binary. Carry one: scripts/gpu_check.sh --pack DIR here, --wheels DIR there."
 echo "redis-server: $(command -v redis-server): $(redis-server --version)"
 step probe 45
-step heavy 150
+step heavy 130
 check_report "$out/heavy.json"
-step resnet18 170
+step graphs 50
+check_report "$out/heavy-graphs.json"
+step resnet18 150
 check_report "$out/resnet18.json"
 step summary 15
 {

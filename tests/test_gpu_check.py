@@ -24,6 +24,7 @@ from producer.bench import cli as bench_cli
 from producer.bench import runner
 from producer.bench.processes import WorkerProcess, WorkerSetup
 from producer.bench.wire import Sender, row_bytes
+from producer.job import UsageError
 from worker import benchkit, synthetic
 from worker.config import PROVIDERS, load_config
 
@@ -108,6 +109,23 @@ def test_providers_reach_the_generated_worker_config(tmp_path: Path) -> None:
     assert config.model.path == model_file.resolve()
     default = WorkerProcess(setup, model_file, "redis://127.0.0.1:1/0", tmp_path)
     assert [p.name for p in load_config(default.config, environ={}).model.providers] == ["cpu"]
+
+
+def test_binding_reaches_the_generated_worker_config(tmp_path: Path) -> None:
+    model_file = synthetic.save("tiny", tmp_path / "tiny.onnx")
+    setup = WorkerSetup("tiny", 32, 5.0)
+    url = "redis://127.0.0.1:1/0"
+    for binding, expected in (("io_binding", (True, False)), ("cuda_graph", (True, True))):
+        worker = WorkerProcess(setup, model_file, url, tmp_path, ("cuda", "cpu"), binding)
+        cuda = load_config(worker.config, environ={}).model.providers[0]
+        assert (cuda.name, cuda.io_binding, cuda.cuda_graph) == ("cuda", *expected)
+
+
+def test_binding_needs_cuda_in_the_providers() -> None:
+    assert _options().binding == "off"
+    assert _options("--providers", "cuda,cpu", "--binding", "cuda_graph").binding == "cuda_graph"
+    with pytest.raises(UsageError, match="add cuda to --providers"):
+        _options("--binding", "io_binding")
 
 
 def test_bench_passes_providers_to_workers_and_ceilings(
@@ -213,9 +231,9 @@ def test_script_fails_at_once_without_nvidia_smi(tmp_path: Path) -> None:
     assert "nvidia-smi is not on PATH" in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
-def _report(served_with: list[str]) -> dict[str, Any]:
+def _report(served_with: list[str], binding: str = "off") -> dict[str, Any]:
     return {
-        "settings": {"providers": ["cuda", "cpu"]},
+        "settings": {"providers": ["cuda", "cpu"], "binding": binding},
         "ceilings": {"bare": {"heavy": {"providers": served_with}}},
         "phases": [
             {"id": "custom/closed-C1", "ok": 10, "worker": {"providers": served_with}},
@@ -248,8 +266,63 @@ def test_script_rejects_a_report_that_fell_back_to_the_cpu(
         assert "the worker served 2 of 2 phases with ['CPUExecutionProvider']" in said
 
 
+def test_script_rejects_a_graphs_report_whose_worker_ran_unbound(tmp_path: Path) -> None:
+    report = tmp_path / "heavy-graphs.json"
+    report.write_text(json.dumps(_report(["CUDAExecutionProvider"], binding="cuda_graph")))
+    done = _run(["--python", sys.executable, "--check-report", str(report)], dict(os.environ))
+    assert done.returncode == 1
+    said = done.stdout + done.stderr
+    assert "phase custom/closed-C1: the worker ran with binding off, not cuda_graph" in said
+
+
+def _full_report(model: str, binding: str = "off") -> dict[str, Any]:
+    """A report with every field the summary step reads, as a GPU run would write it."""
+    run = {"rows_per_s": 9000.0, "run_ms": {"p50": 1.5}}
+    phases = [
+        {
+            "load": {"concurrency": c},
+            "throughput_per_s": 100.0 * c,
+            "latency_ms": {"p50": 2.0, "p99": 4.0},
+            "vs_ceiling": {"throughput_over_bare": c / 90},
+            "batch_rows": {"mean": min(c, 32)},
+            "worker_side": {"stages": {"inference": {"mean_ms": 1.25}}},
+            "worker": {"providers": ["CUDAExecutionProvider"], "binding": binding},
+            "lost": 0,
+            "errors": 0,
+        }
+        for c in (1, 64)
+    ]
+    return {
+        "machine": {
+            "gpus": ["NVIDIA H200"],
+            "onnxruntime": "1.31.1",
+            "cpus_usable": 16,
+            "providers": ["CUDAExecutionProvider"],
+        },
+        "ceilings": {"bare": {model: {"batch": {"1": run, "32": run}}}, "protocol": {}},
+        "phases": phases,
+    }
+
+
+def test_summary_sets_the_graphs_run_against_the_heavy_runs_bare_ceiling(tmp_path: Path) -> None:
+    for name, model, binding in (
+        ("heavy", "heavy", "off"),
+        ("resnet18", "resnet18", "off"),
+        ("heavy-graphs", "heavy", "cuda_graph"),
+    ):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_full_report(model, binding)))
+    env = {**os.environ, "out": str(tmp_path), "py": sys.executable}
+    done = _run(["--step", "summary"], env)
+    assert done.returncode == 0, done.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "heavy with [model.cuda] cuda_graph = true" in summary
+    graphs = summary.split("cuda_graph = true", 1)[1]
+    assert "6,400    0.71" in graphs  # 64 callers: 6,400 req/s over heavy's 9,000 rows/s
+    assert "binding cuda_graph" in graphs
+
+
 def test_script_help_names_its_steps() -> None:
     done = _run(["--help"], dict(os.environ))
     assert done.returncode == 0
-    for step in ("preflight", "install", "probe", "heavy", "resnet18", "summary"):
+    for step in ("preflight", "install", "probe", "heavy", "graphs", "resnet18", "summary"):
         assert step in done.stdout

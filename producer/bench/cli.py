@@ -20,6 +20,8 @@ from producer.bench.runner import Bench, Options
 from producer.bench.scenarios import SCENARIOS
 from producer.job import UsageError
 
+BINDINGS = ("off", "io_binding", "cuda_graph")  # the workers' [model.cuda] keys, or neither
+
 __all__ = ["PROVIDERS", "add_arguments", "run_command"]
 
 HELP = """\
@@ -155,6 +157,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default cpu; e.g. cuda,cpu on a GPU machine)",
     )
     add(
+        "--binding",
+        choices=BINDINGS,
+        default="off",
+        help="started workers' [model.cuda] setting: io_binding (preallocated GPU buffers per "
+        "batch shape) or cuda_graph (one CUDA graph per batch bucket); needs cuda in "
+        "--providers. The bare and asyncio ceilings stay plain session.run (default off)",
+    )
+    add(
         "--producers", type=argtypes.positive_int, default=1, metavar="N", help="producer processes"
     )
     add("--timeout-s", type=_seconds, default=30.0, metavar="S", help="per reply (default 30)")
@@ -209,6 +219,8 @@ def _options(args: argparse.Namespace) -> Options:
         raise UsageError("--metrics-url and --model-file go with --no-start.")
     if not args.no_start and not scenarios and not keys.is_valid_model_name(args.model):
         raise UsageError(f"--model {args.model!r} is not a model name.")
+    if args.binding != "off" and "cuda" not in args.providers:
+        raise UsageError(f"--binding {args.binding} is a CUDA setting: add cuda to --providers.")
     if args.max_wait_ms < 0:
         raise UsageError("--max-wait-ms must not be negative.")
     return Options(
@@ -232,6 +244,7 @@ def _options(args: argparse.Namespace) -> Options:
         prefix=getattr(args, "prefix", keys.DEFAULT_PREFIX),
         quiet_s=max(args.quiet_s, 0.0),
         providers=args.providers,
+        binding=args.binding,
     )
 
 

@@ -114,6 +114,11 @@ class WorkerSetup:
         return self.name or self.model
 
 
+def _binding_table(binding: str) -> str:
+    """``[model.cuda]`` turning on I/O binding or CUDA graphs (``off``: nothing)."""
+    return "" if binding == "off" else f"[model.cuda]\n{binding} = true\n"
+
+
 class WorkerProcess:
     """One ``python -m worker`` process with a generated config, its metrics port on;
     ``providers`` are the config's ``model.providers`` (``cpu``, ``cuda``, ``tensorrt``)."""
@@ -125,6 +130,7 @@ class WorkerProcess:
         url: str,
         workdir: Path,
         providers: Sequence[str] = ("cpu",),
+        binding: str = "off",
     ) -> None:
         self.setup = setup
         self.url = url
@@ -142,7 +148,7 @@ name = "{setup.served}"
 path = "{model_file}"
 version = "bench"
 providers = {json.dumps(list(providers))}
-
+{_binding_table(binding)}
 [batching]
 max_batch_size = {setup.max_batch_size}
 max_wait_ms = {setup.max_wait_ms}

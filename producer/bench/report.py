@@ -178,7 +178,12 @@ def _providers_line(report: dict[str, Any]) -> str:
             ran.append(serving)
     asked = ",".join(report["settings"].get("providers", ("cpu",)))
     gpus = "; ".join(m.get("gpus") or []) or "none listed"
-    return f"providers asked for: {asked}; sessions ran with: {' | '.join(ran) or '?'}; GPU: {gpus}"
+    bound = {p["worker"].get("binding", "off") for p in report["phases"]} - {"off"}
+    binding = f"; worker binding: {', '.join(sorted(bound))}" if bound else ""
+    return (
+        f"providers asked for: {asked}; sessions ran with: {' | '.join(ran) or '?'}{binding}; "
+        f"GPU: {gpus}"
+    )
 
 
 def _device(report: dict[str, Any]) -> str:

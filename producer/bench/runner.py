@@ -70,6 +70,7 @@ class Options:
     prefix: str = keys.DEFAULT_PREFIX
     quiet_s: float = 0.0
     providers: tuple[str, ...] = ("cpu",)  # the workers' and the bare and asyncio ceilings'
+    binding: str = "off"  # the workers' [model.cuda] io_binding / cuda_graph; ceilings unbound
 
 
 class Workers:
@@ -81,9 +82,11 @@ class Workers:
         workdir: Path,
         model_file: Callable[[str], Path],
         providers: Sequence[str] = ("cpu",),
+        binding: str = "off",
     ) -> None:
         self.url, self.workdir, self.model_file = url, workdir, model_file
         self.providers = tuple(providers)
+        self.binding = binding
         self.current: WorkerProcess | None = None
 
     def get(self, setup: WorkerSetup) -> WorkerProcess:
@@ -92,7 +95,7 @@ class Workers:
         self.stop()
         say(f"starting a worker: {setup.model}, max_batch_size {setup.max_batch_size}")
         path = self.model_file(setup.model)
-        worker = WorkerProcess(setup, path, self.url, self.workdir, self.providers)
+        worker = WorkerProcess(setup, path, self.url, self.workdir, self.providers, self.binding)
         self.current = worker.start()
         _say_fallback("the worker", self.providers, worker.record["runtime"]["providers"])
         return worker
@@ -111,7 +114,7 @@ class Bench:
         self.url = url
         self.workdir = workdir
         self._models: dict[str, Path] = {}
-        self.workers = Workers(url, workdir, self.model_file, options.providers)
+        self.workers = Workers(url, workdir, self.model_file, options.providers, options.binding)
         self.max_throughput: dict[WorkerSetup, float] = {}
         settings = asdict(options)
         settings["redis"] = core.redact_url(url)
@@ -286,6 +289,7 @@ class Bench:
                 "max_batch_size": batching["max_batch_size"],
                 "max_wait_ms": batching["max_wait_ms"],
                 "providers": record.get("runtime", {}).get("providers"),
+                "binding": record.get("runtime", {}).get("binding", "off"),
             },
             "load": {
                 "mode": spec.mode,
