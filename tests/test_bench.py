@@ -92,6 +92,20 @@ def test_ceilings_are_measured_in_the_same_run(report: dict[str, Any]) -> None:
     assert ratios["throughput_over_protocol"] > 0
 
 
+def test_cpu_budget_adds_up_to_the_bound(report: dict[str, Any]) -> None:
+    """Each request's CPU by process, and the throughput all cores busy with it would give."""
+    bare = report["ceilings"]["bare"]["tiny"]["batch"]["32"]
+    assert bare["cpu_ms_per_row"] > 0
+    budget = _phase(report, "custom/closed-C4")["cpu_budget"]
+    parts = ("model_ms", "worker_other_ms", "redis_ms", "producers_ms")
+    assert budget["model_ms"] == bare["cpu_ms_per_row"]
+    assert budget["total_ms"] == pytest.approx(sum(budget[k] for k in parts))
+    assert budget["worker_other_ms"] > 0
+    cores = report["machine"]["cpus_usable"]
+    assert budget["bound_per_s"] == pytest.approx(1000.0 * cores / budget["total_ms"])
+    assert "CPU per request (core-ms" in bench.format_report(report)
+
+
 def test_report_names_the_providers_asked_for_and_used(report: dict[str, Any]) -> None:
     assert report["settings"]["providers"] == ["cpu"]
     assert report["ceilings"]["bare"]["tiny"]["requested_providers"] == ["cpu"]

@@ -84,14 +84,17 @@ def measure_bare(
             model.run(feeds, names)
         times_s: list[float] = []
         end = time.monotonic() + duration_s
+        cpu0 = time.process_time()  # every thread of this process: onnxruntime's pool too
         while len(times_s) < _MAX_RUNS and (len(times_s) < 5 or time.monotonic() < end):
             t0 = time.perf_counter()
             model.run(feeds, names)
             times_s.append(time.perf_counter() - t0)
+        cpu_s = time.process_time() - cpu0
         total_s = sum(times_s)
         batches[str(size)] = {
             "runs": len(times_s),
             "rows_per_s": size * len(times_s) / total_s,
+            "cpu_ms_per_row": 1000.0 * cpu_s / (size * len(times_s)),
             "run_ms": {
                 "mean": 1000.0 * total_s / len(times_s),
                 "p50": 1000.0 * float(np.percentile(times_s, 50)),

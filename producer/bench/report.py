@@ -154,7 +154,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += _format_ceilings(report["ceilings"])
     if report["phases"]:
         lines += ["", *_format_phases(report["phases"]), "", *_format_stages(report["phases"])]
-        lines += ["", *_format_cpu(report), "", *_format_batches(report["phases"])]
+        lines += ["", *_format_cpu(report), *_format_budget(report["phases"])]
+        lines += ["", *_format_batches(report["phases"])]
     if report.get("drain"):
         lines += ["", *_format_drain(report["drain"])]
     if report["targets"]:
@@ -297,6 +298,31 @@ def _format_cpu(report: dict[str, Any]) -> list[str]:
         if cores:
             cells = [f"{cores[c]:>9.2f}" if c in cores else f"{'-':>9}" for c in columns]
             lines.append(f"{name:<24} " + " ".join(cells))
+    return lines
+
+
+def _format_budget(phases: Sequence[dict[str, Any]]) -> list[str]:
+    """CPU ms per request by process, and the throughput all cores busy would allow."""
+    rows = [p for p in phases if p.get("cpu_budget")]
+    if not rows:
+        return []
+    keys = ("model_ms", "worker_other_ms", "redis_ms", "producers_ms", "total_ms")
+    lines = [
+        "",
+        "CPU per request (core-ms; model: bare session.run's CPU per row at the worker's max "
+        "batch size; worker other: the rest of the worker process; bound: the req/s that every "
+        "core busy with this work would give, the most this setup can reach on this machine)",
+        f"{'phase':<24} {'model':>7} {'worker':>7} {'redis':>7} {'prod.':>7} {'total':>7} "
+        f"{'bound':>8} {'/bare':>5} {'got/bound':>9}",
+    ]
+    for p in rows:
+        b = p["cpu_budget"]
+        got = p["throughput_per_s"] / b["bound_per_s"]
+        lines.append(
+            f"{p['id']:<24} "
+            + " ".join(f"{b[k]:>7.3f}" for k in keys)
+            + f" {b['bound_per_s']:>8,.0f} {_ratio(b['bound_over_bare']):>5} {got:>9.2f}"
+        )
     return lines
 
 

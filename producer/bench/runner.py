@@ -44,6 +44,8 @@ from producer.bench.scenarios import SCENARIOS
 __all__ = ["Bench", "Options", "Workers"]
 
 _QUIET_CORES = 0.25  # --quiet-s: busier than this, and someone else is using the machine
+_CPU_USERS = ("worker", "redis", "producers")  # the processes a request costs CPU in
+CPU_PROVIDER = "CPUExecutionProvider"
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +308,7 @@ class Bench:
             "cpu_cores": cpu_cores(before[1], after[1]),
         }
         phase["vs_ceiling"] = self._ratios(phase)
+        phase["cpu_budget"] = self._cpu_budget(phase)
         if phase["worker_side"] is not None:
             phase["worker_side"]["outside_ms"] = outside_ms(phase)
         self.report["phases"].append(phase)
@@ -332,6 +335,34 @@ class Bench:
         if protocol and protocol["throughput_per_s"]:
             ratios["throughput_over_protocol"] = throughput / protocol["throughput_per_s"]
         return ratios
+
+    def _cpu_budget(self, phase: dict[str, Any]) -> dict[str, float] | None:
+        """CPU ms per request by process, and the throughput the machine's cores would allow
+        if every one were busy with that same work: what the worker could reach at best here.
+
+        The model's share is bare ``session.run``'s CPU per row at the worker's max_batch_size
+        (its best case); the worker's other CPU is the rest of its process. Only for phases
+        served on the CPU: on a GPU the cores do not bound the model.
+        """
+        bare = self.report["ceilings"]["bare"].get(phase["model"], {})
+        at_max = bare.get("batch", {}).get(str(phase["worker"]["max_batch_size"]), {})
+        cores, throughput = phase.get("cpu_cores") or {}, phase["throughput_per_s"]
+        served = phase["worker"].get("providers") or []
+        if "cpu_ms_per_row" not in at_max or not throughput or served != [CPU_PROVIDER]:
+            return None
+        per_request = {k: 1000.0 * cores.get(k, 0.0) / throughput for k in _CPU_USERS}
+        model = at_max["cpu_ms_per_row"]
+        budget = {
+            "model_ms": model,
+            "worker_other_ms": max(per_request["worker"] - model, 0.0),
+            "redis_ms": per_request["redis"],
+            "producers_ms": per_request["producers"],
+        }
+        total = sum(budget.values())
+        budget["total_ms"] = total
+        budget["bound_per_s"] = 1000.0 * self.report["machine"]["cpus_usable"] / total
+        budget["bound_over_bare"] = budget["bound_per_s"] / at_max["rows_per_s"]
+        return budget
 
     def closed_max(self, setup: WorkerSetup, scenario: str) -> float:
         """The setup's throughput at ``CALLERS`` closed-loop callers, measured now if no phase
