@@ -350,6 +350,8 @@ class Bench:
         served = phase["worker"].get("providers") or []
         if "cpu_ms_per_row" not in at_max or not throughput or served != [CPU_PROVIDER]:
             return None
+        if not cores.get("worker"):  # --no-start: the workers' processes are not ours to read
+            return None
         per_request = {k: 1000.0 * cores.get(k, 0.0) / throughput for k in _CPU_USERS}
         model = at_max["cpu_ms_per_row"]
         budget = {
