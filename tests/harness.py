@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from producer.codec import Reply, decode_reply, encode_request
 from producer.keys import reply_key, request_stream
 from worker.config import load_config
 from worker.metrics import Metrics
-from worker.service import Worker, prepare
+from worker.service import Prepared, Worker, prepare
 from worker.synthetic import save
 
 PREFIX = "redbatch"
@@ -61,11 +61,17 @@ runs = 1
 
 @contextlib.contextmanager
 def running_worker(
-    config_path: Path, name: str = "w1", metrics: Metrics | None = None
+    config_path: Path,
+    name: str = "w1",
+    metrics: Metrics | None = None,
+    adjust: Callable[[Prepared], None] | None = None,
 ) -> Iterator[Worker]:
-    """A real worker serving in a background thread; stopped (gracefully) on exit."""
+    """A real worker serving in a background thread; stopped (gracefully) on exit.
+    ``adjust`` may change the prepared model before the worker is built."""
     config = load_config(config_path)
     prepared = prepare(config, name)
+    if adjust is not None:
+        adjust(prepared)
     client = redis.Redis.from_url(config.redis.url)
     worker = Worker(prepared, client, metrics=metrics)
     failure: list[BaseException] = []

@@ -1,13 +1,13 @@
-"""I/O binding: each batch shape's inputs and outputs in buffers preallocated on the device.
+"""I/O binding: batches copied into input and output buffers preallocated on the device.
 
 ``session.run`` allocates device memory for every input and output on every call. With
-``[model.cuda] io_binding = true`` the worker keeps, per batch shape, input and output buffers
-on the GPU, copies a batch into them in place and reads the outputs back, so a run allocates
-nothing. ``cuda_graph = true`` goes further: onnxruntime captures the model's kernels once per
-shape as a CUDA graph and then replays each run with one launch, which needs fixed addresses
-(these buffers) and fixed shapes, so batches are padded up to a few bucket sizes (powers of two
-up to max_batch_size, and max_batch_size itself), each with its own graph, all captured during
-warmup.
+``[model.cuda] io_binding = true`` the worker keeps input and output buffers on the GPU per batch
+size and copies each batch into them in place, so a run allocates nothing. Batches are padded up
+to a few bucket sizes (powers of two up to max_batch_size, and max_batch_size itself): that bounds
+the buffers to about twice one full batch, where one set per exact size would take sixteen times
+as much. ``cuda_graph = true`` goes further: onnxruntime captures the model's kernels once per
+bucket as a CUDA graph and replays each run with one launch, which needs these fixed addresses
+and fixed shapes; every graph is captured during warmup.
 
 The runner is device-generic (``device = "cpu"`` binds host memory), which is how the tests run
 it on machines without a GPU.
@@ -27,11 +27,12 @@ from worker.model import TensorSpec
 
 __all__ = ["BoundRunner", "buckets_for", "check_graph_shapes"]
 
-_SLOTS_KEPT = 64  # shapes with buffers kept; more evict the least recently used
+_SLOTS_KEPT = 16  # without graphs: (bucket, shape) buffer sets kept, least recently used out
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
-    """Batch sizes a CUDA graph is captured for: powers of two below max_rows, and max_rows."""
+    """Batch sizes bound runs are padded to (one CUDA graph each with graphs): powers of two
+    below max_rows, and max_rows."""
     sizes, size = [], 1
     while size < max_rows:
         sizes.append(size)
@@ -63,7 +64,7 @@ class _Slot:
 
 
 class BoundRunner:
-    """Runs a session through I/O bindings kept per batch shape."""
+    """Runs a session through I/O bindings kept per bucket size (and non-batch shape)."""
 
     def __init__(
         self,
@@ -71,56 +72,61 @@ class BoundRunner:
         session: Any,
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
+        buckets: Sequence[int],
         *,
+        graphs: bool = False,
         device: str = "cuda",
         device_id: int = 0,
-        buckets: Sequence[int] | None = None,
     ) -> None:
+        if graphs:
+            check_graph_shapes(inputs, outputs)
         self._ort = ort
         self._session = session
         self._inputs = {spec.name: spec for spec in inputs}
         self._outputs = tuple(outputs)
+        self.buckets = tuple(sorted(buckets))
+        self.graphs = graphs
         self._device = device
         self._device_id = device_id
-        self.buckets = tuple(sorted(buckets)) if buckets else None
-        if self.buckets:
-            check_graph_shapes(inputs, outputs)
         self._slots: OrderedDict[tuple[Any, ...], _Slot] = OrderedDict()
 
-    @property
-    def graphs(self) -> bool:
-        return self.buckets is not None
-
-    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        """Copy ``feeds`` into the shape's bound inputs, run, and return host copies of the
-        outputs, sliced back to the batch's rows when it was padded to a bucket."""
-        rows = next(iter(feeds.values())).shape[0]
-        size = self._bucket(rows)
-        tails = tuple(feeds[name].shape[1:] for name in self._inputs)
-        slot = self._slot(size, tails)
-        for name, value in slot.inputs.items():
-            value.update_inplace(_padded(feeds[name], size))
-        self._session.run_with_iobinding(slot.binding, slot.run_options)
-        if slot.outputs is None:
-            results = dict(
-                zip(self._output_names(), slot.binding.copy_outputs_to_cpu(), strict=True)
-            )
-        else:
-            results = {name: value.numpy() for name, value in slot.outputs.items()}
-        host = self._device == "cpu"  # numpy() of a host buffer is a view the next run overwrites
-        return [
-            results[name][:rows].copy() if host else results[name][:rows] for name in output_names
-        ]
-
-    def _bucket(self, rows: int) -> int:
-        if self.buckets is None:
-            return rows
+    def padded_rows(self, rows: int) -> int:
+        """The bucket a batch of ``rows`` runs as: assemble it padded to this many rows."""
         for size in self.buckets:
             if size >= rows:
                 return size
-        raise ValueError(
-            f"a batch of {rows} rows exceeds the largest graph size {self.buckets[-1]}"
+        raise ValueError(f"a batch of {rows} rows exceeds the largest bucket {self.buckets[-1]}")
+
+    def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        """Copy ``feeds`` into the bucket's bound inputs, run, and return host copies of the
+        outputs asked for, with as many rows as ``feeds`` (padding rows dropped)."""
+        rows = next(iter(feeds.values())).shape[0]
+        size = self.padded_rows(rows)
+        tails = tuple(feeds[name].shape[1:] for name in self._inputs)
+        slot = self._slot(size, tails)
+        for name, value in slot.inputs.items():
+            value.update_inplace(self._checked(name, _padded(feeds[name], size), value))
+        if self._device != "cpu":
+            slot.binding.synchronize_inputs()  # the copies land before the run's stream reads
+        self._session.run_with_iobinding(slot.binding, slot.run_options)
+        values = slot.outputs or dict(
+            zip(self._output_names(), slot.binding.get_outputs(), strict=True)
         )
+        host = self._device == "cpu"  # numpy() of a host buffer is a view the next run overwrites
+        return [
+            values[name].numpy()[:rows].copy() if host else values[name].numpy()[:rows]
+            for name in output_names
+        ]
+
+    def _checked(self, name: str, arr: np.ndarray, value: Any) -> np.ndarray:
+        """update_inplace copies raw bytes: refuse an array that would not fit them exactly."""
+        spec = self._inputs[name]
+        if arr.dtype != spec.dtype or list(arr.shape) != list(value.shape()):
+            raise ValueError(
+                f"input {name!r} is {arr.dtype} {list(arr.shape)} but its bound buffer is "
+                f"{spec.dtype} {list(value.shape())}"
+            )
+        return arr
 
     def _output_names(self) -> list[str]:
         return [spec.name for spec in self._outputs]
@@ -131,7 +137,9 @@ class BoundRunner:
         if slot is not None:
             self._slots.move_to_end(key)
             return slot
-        if len(self._slots) >= _SLOTS_KEPT:
+        # A captured graph replays into its slot's buffers: with graphs, never free one (their
+        # shapes are fixed, so there is one slot per bucket). Without, keep the recent few.
+        if not self.graphs and len(self._slots) >= _SLOTS_KEPT:
             self._slots.popitem(last=False)
         slot = self._make_slot(rows, tails)
         self._slots[key] = slot
@@ -145,14 +153,14 @@ class BoundRunner:
             binding.bind_ortvalue_input(name, inputs[name])
         outputs = self._bind_outputs(binding, rows)
         run_options = ort.RunOptions()
-        if self.buckets is not None:
+        if self.graphs:
             # One graph per bucket; ids start at 1 (-1 tells onnxruntime not to capture).
             run_options.add_run_config_entry("gpu_graph_id", str(self.buckets.index(rows) + 1))
         return _Slot(binding, inputs, outputs, run_options)
 
     def _bind_outputs(self, binding: Any, rows: int) -> dict[str, Any] | None:
         """Preallocated outputs when the model file fixes their shapes, else None: onnxruntime
-        allocates them on the device on each run."""
+        allocates them on the device on each run (not with graphs: their shapes are fixed)."""
         shapes = [_known_shape(spec, rows) for spec in self._outputs]
         if any(shape is None for shape in shapes):
             for spec in self._outputs:

@@ -21,7 +21,7 @@ from worker.intake import WorkItem
 from worker.model import Model
 from worker.schema import Schema, ValidRequest
 
-__all__ = ["Outcome", "run_batch", "run_isolated"]
+__all__ = ["Outcome", "run_batch"]
 
 
 @dataclass(slots=True)
@@ -46,16 +46,25 @@ def run_batch(
     output_names: list[str],
     on_run: Callable[[int, float], None] | None = None,
     buffers: FeedBuffers | None = None,
+    pad_rows: Callable[[int], int] | None = None,
 ) -> list[Outcome]:
     """Screen the values of a sub-batch (equal non-batch shapes), then run it isolated.
 
     Requests with a bad value are answered INVALID_INPUT and taken out before the run, so they
     never reach the runtime; the batch is assembled once unless one was taken out.
+    ``pad_rows(rows)`` is the rows a run of ``rows`` is padded to (bound runs' buckets); a
+    fixed-batch model is always padded to its batch size.
     """
-    buffers = buffers or FeedBuffers(0)
-    feeds = buffers.assemble(_requests(items), schema.fixed_batch)
+    fixed = schema.fixed_batch
+    run = _Runner(
+        model,
+        output_names,
+        (lambda rows: fixed) if fixed else (pad_rows or (lambda rows: rows)),
+        on_run,
+        buffers or FeedBuffers(0),
+    )
+    feeds = run.assemble(items)
     rejected = schema.screen(feeds, _requests(items))
-    run = _Runner(model, output_names, schema.fixed_batch, on_run, buffers)
     if not rejected:
         return run.isolated(items, feeds)
     outcomes = [Outcome(items[i], None, error, 0, 0.0) for i, error in rejected.items()]
@@ -65,31 +74,20 @@ def run_batch(
     return outcomes
 
 
-def run_isolated(
-    model: Model,
-    items: Sequence[WorkItem],
-    output_names: list[str],
-    fixed_batch: int | None = None,
-    on_run: Callable[[int, float], None] | None = None,
-    buffers: FeedBuffers | None = None,
-) -> list[Outcome]:
-    """Run ``items`` (equal non-batch shapes) as one batch, bisecting on failure.
-
-    ``on_run(rows, seconds)`` is called for every successful model run, for metrics.
-    """
-    runner = _Runner(model, output_names, fixed_batch, on_run, buffers or FeedBuffers(0))
-    return runner.isolated(items)
-
-
 @dataclass(slots=True)
 class _Runner:
     """One sub-batch's runs: the whole, then halves of a failing part, down to single requests."""
 
     model: Model
     output_names: list[str]
-    fixed_batch: int | None
+    pad_rows: Callable[[int], int]
     on_run: Callable[[int, float], None] | None
     buffers: FeedBuffers
+
+    def assemble(self, items: Sequence[WorkItem]) -> dict[str, np.ndarray]:
+        """The items' inputs in one buffer, padded to the rows the run takes."""
+        requests = _requests(items)
+        return self.buffers.assemble(requests, self.pad_rows(sum(r.rows for r in requests)))
 
     def isolated(
         self, items: Sequence[WorkItem], feeds: dict[str, np.ndarray] | None = None
@@ -98,9 +96,7 @@ class _Runner:
         started = time.perf_counter()
         rows = sum(item.rows for item in items)
         try:
-            if feeds is None:
-                feeds = self.buffers.assemble(_requests(items), self.fixed_batch)
-            outputs = self._run(feeds, rows)
+            outputs = self._run(feeds if feeds is not None else self.assemble(items), rows)
         except _RunFailed as exc:
             if len(items) == 1:
                 elapsed = (time.perf_counter() - started) * 1000.0
@@ -122,7 +118,7 @@ class _Runner:
             outputs = self.model.run(feeds, self.output_names)
         except Exception as exc:  # the runtime raises untyped errors; their text is the message
             raise _RunFailed(f"the model failed on this request: {exc}") from exc
-        expected = self.fixed_batch or rows
+        expected = self.pad_rows(rows)
         for name, out in zip(self.output_names, outputs, strict=True):
             got = out.shape[0] if out.ndim else None
             if got != expected:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ __all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "check_sha256", "rea
 
 log = logging.getLogger(__name__)
 
+_CUDA = "CUDAExecutionProvider"
 _ORT_NAMES = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -85,9 +86,9 @@ class OnnxModel:
     """An ONNX Runtime session built from a ModelConfig.
 
     With the CUDA provider active and ``io_binding`` or ``cuda_graph`` set in ``[model.cuda]``,
-    runs go through a ``BoundRunner``; ``graph_sizes`` are then the batch sizes that runs are
-    padded to (one CUDA graph each), which warmup must run so that every graph is captured
-    before the first request.
+    runs go through a ``BoundRunner``; ``buckets`` are then the batch sizes that runs are padded
+    to (``padded_rows``), each with its own device buffers and, with graphs, its own CUDA graph,
+    which warmup runs so that all are in place before the first request.
     """
 
     def __init__(self, config: ModelConfig, max_batch_size: int = 32) -> None:
@@ -107,16 +108,21 @@ class OnnxModel:
         except Exception as exc:  # onnxruntime raises its own untyped errors
             raise ModelError(f"Cannot load model {config.path}: {exc}") from exc
         self.providers = list(self._session.get_providers())
+        self._check_graph_refused(config, options)
         self._check_fallback(config.providers)
         self.inputs = tuple(_spec(a, "input") for a in self._session.get_inputs())
         self.outputs = tuple(_spec(a, "output") for a in self._session.get_outputs())
         self.runtime_version = ort.__version__
         self.binding = "off"  # "io_binding" or "cuda_graph" once a BoundRunner is in use
-        self.graph_sizes: tuple[int, ...] = ()
+        self.buckets: tuple[int, ...] = ()
         self._runner: Any = None
         self._bind(config.providers, max_batch_size)
 
-    def _bind(self, providers: tuple[ProviderConfig, ...], max_batch_size: int) -> None:
+    def _bind(
+        self, providers: tuple[ProviderConfig, ...], max_batch_size: int, device: str = "cuda"
+    ) -> None:
+        """Route runs through a BoundRunner when [model.cuda] asks for it and CUDA is active;
+        ``device`` is "cuda" but for tests, which bind host memory."""
         from worker.binding import BoundRunner, buckets_for
 
         cuda = next((p for p in providers if p.name == "cuda" and p.io_binding), None)
@@ -126,21 +132,20 @@ class OnnxModel:
             log.warning("io_binding and cuda_graph need the CUDA provider; running without them")
             return
         fixed = {s.dims[0] for s in self.inputs if s.dims and isinstance(s.dims[0], int)}
-        max_rows = max(fixed) if fixed else max_batch_size
-        buckets = buckets_for(max_rows) if cuda.cuda_graph else None
-        if buckets and fixed:
-            buckets = (max_rows,)  # a fixed-batch model runs one shape
+        # A fixed-batch model runs one shape; any other, a few sizes up to max_batch_size.
+        buckets = (max(fixed),) if fixed else buckets_for(max_batch_size)
         self._runner = BoundRunner(
             self._ort,
             self._session,
             self.inputs,
             self.outputs,
-            device="cuda",
+            buckets,
+            graphs=cuda.cuda_graph,
+            device=device,
             device_id=int(cuda.options.get("device_id", 0)),
-            buckets=buckets,
         )
-        self.binding = "cuda_graph" if buckets else "io_binding"
-        self.graph_sizes = buckets or ()
+        self.binding = "cuda_graph" if cuda.cuda_graph else "io_binding"
+        self.buckets = buckets
 
     def _available(self, providers: tuple[ProviderConfig, ...]) -> list[Any]:
         available = set(self._ort.get_available_providers())
@@ -162,6 +167,34 @@ class OnnxModel:
             chosen.append("CPUExecutionProvider")
         return chosen
 
+    def _check_graph_refused(self, config: ModelConfig, options: Any) -> None:
+        """Name the real cause when CUDA is missing because graphs were refused.
+
+        onnxruntime quietly retries on the CPU alone when a session cannot start, and with
+        enable_cuda_graph it cannot when the model is not one CUDA graph (a node the CUDA
+        provider does not run, or control flow): the fallback message would then blame the
+        machine. A second session without graphs tells the two apart.
+        """
+        cuda = next((p for p in config.providers if p.name == "cuda" and p.cuda_graph), None)
+        if cuda is None or _CUDA in self.providers:
+            return
+        if _CUDA not in self._ort.get_available_providers():
+            return
+        plain = tuple(replace(p, cuda_graph=False) if p is cuda else p for p in config.providers)
+        try:
+            probe = self._ort.InferenceSession(
+                str(config.path), sess_options=options, providers=self._available(plain)
+            )
+        except Exception:  # onnxruntime raises its own untyped errors
+            return
+        if _CUDA in probe.get_providers():
+            raise ModelError(
+                "Config '[model.cuda] cuda_graph' is true, but onnxruntime cannot run this model "
+                "as one CUDA graph (a node the CUDA provider does not run, or control flow such "
+                "as If or Loop) and would have served it on the CPU. Set cuda_graph = false; "
+                "io_binding = true still works."
+            )
+
     def _check_fallback(self, providers: tuple[ProviderConfig, ...]) -> None:
         for p in providers:
             if _ORT_NAMES[p.name] in self.providers:
@@ -178,6 +211,10 @@ class OnnxModel:
                 p.name,
                 ", ".join(self.providers),
             )
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows a batch of ``rows`` runs as: its bucket when runs are bound, else ``rows``."""
+        return self._runner.padded_rows(rows) if self._runner is not None else rows
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         if self._runner is not None:

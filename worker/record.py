@@ -78,7 +78,7 @@ def build_record(
             "inter_op_threads": config.model.inter_op_threads,
             "allow_spinning": config.model.allow_spinning,
             "binding": model.binding,
-            "graph_batch_sizes": list(model.graph_sizes),
+            "batch_buckets": list(model.buckets),
         },
         "batching": {
             "max_batch_size": config.batching.max_batch_size,

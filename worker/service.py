@@ -63,7 +63,7 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
     if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
         check_sha256(read_model_file(config.model.path), config.model.sha256)
     schema = Schema(model.inputs, model.outputs, config)
-    warmup = warm_up(model, schema, config.warmup.runs, model.graph_sizes)
+    warmup = warm_up(model, schema, config.warmup.runs, model.buckets)
     record = build_record(name, config, model, model_file, schema, warmup)
     ref = ModelRef(config.model.name, config.model.version, model_file.sha256)
     return Prepared(config, model, schema, ref, record)
@@ -300,6 +300,7 @@ class Worker:
                     self._output_names(live),
                     on_run=lambda rows, seconds: runs.append((rows, seconds)),
                     buffers=self.buffers,
+                    pad_rows=self.model.padded_rows,
                 )
                 finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
         return finishes

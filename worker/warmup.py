@@ -19,16 +19,17 @@ __all__ = ["warm_up"]
 
 log = logging.getLogger(__name__)
 
-_GRAPH_RUNS = 3  # a regular run, the capture, and one replay
+_GRAPH_RUNS = 3  # runs per bound batch size at least, however few warmup.runs asks for
 
 
 def warm_up(
     model: Model, schema: Schema, runs: int, extra_sizes: Sequence[int] = ()
 ) -> dict[str, Any]:
-    """Run ``runs`` times at batch 1, at max_batch_size and at ``extra_sizes`` (the CUDA graph
-    sizes, each captured on one of its runs); returns timings for the record."""
+    """Run ``runs`` times at batch 1, at max_batch_size and at ``extra_sizes`` (the bound batch
+    sizes: their buffers are made, and their CUDA graphs captured, on their first run); returns
+    timings for the record."""
     sizes = sorted({1, schema.max_batch_size, *extra_sizes})
-    if extra_sizes:  # onnxruntime captures a CUDA graph on a shape's second run
+    if extra_sizes:  # a few runs per bucket: the capture, then replays at steady-state speed
         runs = max(runs, _GRAPH_RUNS)
     names = list(schema.output_names)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
