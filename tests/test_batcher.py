@@ -5,6 +5,7 @@ from __future__ import annotations
 import queue
 
 import numpy as np
+import pytest
 
 from worker.batcher import Batcher
 from worker.errors import Rejected
@@ -148,3 +149,51 @@ def test_fixed_window_when_adaptive_waiting_is_off() -> None:
         before = t.mono
         batcher.next_batch(1.0)
         assert round((t.mono - before) * 1000.0, 6) == 10.0
+
+
+class ScheduledQueue(queue.Queue):
+    """Items that arrive at set times on the fake clock; a blocking get advances the clock to
+    the next arrival, or by the whole timeout when none comes within it."""
+
+    def __init__(self, time: FakeTime) -> None:
+        super().__init__()
+        self.time = time
+        self.arrivals: list[tuple[float, WorkItem]] = []  # (monotonic time, item), in order
+
+    def get(self, block: bool = True, timeout: float | None = None) -> list[WorkItem]:
+        now = self.time.mono
+        due = [a for a in self.arrivals if a[0] <= now + 1e-12]
+        if not due and block and self.arrivals and self.arrivals[0][0] <= now + (timeout or 0):
+            self.time.mono = now = self.arrivals[0][0]
+            due = [a for a in self.arrivals if a[0] <= now + 1e-12]
+        if not due:
+            if block:
+                self.time.mono += timeout or 0.0
+            raise queue.Empty
+        self.arrivals = self.arrivals[len(due) :]
+        return [item for _, item in due]
+
+
+def _burst_rounds(adaptive: bool) -> list[float]:
+    """Eight rounds of four closed-loop callers; the ms each round's batch took to close."""
+    t = FakeTime()
+    q = ScheduledQueue(t)
+    batcher = Batcher(q, 32, 10.0, clock=t.clock, wall_ms=t.wall_ms, adaptive=adaptive)
+    spent = []
+    for round_no in range(8):
+        start = t.mono
+        for i in range(4):  # four requests 0.1 ms apart, and no fifth
+            arrival = start + i * 0.0001
+            item = _item(round_no * 4 + i, 1, t.wall + arrival * 1000.0)
+            q.arrivals.append((arrival, item))
+        assert len(batcher.next_batch(1.0)) == 4
+        spent.append((t.mono - start) * 1000.0)
+    return spent
+
+
+def test_a_finished_burst_does_not_wait_out_the_window() -> None:
+    """Once a burst's requests are in, its batch closes within a few of the burst's gaps,
+    not 10 ms after its first request as a fixed window does."""
+    assert _burst_rounds(adaptive=False) == pytest.approx([10.0] * 8)
+    spent = _burst_rounds(adaptive=True)
+    assert all(ms < 1.0 for ms in spent[3:]), spent  # 0.3 ms of burst, then ~3 gaps' patience

@@ -5,10 +5,16 @@ The window is kept on this process's monotonic clock, not on Redis blocking time
 time), so a request that already waited in the stream does not wait again; with a backlog the
 batch fills at once and never waits.
 
-Waiting is adaptive: the batcher keeps an average of how many requests arrived while a batch
-waited. When waiting stops paying (a trickle, or one caller waiting on each answer before it
-sends the next) it closes batches at once, so a lone request costs the model's own time, not the
-window; every 16th batch still waits, to notice when traffic picks up.
+Waiting is adaptive, in two ways:
+
+- The batcher keeps an average of how many requests arrived while a batch waited. When waiting
+  stops paying (a trickle, or one caller waiting on each answer before it sends the next) it
+  closes batches at once, so a lone request costs the model's own time, not the window; every
+  16th batch still waits, to notice when traffic picks up.
+- While a batch waits, it waits for the next request only about three typical gaps between
+  arrivals (learnt from the requests that did arrive during waits), not to the window's end: a
+  burst that has ended (C callers who each sent their one request) closes its batch soon after
+  its last request rather than waiting out the window for requests that are not coming.
 
 A redelivered request (one a worker may have died on) always runs in a batch of its own.
 """
@@ -27,6 +33,9 @@ __all__ = ["Batcher"]
 _GAIN_WEIGHT = 0.25  # weight of the newest batch in the moving average
 _MIN_GAIN = 0.5  # below this many requests gained per wait, waiting is not worth it
 _PROBE_EVERY = 16
+_GAP_WEIGHT = 0.25  # weight of the newest gap between arrivals during a wait
+_PATIENCE_GAPS = 3.0  # a waiting batch gives up after this many typical gaps without arrival
+_MIN_PATIENCE_S = 0.0002  # below this, a thread hand-off alone could miss a request on its way
 
 
 class Batcher:
@@ -54,6 +63,9 @@ class Batcher:
         self._buffer: deque[WorkItem] = deque()
         self._gain = 1.0  # moving average of requests gained per batch that waited
         self._skips = 0
+        # Moving average of the wait before a request arrived; it starts at a third of the
+        # window, so that the first batches wait out the window as a fixed one would.
+        self._gap_s = max_wait_ms / 1000.0 / _PATIENCE_GAPS
 
     @property
     def holding(self) -> bool:
@@ -77,7 +89,7 @@ class Batcher:
                 if wait_s <= 0 or not self._worth_waiting():
                     break
                 waited = True
-                item = self._take(wait_s)
+                item = self._take_within(wait_s)
                 if item is None:
                     break
                 gained += 1
@@ -101,6 +113,17 @@ class Batcher:
             self._skips = 0
             return True
         return False
+
+    def _take_within(self, wait_s: float) -> WorkItem | None:
+        """Wait for the next item up to ``wait_s``, or less when arrivals have stopped."""
+        if not self.adaptive:
+            return self._take(wait_s)
+        patience = max(_PATIENCE_GAPS * self._gap_s, _MIN_PATIENCE_S)
+        started = self.clock()
+        item = self._take(min(wait_s, patience))
+        if item is not None:
+            self._gap_s += _GAP_WEIGHT * ((self.clock() - started) - self._gap_s)
+        return item
 
     def _deadline(self, oldest: WorkItem) -> float:
         """Monotonic time at which the window opened by ``oldest`` closes."""
