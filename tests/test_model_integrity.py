@@ -92,9 +92,9 @@ def test_a_file_swapped_while_the_worker_loads_it_is_refused(
     )
     real_model = service.OnnxModel
 
-    def swapping(model_config):  # When another model lands on the path during the load
+    def swapping(model_config, max_batch_size):  # When another model lands during the load
         save("tiny", model_path)
-        return real_model(model_config)
+        return real_model(model_config, max_batch_size)
 
     monkeypatch.setattr(service, "OnnxModel", swapping)
     # Then the worker refuses to serve it
