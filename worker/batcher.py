@@ -11,7 +11,7 @@ Waiting is adaptive, in two ways:
   stops paying (a trickle, or one caller waiting on each answer before it sends the next) it
   closes batches at once, so a lone request costs the model's own time, not the window; every
   16th batch still waits, to notice when traffic picks up.
-- While a batch waits, it waits for the next request only about three typical gaps between
+- While a batch waits, it waits for the next request only about five typical gaps between
   arrivals (learnt from the requests that did arrive during waits), not to the window's end: a
   burst that has ended (C callers who each sent their one request) closes its batch soon after
   its last request rather than waiting out the window for requests that are not coming.
@@ -34,8 +34,11 @@ _GAIN_WEIGHT = 0.25  # weight of the newest batch in the moving average
 _MIN_GAIN = 0.5  # below this many requests gained per wait, waiting is not worth it
 _PROBE_EVERY = 16
 _GAP_WEIGHT = 0.25  # weight of the newest gap between arrivals during a wait
-_PATIENCE_GAPS = 3.0  # a waiting batch gives up after this many typical gaps without arrival
-_MIN_PATIENCE_S = 0.0002  # below this, a thread hand-off alone could miss a request on its way
+# A waiting batch gives up after this many typical gaps without an arrival. The typical gap is
+# learnt only from waits that brought a request, so it runs low (about half the true mean gap
+# under Poisson arrivals); five of them keep Poisson batches as full as a fixed window's.
+_PATIENCE_GAPS = 5.0
+_MIN_PATIENCE_S = 0.0005  # a read, a cancel check and a thread hand-off on a busy small box
 
 
 class Batcher:
