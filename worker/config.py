@@ -66,7 +66,7 @@ class ProviderConfig:
     name: str
     require: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
-    io_binding: bool = False  # bound, preallocated device buffers per batch shape (cuda)
+    io_binding: bool = False  # bound, preallocated device buffers per batch bucket (cuda)
     cuda_graph: bool = False  # one captured CUDA graph per bucket size; implies io_binding
 
 

@@ -10,12 +10,15 @@ import hashlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from worker.config import ModelConfig, ProviderConfig
 from worker.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from worker.binding import BoundRunner
 
 __all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "check_sha256", "read_model_file"]
 
@@ -115,7 +118,7 @@ class OnnxModel:
         self.runtime_version = ort.__version__
         self.binding = "off"  # "io_binding" or "cuda_graph" once a BoundRunner is in use
         self.buckets: tuple[int, ...] = ()
-        self._runner: Any = None
+        self._runner: BoundRunner | None = None
         self._bind(config.providers, max_batch_size)
 
     def _bind(
@@ -128,7 +131,7 @@ class OnnxModel:
         cuda = next((p for p in providers if p.name == "cuda" and p.io_binding), None)
         if cuda is None:
             return
-        if "CUDAExecutionProvider" not in self.providers:
+        if _CUDA not in self.providers:
             log.warning("io_binding and cuda_graph need the CUDA provider; running without them")
             return
         fixed = {s.dims[0] for s in self.inputs if s.dims and isinstance(s.dims[0], int)}
