@@ -45,7 +45,6 @@ __all__ = ["Bench", "Options", "Workers"]
 
 _QUIET_CORES = 0.25  # --quiet-s: busier than this, and someone else is using the machine
 _CPU_USERS = ("worker", "redis", "producers")  # the processes a request costs CPU in
-CPU_PROVIDER = "CPUExecutionProvider"
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +347,7 @@ class Bench:
         at_max = bare.get("batch", {}).get(str(phase["worker"]["max_batch_size"]), {})
         cores, throughput = phase.get("cpu_cores") or {}, phase["throughput_per_s"]
         served = phase["worker"].get("providers") or []
-        if "cpu_ms_per_row" not in at_max or not throughput or served != [CPU_PROVIDER]:
+        if "cpu_ms_per_row" not in at_max or not throughput or served != [_ORT_NAMES["cpu"]]:
             return None
         if not cores.get("worker"):  # --no-start: the workers' processes are not ours to read
             return None
