@@ -7,31 +7,18 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import redis
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential_jitter
 
-__all__ = ["TRANSIENT", "Outage", "is_transient"]
+# Unreachable, loading, out of memory (noeviction), busy with a script, TRYAGAIN: worth a retry.
+# A wrong password or a missing permission is not: no retry can fix it, so the worker stops
+# with the error instead of waiting forever. One definition for the client and the worker.
+from producer.retry import is_transient
+
+__all__ = ["Outage", "is_transient"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: Errors that mean "Redis is unreachable right now", worth retrying.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-_CODES = frozenset({"OOM", "BUSY", "LOADING", "TRYAGAIN"})
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Unreachable, loading, out of memory (noeviction) or busy with a script: worth a retry.
-
-    A wrong password or a missing permission is not: no retry can fix it, so the worker stops
-    with the error instead of waiting forever (redis-py makes them ConnectionErrors)."""
-    if isinstance(exc, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
-        return False
-    if isinstance(exc, TRANSIENT):
-        return True
-    # The first word is the error code; BUSYGROUP (group exists) must not read as BUSY.
-    return isinstance(exc, redis.ResponseError) and str(exc).split(" ", 1)[0] in _CODES
 
 
 class Outage:
