@@ -20,7 +20,10 @@ from producer import Client
 from producer.errors import ConnectionFailed
 from producer.keys import cancel_key, dead_key, reply_key, request_stream, worker_key, workers_key
 from producer.status import gather_status
+from worker.config import load_config
+from worker.errors import WorkerError
 from worker.localredis import LocalRedis, TlsFiles
+from worker.service import Worker, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "security.md"
@@ -143,6 +146,46 @@ def test_worker_user_writes_dead_letters_through_its_script(
     assert [fields[b"rid"] for _, fields in dead] == [b"not a rid!"]
     assert b"does not match" in dead[0][1][b"reason"]
     assert admin.xlen(STREAM) == 0
+
+
+RECLAIM_SOON = "[delivery]\nclaim_idle_ms = 200"
+# The worker's rules before replies were staged (docs/security.md, "Upgrading").
+OLD_WORKER_RULES = (
+    "on >old-worker resetchannels -@all +ping +script|load (~redbatch:{*}:requests "
+    "+xgroup|create +xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xautoclaim +xpending "
+    "+xrange +xlen +xinfo|groups +xinfo|consumers) (~redbatch:{*}:dead +xadd +xlen) "
+    "(~redbatch:reply:* +exists +rpush +expire) (%R~redbatch:cancel:* +mget) "
+    "(~redbatch:{*}:workers +sadd +srem) (%W~redbatch:{*}:worker:* +set +del) "
+    "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:reply:* +evalsha +eval)"
+)
+
+
+def test_a_worker_under_the_rules_before_staging_stops_and_leaves_its_batch_pending(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    # Given a worker user with the rules of the release before staged replies
+    admin.execute_command("ACL", "SETUSER", "old-worker", *OLD_WORKER_RULES.split(" "))
+    (tmp_path / "old").mkdir()
+    old = write_config(tmp_path / "old", MODEL, server.url_for("old-worker", "old-worker"))
+    prepared = prepare(load_config(old), "w-old")
+    client = redis.Redis.from_url(load_config(old).redis.url)
+    worker = Worker(prepared, client)
+    rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
+    try:
+        # When it serves a request, it stops at the finish step, naming the refusal
+        with pytest.raises(WorkerError) as stopped:
+            worker.run()
+        assert isinstance(stopped.value.__cause__, redis.exceptions.NoPermissionError)
+        # Then the request is unanswered and still pending, for a worker with the new rules
+        assert not admin.exists(reply_key("redbatch", rid))
+        assert admin.xpending(STREAM, "workers")["pending"] == 1
+    finally:
+        client.close()
+    new = write_config(tmp_path, MODEL, url(server, "worker"), extra=RECLAIM_SOON)
+    with running_worker(new, name="w-new"):
+        reply = wait_reply(admin, rid)
+    assert reply.ok
+    assert reply.worker == "w-new"
 
 
 def test_worker_user_may_run_the_reclaim_commands(

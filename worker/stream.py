@@ -1,22 +1,40 @@
 """Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
 
-The finish step is one Lua script per batch: for each entry still pending on this consumer it
-copies dead letters (their first 64 fields plus ``reason``), writes the reply (only if none
-exists), acknowledges and deletes. One round trip, atomic, and fenced: an entry that another
-consumer has claimed is left to that consumer, so a request never gets two different replies.
+The finish step is one pipeline per batch, one round trip. Each reply is first pushed, with its
+TTL, to a staging key of its own (``P:staging:T``); then one Lua script, atomic and fenced,
+takes the entries still pending on this consumer (one ``XPENDING`` over the batch's id range),
+copies dead letters (their first 64 fields plus ``reason``), moves each staged reply onto its
+reply key with ``RENAMENX`` (so a reply already there stands), drops the staged replies of
+entries it does not finish, and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An
+entry that another consumer has claimed is left to that consumer, so a request never gets two
+different replies.
+
+Why stage: every byte handed to a Lua script costs Redis about 1.2 us per KiB to take in (4 KiB:
+5 us; 1 MiB: 1.2 ms, against 4 us for a plain SET), on the one thread every worker shares. A
+staged reply never enters Lua, and the script only renames it. A staging key left by a finish
+that never ran its script (a dropped connection) expires with the reply's TTL.
 (On Redis 8.2, XACKDEL could replace XACK + XDEL.)
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
+from producer.keys import (
+    CONSUMER_GROUP,
+    cancel_key,
+    dead_key,
+    reply_key,
+    request_stream,
+    staging_key,
+)
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
@@ -24,15 +42,34 @@ log = logging.getLogger(__name__)
 
 _FINISH_LUA = """
 local stream, dead, group, me = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
-local n = tonumber(ARGV[3])
-local done = 0
+local n, lo, hi, span = tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
+-- pcall: after FLUSHALL or a restart without persistence the group is gone (NOGROUP).
+local page = redis.pcall('XPENDING', stream, group, lo, hi, span, me)
+if type(page) ~= 'table' or page.err then page = {} end
+local mine = {}
+for _, p in ipairs(page) do mine[p[1]] = true end
+local acked = {}
 for i = 0, n - 1 do
-  local base = 4 + i * 5
-  local id, ri, ttl, payload, reason =
-    ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
-  -- pcall: after FLUSHALL or a restart without persistence the group is gone (NOGROUP).
-  local pending = redis.pcall('XPENDING', stream, group, id, id, 1)
-  if type(pending) == 'table' and pending[1] and pending[1][2] == me then
+  local base = 7 + i * 3
+  local id, ri, reason = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2]
+  local ours = mine[id]
+  if not ours and #page >= span then  -- a full page may have cut it off: ask for it alone
+    local p = redis.pcall('XPENDING', stream, group, id, id, 1)
+    ours = type(p) == 'table' and p[1] ~= nil and p[1][2] == me
+  end
+  if ri > 0 then
+    local staged, reply = KEYS[1 + 2 * ri], KEYS[2 + 2 * ri]
+    if ours then
+      -- 1: written; 0: a reply (or a key of another type) was there and stands; an error: the
+      -- staged reply is gone (evicted), so the entry stays pending and is delivered again.
+      local moved = redis.pcall('RENAMENX', staged, reply)
+      if moved == 0 then redis.call('DEL', staged) end
+      ours = type(moved) == 'number'
+    else
+      redis.call('DEL', staged)
+    end
+  end
+  if ours then
     if reason ~= '' then
       local entry = redis.call('XRANGE', stream, id, id)
       local copy = {}
@@ -49,17 +86,25 @@ for i = 0, n - 1 do
       table.insert(copy, reason)
       redis.call('XADD', dead, '*', unpack(copy))
     end
-    if ri > 0 and redis.call('EXISTS', KEYS[2 + ri]) == 0 then
-      redis.call('RPUSH', KEYS[2 + ri], payload)
-      redis.call('EXPIRE', KEYS[2 + ri], ttl)
-    end
-    redis.call('XACK', stream, group, id)
-    redis.call('XDEL', stream, id)
-    done = done + 1
+    acked[#acked + 1] = id
   end
 end
-return done
+for first = 1, #acked, 1000 do
+  local last = math.min(first + 999, #acked)
+  redis.call('XACK', stream, group, unpack(acked, first, last))
+  redis.call('XDEL', stream, unpack(acked, first, last))
+end
+return #acked
 """
+
+
+_PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
+
+
+def _id_order(entry_id: bytes) -> tuple[int, int]:
+    """A stream id as the pair Redis orders it by: (milliseconds, sequence)."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +151,12 @@ class RequestStream:
         self.key = request_stream(prefix, model)
         self.dead_key = dead_key(prefix, model)
         self.consumer = consumer
+        self.model = model
         self._finish = client.register_script(_FINISH_LUA)
+        # Serials unique to this process: a worker restarted under the same name must never
+        # push onto a staging key its previous life left behind.
+        token = uuid.uuid4().hex[:12]
+        self._serials = (f"{token}.{n}" for n in itertools.count())
 
     def ensure_group(self) -> None:
         """Create the group at 0 (so earlier requests are served) unless it exists."""
@@ -173,31 +223,58 @@ class RequestStream:
         return {rid for rid, value in zip(rids, values, strict=True) if value is not None}
 
     def finish(self, items: Sequence[Finish]) -> int:
-        """Reply, dead-letter, ack and delete in one script call; returns entries finished."""
+        """Stage the replies, then reply, dead-letter, ack and delete in one script: one round
+        trip. Returns the entries finished; the rest were not this consumer's to finish."""
         if not items:
             return 0
+        ids = [item.entry_id for item in items]
         keys = [self.key, self.dead_key]
-        args: list[bytes | str | int] = [CONSUMER_GROUP, self.consumer, len(items)]
+        args: list[bytes | str | int] = [
+            CONSUMER_GROUP,
+            self.consumer,
+            len(items),
+            min(ids, key=_id_order),
+            max(ids, key=_id_order),
+            _PAGE_SLACK + 2 * len(items),
+        ]
+        pipe = self.client.pipeline(transaction=False)
         for item in items:
             index = 0
             if item.reply is not None and item.rid is not None:
-                keys.append(reply_key(self.prefix, item.rid))
-                index = len(keys) - 2
-            args += [
-                item.entry_id,
-                index,
-                item.reply_ttl_s,
-                item.reply or b"",
-                item.dead_reason or "",
-            ]
-        done = int(self._finish(keys=keys, args=args))
+                staged = staging_key(self.prefix, self.model, self.consumer, next(self._serials))
+                pipe.rpush(staged, item.reply)
+                pipe.expire(staged, item.reply_ttl_s)
+                keys += [staged, reply_key(self.prefix, item.rid)]
+                index = len(keys) // 2 - 1
+            args += [item.entry_id, index, item.dead_reason or ""]
+        done = self._run_finish(pipe, keys, args)
         if done < len(items):
             log.warning(
                 "%d of %d entries were no longer pending on %s (claimed by another worker, "
-                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
-                "try wrote no reply for them",
+                "deleted, flushed, or finished by an earlier try whose answer was lost) or "
+                "their staged reply was gone; this try wrote no reply for them",
                 len(items) - done,
                 len(items),
                 self.consumer,
             )
         return done
+
+    def _run_finish(self, pipe: Any, keys: list[str], args: list[Any]) -> int:
+        """Send the staging commands and the script together; raise what failed.
+
+        The script goes by EVALSHA in the same pipeline (redis-py's script support would add a
+        round trip per batch to check that it is loaded); when Redis lost it (a restart, SCRIPT
+        FLUSH) it is loaded and run again on the replies already staged. A staging command
+        that failed (OOM under noeviction) is raised after the script ran: the entries it
+        held back stay pending, and the writer's retry finishes them.
+        """
+        pipe.evalsha(self._finish.sha, len(keys), *keys, *args)
+        *staging, result = pipe.execute(raise_on_error=False)
+        if isinstance(result, redis.exceptions.NoScriptError):
+            result = self._finish(keys=keys, args=args)
+        if isinstance(result, Exception):
+            raise result
+        failed = next((r for r in staging if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise failed
+        return int(result)

@@ -1,0 +1,205 @@
+"""The per-batch finish step against a real Redis: staged replies, fencing, one ack per batch.
+
+Each test reads entries as consumer ``me`` with raw XREADGROUP (as the worker's intake does),
+then finishes some of them with ``RequestStream.finish`` and checks what Redis holds after.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from worker.retry import is_transient
+from worker.stream import Finish, RequestStream
+
+STREAM = "redbatch:{demo}:requests"
+DEAD = "redbatch:{demo}:dead"
+GROUP = "workers"
+
+
+def _read(rconn: redis.Redis, consumer: str, count: int) -> list[bytes]:
+    """Add ``count`` entries (rids r0, r1, ...) and read them all as ``consumer``."""
+    start = rconn.xlen(STREAM)
+    for i in range(count):
+        rconn.xadd(STREAM, {"rid": f"r{start + i}", "body": b"b"})
+    got = rconn.xreadgroup(GROUP, consumer, {STREAM: ">"}, count=count)
+    return [entry_id for entry_id, _ in got[0][1]]
+
+
+def _stream(rconn: redis.Redis, consumer: str = "me") -> RequestStream:
+    stream = RequestStream(rconn, "redbatch", "demo", consumer)
+    stream.ensure_group()
+    return stream
+
+
+def _reply(rid: str, entry_id: bytes, payload: bytes | None = None, **kw) -> Finish:
+    return Finish(entry_id, rid, payload if payload is not None else rid.encode(), **kw)
+
+
+def _staging_keys(rconn: redis.Redis) -> list[bytes]:
+    return list(rconn.scan_iter(match="redbatch:{demo}:staging:*"))
+
+
+def test_replies_are_written_with_their_ttl_and_the_entries_acked_and_deleted(rconn) -> None:
+    # Given 32 entries read by this consumer
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 32)
+    # When the batch is finished, each with a reply of its own size and TTL
+    items = [
+        _reply(f"r{i}", eid, bytes([i]) * (64 << (i % 8)), reply_ttl_s=100 + i)
+        for i, eid in enumerate(ids)
+    ]
+    assert stream.finish(items) == 32
+    # Then every reply key holds exactly its reply, with its TTL
+    for i, item in enumerate(items):
+        assert rconn.lrange(f"redbatch:reply:r{i}", 0, -1) == [item.reply]
+        assert 90 + i < rconn.ttl(f"redbatch:reply:r{i}") <= 100 + i
+    # And nothing is left pending, in the stream, or staged
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+    assert rconn.xlen(STREAM) == 0
+    assert _staging_keys(rconn) == []
+
+
+def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
+    # Given four entries of this consumer and two read by another
+    stream = _stream(rconn)
+    mine = _read(rconn, "me", 4)
+    theirs = _read(rconn, "other", 2)
+    # When this consumer finishes all six (a late finish after a claim)
+    items = [_reply(f"r{i}", eid) for i, eid in enumerate(mine + theirs)]
+    assert stream.finish(items) == 4
+    # Then only its own are answered and acked; the other's stay pending, unanswered
+    assert [rconn.exists(f"redbatch:reply:r{i}") for i in range(6)] == [1, 1, 1, 1, 0, 0]
+    pending = rconn.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert [(p["message_id"], p["consumer"]) for p in pending] == [(e, b"other") for e in theirs]
+    assert rconn.xlen(STREAM) == 2
+    assert _staging_keys(rconn) == []
+
+
+def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(rconn) -> None:
+    # Given a reply already written for r0 (a redelivery) and a string under r1's reply key
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 3)
+    rconn.rpush("redbatch:reply:r0", b"first")
+    rconn.set("redbatch:reply:r1", b"not a list")
+    # When the three are finished
+    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 3
+    # Then the first reply and the string stand, the third is written, and all are acked
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"first"]
+    assert rconn.get("redbatch:reply:r1") == b"not a list"
+    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+    assert _staging_keys(rconn) == []
+
+
+def test_entries_of_this_consumer_beyond_one_page_are_still_found(rconn) -> None:
+    # Given 200 entries of this consumer, and a batch of every fifth one: the batch's id range
+    # holds more of its pending entries than one XPENDING page of the script asks for
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 200)
+    batch = ids[::5]
+    # When the batch is finished
+    assert stream.finish([_reply(f"r{5 * i}", eid) for i, eid in enumerate(batch)]) == 40
+    # Then exactly its entries are answered and acked; the other 160 stay pending
+    assert all(rconn.exists(f"redbatch:reply:r{5 * i}") for i in range(40))
+    assert not rconn.exists("redbatch:reply:r1")
+    pending = {p["message_id"] for p in rconn.xpending_range(STREAM, GROUP, "-", "+", 500)}
+    assert pending == set(ids) - set(batch)
+
+
+def test_dead_letters_are_copied_with_their_reason_and_answered_when_asked(rconn) -> None:
+    # Given two entries of this consumer
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 2)
+    # When one is dead-lettered with a reply and the other without one
+    items = [
+        Finish(ids[0], "r0", b"poisoned", dead_reason="delivered 3 times"),
+        Finish(ids[1], None, None, dead_reason="bad rid"),
+    ]
+    assert stream.finish(items) == 2
+    # Then both are in the dead-letter stream with their fields and reason
+    dead = [fields for _, fields in rconn.xrange(DEAD)]
+    assert dead == [
+        {b"rid": b"r0", b"body": b"b", b"reason": b"delivered 3 times"},
+        {b"rid": b"r1", b"body": b"b", b"reason": b"bad rid"},
+    ]
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"poisoned"]
+    assert rconn.xlen(STREAM) == 0
+
+
+def test_a_staged_reply_that_is_gone_leaves_its_entry_pending(rconn, monkeypatch) -> None:
+    # Given two entries, and a Redis that loses the first staged reply before the script runs
+    # (as eviction under an allkeys policy would)
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 2)
+    real_rpush = redis.client.Pipeline.rpush
+    calls = []
+
+    def rpush_first_elsewhere(pipe, name, *values):
+        calls.append(name)
+        return real_rpush(pipe, name + ("-lost" if len(calls) == 1 else ""), *values)
+
+    monkeypatch.setattr(redis.client.Pipeline, "rpush", rpush_first_elsewhere)
+    # When both are finished
+    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 1
+    # Then the first is neither answered nor acked, so it is delivered again; the second is done
+    assert not rconn.exists("redbatch:reply:r0")
+    assert rconn.lrange("redbatch:reply:r1", 0, -1) == [b"r1"]
+    pending = rconn.xpending_range(STREAM, GROUP, "-", "+", 10)
+    assert [p["message_id"] for p in pending] == [ids[0]]
+
+
+def test_a_script_redis_lost_is_loaded_again_and_the_staged_replies_used(rconn) -> None:
+    # Given a worker that ran the script once, then a Redis that forgot it (restart, flush)
+    stream = _stream(rconn)
+    first = _read(rconn, "me", 1)
+    assert stream.finish([_reply("r0", first[0])]) == 1
+    rconn.script_flush()
+    ids = _read(rconn, "me", 3)
+    # When it finishes the next batch
+    assert stream.finish([_reply(f"r{i + 1}", eid) for i, eid in enumerate(ids)]) == 3
+    # Then every reply is written once and nothing is left staged or pending
+    assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(4)] == [1, 1, 1, 1]
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+    assert _staging_keys(rconn) == []
+
+
+def test_a_finish_refused_for_memory_is_raised_and_its_retry_finishes_the_batch(
+    rconn,
+) -> None:
+    # Given two entries, and a Redis at its memory limit under noeviction
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 2)
+    items = [_reply(f"r{i}", eid) for i, eid in enumerate(ids)]
+    rconn.config_set("maxmemory-policy", "noeviction")
+    rconn.config_set("maxmemory", 1)
+    try:
+        # When the batch is finished, the staging pushes are refused (OOM), and the writer
+        # takes that refusal for one worth retrying
+        with pytest.raises(redis.exceptions.OutOfMemoryError) as refused:
+            stream.finish(items)
+        assert is_transient(refused.value)
+        # Then nothing is answered or acked: both entries stay pending for the retry
+        assert rconn.xpending(STREAM, GROUP)["pending"] == 2
+        assert not rconn.exists("redbatch:reply:r0", "redbatch:reply:r1")
+    finally:
+        rconn.config_set("maxmemory", 0)
+    # And the retry, once memory is back, finishes both
+    assert stream.finish(items) == 2
+    assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(2)] == [1, 1]
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+    assert _staging_keys(rconn) == []
+
+
+def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None:
+    # Given a staged reply left by a worker "me" that died between staging and its script
+    first = _stream(rconn)
+    ids = _read(rconn, "me", 1)
+    leftover = f"redbatch:{{demo}}:staging:me:{next(first._serials)}"
+    rconn.rpush(leftover, b"an old reply")
+    # When the worker, restarted under the same name, finishes a request
+    again = _stream(rconn)
+    assert again.finish([_reply("r0", ids[0])]) == 1
+    # Then its reply is its own alone, and the leftover is untouched (its TTL ends it)
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
+    assert rconn.lrange(leftover, 0, -1) == [b"an old reply"]
