@@ -106,6 +106,20 @@ def test_cpu_budget_adds_up_to_the_bound(report: dict[str, Any]) -> None:
     assert "CPU per request (core-ms" in bench.format_report(report)
 
 
+def test_redis_time_is_split_by_command_per_request(report: dict[str, Any]) -> None:
+    """The worker's finish script and reads, and the producer's sends, as Redis saw them."""
+    phase = _phase(report, "custom/closed-C4")
+    commands = phase["redis_commands"]
+    # Every answered request was one XADD, and its reply one staged RPUSH, in the window
+    assert commands["xadd"]["calls_per_request"] == pytest.approx(1.0, rel=0.2)
+    assert commands["rpush"]["calls_per_request"] == pytest.approx(1.0, rel=0.2)
+    # A finish script per batch: at least one request per call, at most four (four callers)
+    assert 0.25 <= commands["evalsha"]["calls_per_request"] <= 1.2
+    times = [c["us_per_request"] for c in commands.values()]
+    assert times == sorted(times, reverse=True)
+    assert "Redis per request, by command" in bench.format_report(report)
+
+
 def test_report_names_the_providers_asked_for_and_used(report: dict[str, Any]) -> None:
     assert report["settings"]["providers"] == ["cpu"]
     assert report["ceilings"]["bare"]["tiny"]["requested_providers"] == ["cpu"]

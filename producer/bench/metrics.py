@@ -4,7 +4,8 @@ The worker's ``/metrics`` histograms are scraped at the measured window's start 
 diffed (``worker_view``), which says where a request's time went on the worker's side. These
 machines are shared and a busy neighbour moves every figure, so each measurement also records
 who used the cores (``cpu_sample``, ``cpu_cores``): the whole machine, Redis (its INFO), the
-worker and the producers. ``memory_kib`` reads a process's resident memory for the drain.
+worker and the producers; and where Redis's one thread went, by command (``redis_commands``,
+``redis_per_request``). ``memory_kib`` reads a process's resident memory for the drain.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ __all__ = [
     "machine_busy_s",
     "memory_kib",
     "outside_ms",
+    "redis_commands",
+    "redis_per_request",
     "scrape",
     "worker_view",
 ]
@@ -133,6 +136,36 @@ def cpu_cores(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     cores = {k: (after[k] - before[k]) / elapsed_s for k in after if k != "t"}
     cores["other"] = cores["machine"] - sum(v for k, v in cores.items() if k != "machine")
     return cores
+
+
+def redis_commands(conn: redis.Redis) -> dict[str, tuple[int, int]]:
+    """Calls and microseconds so far by command, from ``INFO commandstats`` (the whole server:
+    on a shared Redis, other clients' commands count too). Commands a script runs count under
+    their own names as well as in the script's ``evalsha``."""
+    stats = conn.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+        for name, v in stats.items()
+        if isinstance(v, dict)
+    }
+
+
+def redis_per_request(
+    before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], requests: int
+) -> dict[str, dict[str, float]]:
+    """Per answered request, each command's calls and microseconds of Redis's thread between
+    two ``redis_commands`` samples, most time first."""
+    if requests <= 0:
+        return {}
+    rows = {}
+    for name, (calls, usec) in after.items():
+        calls0, usec0 = before.get(name, (0, 0))
+        if calls > calls0:
+            rows[name] = {
+                "calls_per_request": (calls - calls0) / requests,
+                "us_per_request": (usec - usec0) / requests,
+            }
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["us_per_request"]))
 
 
 def machine_busy_s() -> float:

@@ -155,6 +155,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report["phases"]:
         lines += ["", *_format_phases(report["phases"]), "", *_format_stages(report["phases"])]
         lines += ["", *_format_cpu(report), *_format_budget(report["phases"])]
+        lines += _format_redis(report["phases"])
         lines += ["", *_format_batches(report["phases"])]
     if report.get("drain"):
         lines += ["", *_format_drain(report["drain"])]
@@ -282,6 +283,9 @@ def _format_stages(phases: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+_REDIS_TOP = 6  # commands shown per phase
+
+
 def _format_cpu(report: dict[str, Any]) -> list[str]:
     columns = ("machine", "worker", "redis", "producers", "benchkit", "other")
     lines = [
@@ -323,6 +327,27 @@ def _format_budget(phases: Sequence[dict[str, Any]]) -> list[str]:
             + " ".join(f"{b[k]:>7.3f}" for k in keys)
             + f" {b['bound_per_s']:>8,.0f} {_ratio(b['bound_over_bare']):>5} {got:>9.2f}"
         )
+    return lines
+
+
+def _format_redis(phases: Sequence[dict[str, Any]]) -> list[str]:
+    """Where Redis's one thread went per request, by command: what bounds many workers."""
+    rows = [p for p in phases if p.get("redis_commands")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Redis per request, by command (us of Redis's thread, INFO commandstats over the window; "
+        "a script's own time includes the commands it runs, which are also listed; evalsha: "
+        "the worker's scripts, eval: the bench producer's reply sweep; calls per request in "
+        "brackets)",
+    ]
+    for p in rows:
+        top = list(p["redis_commands"].items())[:_REDIS_TOP]
+        cells = ", ".join(
+            f"{name} {c['us_per_request']:.1f} ({c['calls_per_request']:.2g})" for name, c in top
+        )
+        lines.append(f"  {p['id']:<24} {cells}")
     return lines
 
 

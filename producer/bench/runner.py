@@ -27,6 +27,8 @@ from producer.bench.metrics import (
     cpu_sample,
     machine_busy_s,
     outside_ms,
+    redis_commands,
+    redis_per_request,
     scrape,
     worker_view,
 )
@@ -273,10 +275,10 @@ class Bench:
         say(f"{phase_id}: {spec.label()} for {spec.warmup_s:g} + {spec.duration_s:g} s")
         conn = redis.Redis.from_url(self.url, socket_timeout=10)
 
-        def probe(producer_pids: list[int]) -> tuple[dict[str, float], dict[str, float]]:
+        def probe(producer_pids: list[int]) -> tuple[dict[str, float], dict[str, float], Any]:
             pids = {"producers": producer_pids, "worker": worker_pids}
             metrics = scrape(metrics_urls) if metrics_urls else {}
-            return metrics, cpu_sample(conn, pids)
+            return metrics, cpu_sample(conn, pids), redis_commands(conn)
 
         try:
             result, before, after = run_load(spec, self.o.producers, probe)
@@ -306,6 +308,8 @@ class Bench:
             "worker_side": worker_view(before[0], after[0]) if metrics_urls else None,
             "cpu_cores": cpu_cores(before[1], after[1]),
         }
+        answered = round(phase["throughput_per_s"] * (after[1]["t"] - before[1]["t"]))
+        phase["redis_commands"] = redis_per_request(before[2], after[2], answered)
         phase["vs_ceiling"] = self._ratios(phase)
         phase["cpu_budget"] = self._cpu_budget(phase)
         if phase["worker_side"] is not None:
