@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from worker import stream as stream_module
 from worker.retry import is_transient
 from worker.stream import Finish, RequestStream
 
@@ -132,14 +133,14 @@ def test_a_staged_reply_that_is_gone_leaves_its_entry_pending(rconn, monkeypatch
     # (as eviction under an allkeys policy would)
     stream = _stream(rconn)
     ids = _read(rconn, "me", 2)
-    real_rpush = redis.client.Pipeline.rpush
+    real_stage = stream_module._stage
     calls = []
 
-    def rpush_first_elsewhere(pipe, name, *values):
-        calls.append(name)
-        return real_rpush(pipe, name + ("-lost" if len(calls) == 1 else ""), *values)
+    def stage_first_elsewhere(key: bytes, reply: bytes, ttl_s: int) -> bytes:
+        calls.append(key)
+        return real_stage(key + (b"-lost" if len(calls) == 1 else b""), reply, ttl_s)
 
-    monkeypatch.setattr(redis.client.Pipeline, "rpush", rpush_first_elsewhere)
+    monkeypatch.setattr(stream_module, "_stage", stage_first_elsewhere)
     # When both are finished
     assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 1
     # Then the first is neither answered nor acked, so it is delivered again; the second is done
@@ -195,7 +196,8 @@ def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None
     # Given a staged reply left by a worker "me" that died between staging and its script
     first = _stream(rconn)
     ids = _read(rconn, "me", 1)
-    leftover = f"redbatch:{{demo}}:staging:me:{next(first._serials)}"
+    leftover = first._staging + b".0"
+    assert leftover.startswith(b"redbatch:{demo}:staging:me:")
     rconn.rpush(leftover, b"an old reply")
     # When the worker, restarted under the same name, finishes a request
     again = _stream(rconn)

@@ -35,6 +35,7 @@ from producer.keys import (
     request_stream,
     staging_key,
 )
+from worker import resp
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
@@ -101,6 +102,19 @@ return #acked
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
 
 
+def _stage(key: bytes, reply: bytes, ttl_s: int) -> bytes:
+    """``RPUSH key reply`` and ``EXPIRE key ttl_s``, packed with one format: a third of the
+    Python time of packing the two commands apart."""
+    ttl = b"%d" % ttl_s
+    return _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl)
+
+
+_STAGE = (
+    b"*3\r\n$5\r\nRPUSH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+    b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+)
+
+
 def _id_order(entry_id: bytes) -> tuple[int, int]:
     """A stream id as the pair Redis orders it by: (milliseconds, sequence)."""
     ms, _, seq = entry_id.partition(b"-")
@@ -153,10 +167,17 @@ class RequestStream:
         self.consumer = consumer
         self.model = model
         self._finish = client.register_script(_FINISH_LUA)
-        # Serials unique to this process: a worker restarted under the same name must never
-        # push onto a staging key its previous life left behind.
+        # Unique to this process: a worker restarted under the same name must never push onto a
+        # staging key its previous life left behind.
         token = uuid.uuid4().hex[:12]
-        self._serials = (f"{token}.{n}" for n in itertools.count())
+        self._staging = staging_key(prefix, model, consumer, token).encode()
+        self._serial = itertools.count()
+        self._head = [
+            self.key.encode(),
+            self.dead_key.encode(),
+            CONSUMER_GROUP.encode(),
+            consumer.encode(),
+        ]
 
     def ensure_group(self) -> None:
         """Create the group at 0 (so earlier requests are served) unless it exists."""
@@ -227,27 +248,21 @@ class RequestStream:
         trip. Returns the entries finished; the rest were not this consumer's to finish."""
         if not items:
             return 0
-        ids = [item.entry_id for item in items]
-        keys = [self.key, self.dead_key]
-        args: list[bytes | str | int] = [
-            CONSUMER_GROUP,
-            self.consumer,
-            len(items),
-            min(ids, key=_id_order),
-            max(ids, key=_id_order),
-            _PAGE_SLACK + 2 * len(items),
-        ]
-        pipe = self.client.pipeline(transaction=False)
+        stream, dead, group, me = self._head
+        orders = [_id_order(item.entry_id) for item in items]
+        keys = [stream, dead]
+        args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
+        args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
+        staging: list[bytes] = []  # RPUSH and EXPIRE of each staged reply, packed
         for item in items:
             index = 0
             if item.reply is not None and item.rid is not None:
-                staged = staging_key(self.prefix, self.model, self.consumer, next(self._serials))
-                pipe.rpush(staged, item.reply)
-                pipe.expire(staged, item.reply_ttl_s)
-                keys += [staged, reply_key(self.prefix, item.rid)]
+                staged = b"%s.%d" % (self._staging, next(self._serial))
+                staging.append(_stage(staged, item.reply, item.reply_ttl_s))
+                keys += [staged, reply_key(self.prefix, item.rid).encode()]
                 index = len(keys) // 2 - 1
-            args += [item.entry_id, index, item.dead_reason or ""]
-        done = self._run_finish(pipe, keys, args)
+            args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode()]
+        done = self._run_finish(staging, keys, args)
         if done < len(items):
             log.warning(
                 "%d of %d entries were no longer pending on %s (claimed by another worker, "
@@ -259,22 +274,25 @@ class RequestStream:
             )
         return done
 
-    def _run_finish(self, pipe: Any, keys: list[str], args: list[Any]) -> int:
-        """Send the staging commands and the script together; raise what failed.
+    def _run_finish(self, staging: list[bytes], keys: list[bytes], args: list[bytes]) -> int:
+        """Send the staging commands and the script in one round trip; raise what failed.
 
-        The script goes by EVALSHA in the same pipeline (redis-py's script support would add a
-        round trip per batch to check that it is loaded); when Redis lost it (a restart, SCRIPT
-        FLUSH) it is loaded and run again on the replies already staged. A staging command
-        that failed (OOM under noeviction) is raised after the script ran: the entries it
-        held back stay pending, and the writer's retry finishes them.
+        The script goes by EVALSHA behind the staging commands (redis-py's script helper would
+        add a round trip per batch to check that it is loaded); when Redis lost it (a restart,
+        SCRIPT FLUSH) it is loaded and run again on the replies already staged. A staging
+        command that failed (OOM under noeviction) is raised after the script ran: the entries
+        it held back stay pending, and the writer's retry finishes them.
         """
-        pipe.evalsha(self._finish.sha, len(keys), *keys, *args)
-        *staging, result = pipe.execute(raise_on_error=False)
+        script = resp.command(
+            b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args
+        )
+        packed = b"".join([*staging, script])
+        *staged, result = resp.round_trip(self.client, packed, 2 * len(staging) + 1)
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
             raise result
-        failed = next((r for r in staging if isinstance(r, Exception)), None)
+        failed = next((r for r in staged if isinstance(r, Exception)), None)
         if failed is not None:
             raise failed
         return int(result)
