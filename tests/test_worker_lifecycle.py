@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -161,3 +162,18 @@ def test_worker_rides_out_a_redis_restart(tmp_path: Path, redis_server, redis_ur
         after.close()
         assert worker.intake.is_alive()
         assert worker.writer.is_alive()
+
+
+def test_start_up_objects_are_frozen_out_of_the_collector_before_serving(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a process with nothing frozen
+    gc.unfreeze()
+    config = write_config(tmp_path, "demo", redis_url)
+    # When a worker is ready, the objects start-up left alive are out of the collector's view
+    with running_worker(config):
+        assert gc.get_freeze_count() > 10_000
+        assert wait_reply(
+            rconn, send(rconn, "demo", "after-freeze", {"features": np.ones((1, 16), np.float32)})
+        ).ok
+    gc.unfreeze()
