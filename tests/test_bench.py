@@ -113,8 +113,9 @@ def test_redis_time_is_split_by_command_per_request(report: dict[str, Any]) -> N
     # Every answered request was one XADD, and its reply one staged RPUSH, in the window
     assert commands["xadd"]["calls_per_request"] == pytest.approx(1.0, rel=0.2)
     assert commands["rpush"]["calls_per_request"] == pytest.approx(1.0, rel=0.2)
-    # A finish script per batch: at least one request per call, at most four (four callers)
-    assert 0.25 <= commands["evalsha"]["calls_per_request"] <= 1.2
+    # A finish script per batch: at least one request per call, at most four (four callers);
+    # the window's two samples and its reply count differ by a few ms, hence the margins
+    assert 0.2 <= commands["evalsha"]["calls_per_request"] <= 1.2
     times = [c["us_per_request"] for c in commands.values()]
     assert times == sorted(times, reverse=True)
     assert "Redis per request, by command" in bench.format_report(report)
