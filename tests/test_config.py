@@ -41,6 +41,7 @@ def _parse(model_dir: Path, **tables: dict) -> object:
         ({"batching": {"max_wait_ms": -1}}, ["'batching.max_wait_ms'", ">= 0"]),
         ({"limits": {"reject_non_finite": "yes"}}, ["'limits.reject_non_finite'", "true or false"]),
         ({"delivery": {"max_deliveries": 0}}, ["'delivery.max_deliveries'"]),
+        ({"delivery": {"reply_ttl_s": 10**17}}, ["'delivery.reply_ttl_s'", "315360000"]),
         ({"metrics": {"port": 70000}}, ["'metrics.port'", "65535"]),
         ({"redis": {"url": "http://x"}}, ["'redis.url'", "redis://"]),
         ({"redis": {"prefix": "a{b}"}}, ["'redis.prefix'", "braces"]),

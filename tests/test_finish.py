@@ -205,3 +205,15 @@ def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None
     # Then its reply is its own alone, and the leftover is untouched (its TTL ends it)
     assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
     assert rconn.lrange(leftover, 0, -1) == [b"an old reply"]
+
+
+def test_an_entry_twice_in_one_batch_is_finished_once(rconn) -> None:
+    # Given one entry of this consumer, listed twice in a batch, dead-lettered both times
+    stream = _stream(rconn)
+    [eid] = _read(rconn, "me", 1)
+    items = [_reply("r0", eid, dead_reason="twice") for _ in range(2)]
+    # When the batch is finished, it counts once, with one reply and one dead letter
+    assert stream.finish(items) == 1
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
+    assert rconn.xlen(DEAD) == 1
+    assert _staging_keys(rconn) == []

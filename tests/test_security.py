@@ -160,11 +160,30 @@ OLD_WORKER_RULES = (
 )
 
 
-def test_a_worker_under_the_rules_before_staging_stops_and_leaves_its_batch_pending(
-    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+def _doc_worker_rules_without(selector: str) -> str:
+    """The doc's worker rules less one selector, as an ``ACL SETUSER`` rule string."""
+    line = next(r for r in ACL.splitlines() if r.startswith("user redbatch-worker on "))
+    rules = line.removeprefix("user redbatch-worker ").replace(">CHANGE-ME-worker", ">old-worker")
+    assert selector in rules
+    return rules.replace(f" {selector}", "")
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        pytest.param(OLD_WORKER_RULES, id="before-staging"),
+        pytest.param(
+            _doc_worker_rules_without("(~redbatch:{*}:staging:* %W~redbatch:reply:* +renamenx)"),
+            id="without-renamenx",
+        ),
+    ],
+)
+def test_a_worker_missing_a_finish_rule_stops_and_leaves_its_batch_pending(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis, rules: str
 ) -> None:
-    # Given a worker user with the rules of the release before staged replies
-    admin.execute_command("ACL", "SETUSER", "old-worker", *OLD_WORKER_RULES.split(" "))
+    # Given a worker user with the rules of the release before staged replies, or the doc's
+    # rules less the one that lets the finish script move a staged reply
+    admin.execute_command("ACL", "SETUSER", "old-worker", "reset", *rules.split(" "))
     (tmp_path / "old").mkdir()
     old = write_config(tmp_path / "old", MODEL, server.url_for("old-worker", "old-worker"))
     prepared = prepare(load_config(old), "w-old")
@@ -175,7 +194,9 @@ def test_a_worker_under_the_rules_before_staging_stops_and_leaves_its_batch_pend
         # When it serves a request, it stops at the finish step, naming the refusal
         with pytest.raises(WorkerError) as stopped:
             worker.run()
-        assert isinstance(stopped.value.__cause__, redis.exceptions.NoPermissionError)
+        refusal = stopped.value.__cause__
+        assert isinstance(refusal, redis.ResponseError)
+        assert "RENAMENX" in str(refusal) or isinstance(refusal, redis.exceptions.NoPermissionError)
         # Then the request is unanswered and still pending, for a worker with the new rules
         assert not admin.exists(reply_key("redbatch", rid))
         assert admin.xpending(STREAM, "workers")["pending"] == 1
@@ -245,6 +266,8 @@ WORKER_REFUSED = [
     ("KEYS", "*"),
     ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
     ("XADD", "redbatch:other", "*", "a", "b"),
+    ("RENAMENX", REPLY, "redbatch:{demo}:staging:w:t.0"),  # moving a reply away
+    ("LRANGE", "redbatch:{demo}:staging:w:t.0", "0", "-1"),  # reading a staged reply
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -133,6 +134,7 @@ def _serve(
     serving.append(worker)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.request_stop())
+    log.info("froze %d start-up objects out of the garbage collector", _freeze_start_up())
     try:
         worker.run()
     except WorkerError as exc:
@@ -144,6 +146,20 @@ def _serve(
     finally:
         client.close()
     return 0
+
+
+def _freeze_start_up() -> int:
+    """Move what start-up left alive (modules, the session's wrappers: about 47,000 objects)
+    out of the cyclic collector's view, after collecting the garbage among it; returns how many.
+
+    A full collection walks every tracked object with the GIL held: 13 to 22 ms in a serving
+    worker, stalling intake, batching and the writer alike; with those objects frozen it takes
+    0.7 ms (measured under the bench's Poisson load). Done here, once per worker process, not
+    in ``Worker.run``: a process that runs workers in-process would freeze its own objects.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _record_summary(record: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,9 @@ _ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested")
 _SHA256_RE = re.compile(r"[0-9A-Fa-f]{64}")
 
 
+_MAX_REPLY_TTL_S = 10 * 365 * 24 * 3600  # delivery.reply_ttl_s
+
+
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
     url: str = _DEFAULT_REDIS_URL
@@ -311,7 +314,8 @@ def _delivery(t: _Table) -> DeliveryConfig:
     return DeliveryConfig(
         claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100),
         max_deliveries=t.get_int("max_deliveries", 3, minimum=1),
-        reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1),
+        # Redis refuses an EXPIRE whose milliseconds overflow; ten years is past any use.
+        reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1, maximum=_MAX_REPLY_TTL_S),
         max_run_s=t.get_number("max_run_s", 300.0, minimum=0.0),
     )
 

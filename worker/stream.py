@@ -1,7 +1,8 @@
 """Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
 
-The finish step is one pipeline per batch, one round trip. Each reply is first pushed, with its
-TTL, to a staging key of its own (``P:staging:T``); then one Lua script, atomic and fenced,
+The finish step is one round trip per batch (commands packed by ``worker.resp``). Each reply is
+first pushed, with its TTL, to a staging key of its own (``P:{M}:staging:NAME:TOKEN.N``, the
+token random per process); then one Lua script, atomic and fenced,
 takes the entries still pending on this consumer (one ``XPENDING`` over the batch's id range),
 copies dead letters (their first 64 fields plus ``reason``), moves each staged reply onto its
 reply key with ``RENAMENX`` (so a reply already there stands), drops the staged replies of
@@ -44,9 +45,18 @@ log = logging.getLogger(__name__)
 _FINISH_LUA = """
 local stream, dead, group, me = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 local n, lo, hi, span = tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
--- pcall: after FLUSHALL or a restart without persistence the group is gone (NOGROUP).
-local page = redis.pcall('XPENDING', stream, group, lo, hi, span, me)
-if type(page) ~= 'table' or page.err then page = {} end
+-- After FLUSHALL, or a restart without persistence, the group is gone (NOGROUP): nothing is
+-- ours to finish. Any other error stops the script and reaches the worker.
+local function pending(from, to, count)
+  local page = redis.pcall('XPENDING', stream, group, from, to, count, me)
+  if type(page) == 'table' and page.err then
+    if string.sub(page.err, 1, 7) == 'NOGROUP' then return {}, nil end
+    return nil, page
+  end
+  return page, nil
+end
+local page, failed = pending(lo, hi, span)
+if failed then return failed end
 local mine = {}
 for _, p in ipairs(page) do mine[p[1]] = true end
 local acked = {}
@@ -54,18 +64,29 @@ for i = 0, n - 1 do
   local base = 7 + i * 3
   local id, ri, reason = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2]
   local ours = mine[id]
-  if not ours and #page >= span then  -- a full page may have cut it off: ask for it alone
-    local p = redis.pcall('XPENDING', stream, group, id, id, 1)
-    ours = type(p) == 'table' and p[1] ~= nil and p[1][2] == me
+  if ours == nil and #page >= span then  -- a full page may have cut it off: ask for it alone
+    local one
+    one, failed = pending(id, id, 1)
+    if failed then return failed end
+    ours = one[1] ~= nil
   end
+  mine[id] = false  -- an id twice in one batch is finished once
   if ri > 0 then
     local staged, reply = KEYS[1 + 2 * ri], KEYS[2 + 2 * ri]
     if ours then
-      -- 1: written; 0: a reply (or a key of another type) was there and stands; an error: the
-      -- staged reply is gone (evicted), so the entry stays pending and is delivered again.
+      -- 1: written; 0: a reply (or a key of another type) was there and stands; "no such
+      -- key": the staged reply is gone (evicted), so the entry stays pending and is delivered
+      -- again. Any other error (a missing ACL rule) stops the script and reaches the worker.
       local moved = redis.pcall('RENAMENX', staged, reply)
-      if moved == 0 then redis.call('DEL', staged) end
-      ours = type(moved) == 'number'
+      if type(moved) == 'table' and moved.err then
+        if not string.find(moved.err, 'no such key', 1, true) then
+          return redis.error_reply(moved.err .. ' (the finish script, at RENAMENX ' .. staged
+            .. ' ' .. reply .. ')')
+        end
+        ours = false
+      elseif moved == 0 then
+        redis.call('DEL', staged)
+      end
     else
       redis.call('DEL', staged)
     end
