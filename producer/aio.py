@@ -25,7 +25,7 @@ import numpy as np
 import redis.asyncio
 from numpy.typing import ArrayLike
 
-from producer import core, window
+from producer import core, resp, window
 from producer.client import DEFAULT_URL
 from producer.core import Chunk, Result
 from producer.errors import RedbatchError
@@ -70,6 +70,7 @@ class AsyncClient:
         core.check_connection_kwargs(connection_kwargs)
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
         self._retry = RetryPolicy(self._where, retry_s)
+        self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
 
     @property
     def model(self) -> str:
@@ -131,6 +132,10 @@ class AsyncClient:
         await self._retry.acall(self._xadd, subs)
 
     async def _xadd(self, subs: Sequence[core.Submission]) -> None:
+        if self._packed:
+            packed = core.pack_xadds(self._settings.stream, subs)
+            resp.raise_first_error(await resp.round_trip_async(self._redis, packed, len(subs)))
+            return
         # A new pipeline per try: a failed execute() has already emptied the old one.
         pipe = self._redis.pipeline(transaction=False)
         for sub in subs:
@@ -178,6 +183,9 @@ class AsyncClient:
         return waiter.take_blpopped(item, time.monotonic())
 
     async def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
+        if self._packed:
+            replies = await resp.round_trip_async(self._redis, core.pack_lpops(keys), len(keys))
+            return resp.raise_first_error(replies)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.lpop(key)

@@ -25,7 +25,7 @@ import numpy as np
 import redis
 from numpy.typing import ArrayLike
 
-from producer import core, window
+from producer import core, resp, window
 from producer.core import Chunk, Result
 from producer.errors import RedbatchError
 from producer.keys import DEFAULT_PREFIX
@@ -79,6 +79,7 @@ class Client:
         core.check_connection_kwargs(connection_kwargs)
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
         self._retry = RetryPolicy(self._where, retry_s)
+        self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
 
     @property
     def model(self) -> str:
@@ -140,6 +141,10 @@ class Client:
         self._retry.call(self._xadd, subs)
 
     def _xadd(self, subs: Sequence[core.Submission]) -> None:
+        if self._packed:
+            packed = core.pack_xadds(self._settings.stream, subs)
+            resp.raise_first_error(resp.round_trip(self._redis, packed, len(subs)))
+            return
         # A new pipeline per try: a failed execute() has already emptied the old one.
         pipe = self._redis.pipeline(transaction=False)
         for sub in subs:
@@ -186,6 +191,9 @@ class Client:
         return waiter.take_blpopped(item, time.monotonic())
 
     def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
+        if self._packed:
+            replies = resp.round_trip(self._redis, core.pack_lpops(keys), len(keys))
+            return resp.raise_first_error(replies)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.lpop(key)

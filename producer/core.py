@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from redis.typing import EncodableT, FieldT
 
-from producer import codec, keys
+from producer import codec, keys, resp
 from producer.codec import ErrorInfo, ModelRef
 from producer.errors import BacklogFull, NoWorkerInfo, error_for_code
 
@@ -218,6 +218,19 @@ class Submission:
     def fields(self) -> dict[FieldT, EncodableT]:
         """The stream entry's fields, in contract order."""
         return {"rid": self.rid, "body": self.body}
+
+
+def pack_xadds(stream: str, subs: Sequence[Submission]) -> bytes:
+    """``XADD stream * rid R body B`` for each submission, packed for one round trip."""
+    key = stream.encode()
+    return b"".join(
+        [resp.command(b"XADD", key, b"*", b"rid", s.rid.encode(), b"body", s.body) for s in subs]
+    )
+
+
+def pack_lpops(keys: Sequence[bytes]) -> bytes:
+    """``LPOP key`` for each key, packed for one round trip."""
+    return b"".join([b"*2\r\n$4\r\nLPOP\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
 
 
 def build_submission(

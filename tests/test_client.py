@@ -7,6 +7,7 @@ pieces of ``producer.core`` are tested directly at the end.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import threading
@@ -20,6 +21,7 @@ import redis
 import producer
 from producer import client as client_module
 from producer import codec, core, keys, window
+from producer.aio import AsyncClient
 from producer.client import Client
 from producer.codec import ErrorInfo, ModelRef, Reply
 from producer.errors import (
@@ -470,6 +472,26 @@ def test_a_rejected_command_raises_connection_failed(client: Client, rconn: redi
     rconn.set(STREAM, "not a stream")
     with pytest.raises(ConnectionFailed, match="WRONGTYPE"):
         client.backlog()
+
+
+def test_a_rejected_submit_raises_connection_failed_sync_and_async(
+    client: Client, rconn: redis.Redis, redis_url: str
+) -> None:
+    # Given a request stream key that is not a stream: every XADD of a batch is refused
+    rconn.set(STREAM, "not a stream")
+    with pytest.raises(ConnectionFailed, match="WRONGTYPE"):
+        client.submit_many([{"x": xs(1)}, {"x": xs(1)}])
+
+    async def submit_async() -> None:
+        async with AsyncClient(MODEL, redis_url) as aclient:
+            await aclient.submit_many([{"x": xs(1)}, {"x": xs(1)}])
+
+    with pytest.raises(ConnectionFailed, match="WRONGTYPE"):
+        asyncio.run(submit_async())
+    # And the connections went back clean: the next commands read their own replies
+    rconn.delete(STREAM)
+    rid = client.submit({"x": xs(1)})
+    assert rconn.xrange(STREAM)[0][1][b"rid"] == rid.encode()
 
 
 def test_client_accepts_a_redis_client_and_leaves_it_open(

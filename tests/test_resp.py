@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from worker import resp
+from producer import resp
 
 
 def test_a_packed_command_is_the_bytes_redis_py_would_send(rconn: redis.Redis) -> None:

@@ -1,6 +1,6 @@
 """Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
 
-The finish step is one round trip per batch (commands packed by ``worker.resp``). Each reply is
+The finish step is one round trip per batch (commands packed by ``producer.resp``). Each reply is
 first pushed, with its TTL, to a staging key of its own (``P:{M}:staging:NAME:TOKEN.N``, the
 token random per process); then one Lua script, atomic and fenced,
 takes the entries still pending on this consumer (one ``XPENDING`` over the batch's id range),
@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from producer import resp
 from producer.keys import (
     CONSUMER_GROUP,
     cancel_key,
@@ -36,7 +37,6 @@ from producer.keys import (
     request_stream,
     staging_key,
 )
-from worker import resp
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
