@@ -339,8 +339,7 @@ def _format_redis(phases: Sequence[dict[str, Any]]) -> list[str]:
         "",
         "Redis per request, by command (us of Redis's thread, INFO commandstats over the window; "
         "a script's own time includes the commands it runs, which are also listed; evalsha: "
-        "the worker's scripts, eval: the bench producer's reply sweep; calls per request in "
-        "brackets)",
+        "the worker's scripts; calls per request in brackets)",
     ]
     for p in rows:
         top = list(p["redis_commands"].items())[:_REDIS_TOP]

@@ -2,9 +2,9 @@
 
 A load generator shares the cores with the worker and Redis it measures, so it does less than
 ``Client``: bodies are encoded once and reused under fresh rids, submits go out pipelined, and
-replies are swept up many keys per round trip and read for two fields only (``outcome``). What
-each reply says is counted in a ``ProducerTally``; ``producer.bench.load`` drives these pieces
-in the closed and open loops.
+replies are swept up many keys per round trip (``LPOP``s packed by hand) and read for two
+fields only (``outcome``). What each reply says is counted in a ``ProducerTally``;
+``producer.bench.load`` drives these pieces in the closed and open loops.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import redis
 
-from producer import core, keys
+from producer import core, keys, resp
 from producer.errors import WaitTimeout
 
 __all__ = ["BODIES", "ProducerTally", "Replies", "Sender", "input_rows", "outcome", "row_bytes"]
@@ -101,7 +101,7 @@ class Sender:
         ]
         self._tag = uuid.uuid4().hex[:12]
         self._next = 0
-        self._pipe = conn.pipeline(transaction=False)
+        self._queued: list[core.Submission] = []
 
     def rids(self, n: int) -> list[str]:
         """Queue ``n`` requests for the next ``send()``; returns their rids."""
@@ -110,25 +110,16 @@ class Sender:
             rid = f"{self._tag}-{self._next}"
             body = self.bodies[self._next % len(self.bodies)]
             self._next += 1
-            self._pipe.xadd(self.stream, core.Submission(rid, body).fields())
+            self._queued.append(core.Submission(rid, body))
             rids.append(rid)
         return rids
 
     def send(self) -> None:
-        """Send the queued requests in one round trip."""
-        self._pipe.execute()
-
-
-# LPOP of many keys in one command: a pipeline of LPOPs costs the producer about 10 us of
-# redis-py work per key, and the sweep looks at every awaited key. Sent as EVAL, not EVALSHA,
-# so that the bench's table of Redis time by command keeps it apart from the worker's scripts.
-_POP_ALL_LUA = """
-local popped = {}
-for i, key in ipairs(KEYS) do
-  popped[i] = redis.call('LPOP', key)
-end
-return popped
-"""
+        """Send the queued requests in one round trip (packed by hand, as ``Client`` does)."""
+        subs, self._queued = self._queued, []
+        if subs:
+            packed = core.pack_xadds(self.stream, subs)
+            resp.raise_first_error(resp.round_trip(self.conn, packed, len(subs)))
 
 
 class Replies:
@@ -182,7 +173,8 @@ class Replies:
             take_new()
         if self._awaited:
             keys_ = list(itertools.islice(self._awaited, _MAX_WAIT_KEYS))
-            raws = self.conn.eval(_POP_ALL_LUA, len(keys_), *keys_)
+            packed = core.pack_lpops(keys_)
+            raws = resp.raise_first_error(resp.round_trip(self.conn, packed, len(keys_)))
             now = time.monotonic()
             self._record([(k, r) for k, r in zip(keys_, raws, strict=True) if r is not None], now)
 
