@@ -143,7 +143,7 @@ class Client:
     def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
             packed = core.pack_xadds(self._settings.stream, subs)
-            resp.raise_first_error(resp.round_trip(self._redis, packed, len(subs)))
+            resp.raise_first_error(resp.round_trip(self._redis, packed))
             return
         # A new pipeline per try: a failed execute() has already emptied the old one.
         pipe = self._redis.pipeline(transaction=False)
@@ -192,7 +192,7 @@ class Client:
 
     def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
         if self._packed:
-            replies = resp.round_trip(self._redis, core.pack_lpops(keys), len(keys))
+            replies = resp.round_trip(self._redis, core.pack_lpops(keys))
             return resp.raise_first_error(replies)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:

@@ -220,17 +220,20 @@ class Submission:
         return {"rid": self.rid, "body": self.body}
 
 
-def pack_xadds(stream: str, subs: Sequence[Submission]) -> bytes:
-    """``XADD stream * rid R body B`` for each submission, packed for one round trip."""
-    key = stream.encode()
-    return b"".join(
-        [resp.command(b"XADD", key, b"*", b"rid", s.rid.encode(), b"body", s.body) for s in subs]
-    )
+def pack_xadds(stream: str, subs: Sequence[Submission]) -> resp.Packer:
+    """``XADD stream * rid R body B`` for each submission, for one round trip."""
+    packer, key = resp.Packer(), stream.encode()
+    for sub in subs:
+        packer.add(b"XADD", key, b"*", b"rid", sub.rid.encode(), b"body", sub.body)
+    return packer
 
 
-def pack_lpops(keys: Sequence[bytes]) -> bytes:
-    """``LPOP key`` for each key, packed for one round trip."""
-    return b"".join([b"*2\r\n$4\r\nLPOP\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys])
+def pack_lpops(keys: Sequence[bytes]) -> resp.Packer:
+    """``LPOP key`` for each key, for one round trip."""
+    packer = resp.Packer()
+    packed = [b"*2\r\n$4\r\nLPOP\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys]
+    packer.add_packed(b"".join(packed), len(keys))
+    return packer
 
 
 def build_submission(

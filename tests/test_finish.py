@@ -136,9 +136,9 @@ def test_a_staged_reply_that_is_gone_leaves_its_entry_pending(rconn, monkeypatch
     real_stage = stream_module._stage
     calls = []
 
-    def stage_first_elsewhere(key: bytes, reply: bytes, ttl_s: int) -> bytes:
+    def stage_first_elsewhere(packer, key: bytes, reply: bytes, ttl_s: int) -> None:
         calls.append(key)
-        return real_stage(key + (b"-lost" if len(calls) == 1 else b""), reply, ttl_s)
+        real_stage(packer, key + (b"-lost" if len(calls) == 1 else b""), reply, ttl_s)
 
     monkeypatch.setattr(stream_module, "_stage", stage_first_elsewhere)
     # When both are finished

@@ -123,11 +123,17 @@ return #acked
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
 
 
-def _stage(key: bytes, reply: bytes, ttl_s: int) -> bytes:
-    """``RPUSH key reply`` and ``EXPIRE key ttl_s``, packed with one format: a third of the
-    Python time of packing the two commands apart."""
+def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl_s: int) -> None:
+    """``RPUSH key reply`` and ``EXPIRE key ttl_s``; a small reply is packed with one format (a
+    third of the Python time of packing the two commands apart), a large one is not copied."""
     ttl = b"%d" % ttl_s
-    return _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl)
+    if len(reply) < resp.BIG:
+        packer.add_packed(
+            _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl), 2
+        )
+    else:
+        packer.add(b"RPUSH", key, reply)
+        packer.add(b"EXPIRE", key, ttl)
 
 
 _STAGE = (
@@ -274,12 +280,12 @@ class RequestStream:
         keys = [stream, dead]
         args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
         args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
-        staging: list[bytes] = []  # RPUSH and EXPIRE of each staged reply, packed
+        staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
         for item in items:
             index = 0
             if item.reply is not None and item.rid is not None:
                 staged = b"%s.%d" % (self._staging, next(self._serial))
-                staging.append(_stage(staged, item.reply, item.reply_ttl_s))
+                _stage(staging, staged, item.reply, item.reply_ttl_s)
                 keys += [staged, reply_key(self.prefix, item.rid).encode()]
                 index = len(keys) // 2 - 1
             args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode()]
@@ -295,7 +301,7 @@ class RequestStream:
             )
         return done
 
-    def _run_finish(self, staging: list[bytes], keys: list[bytes], args: list[bytes]) -> int:
+    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> int:
         """Send the staging commands and the script in one round trip; raise what failed.
 
         The script goes by EVALSHA behind the staging commands (redis-py's script helper would
@@ -304,11 +310,10 @@ class RequestStream:
         command that failed (OOM under noeviction) is raised after the script ran: the entries
         it held back stay pending, and the writer's retry finishes them.
         """
-        script = resp.command(
-            b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args
+        staging.add_packed(
+            resp.command(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
         )
-        packed = b"".join([*staging, script])
-        *staged, result = resp.round_trip(self.client, packed, 2 * len(staging) + 1)
+        *staged, result = resp.round_trip(self.client, staging)
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):

@@ -119,7 +119,7 @@ class Sender:
         subs, self._queued = self._queued, []
         if subs:
             packed = core.pack_xadds(self.stream, subs)
-            resp.raise_first_error(resp.round_trip(self.conn, packed, len(subs)))
+            resp.raise_first_error(resp.round_trip(self.conn, packed))
 
 
 class Replies:
@@ -174,7 +174,7 @@ class Replies:
         if self._awaited:
             keys_ = list(itertools.islice(self._awaited, _MAX_WAIT_KEYS))
             packed = core.pack_lpops(keys_)
-            raws = resp.raise_first_error(resp.round_trip(self.conn, packed, len(keys_)))
+            raws = resp.raise_first_error(resp.round_trip(self.conn, packed))
             now = time.monotonic()
             self._record([(k, r) for k, r in zip(keys_, raws, strict=True) if r is not None], now)
 
