@@ -217,3 +217,25 @@ def test_an_entry_twice_in_one_batch_is_finished_once(rconn) -> None:
     assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
     assert rconn.xlen(DEAD) == 1
     assert _staging_keys(rconn) == []
+
+
+def test_a_group_gone_finishes_nothing_and_leaves_no_staged_reply(rconn) -> None:
+    # Given entries read, then a FLUSHALL (or a restart without persistence) took the group
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 2)
+    rconn.flushall()
+    # When they are finished, none is, and their staged replies are dropped
+    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 0
+    assert not rconn.exists("redbatch:reply:r0", "redbatch:reply:r1")
+    assert _staging_keys(rconn) == []
+
+
+def test_a_request_stream_of_the_wrong_type_is_raised(rconn) -> None:
+    # Given a key of another type where the request stream should be
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 1)
+    rconn.delete(STREAM)
+    rconn.set(STREAM, "not a stream")
+    # When a batch is finished, the error reaches the worker instead of reading as "not ours"
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        stream.finish([_reply("r0", ids[0])])
