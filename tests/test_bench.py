@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from producer import bench
+from producer.bench import load
 from producer.cli import main
 from worker import benchkit
 from worker.localredis import LocalRedis
@@ -121,6 +122,23 @@ def test_redis_time_is_split_by_command_per_request(report: dict[str, Any]) -> N
     assert "Redis per request, by command" in bench.format_report(report)
 
 
+def test_the_slowest_requests_are_split_by_their_replies_timings(
+    report: dict[str, Any],
+) -> None:
+    tail = _phase(report, "custom/closed-C4")["tail"]
+    every, slow = tail["all"], tail["slowest"]
+    assert every["requests"] == _phase(report, "custom/closed-C4")["requests"]
+    assert 1 <= slow["requests"] <= every["requests"] // 50 + 1
+    assert slow["e2e_ms"] >= every["e2e_ms"]
+    for part in (every, slow):
+        assert part["queued_ms"] > 0
+        assert part["inference_ms"] > 0
+        assert part["e2e_ms"] == pytest.approx(
+            part["queued_ms"] + part["inference_ms"] + part["rest_ms"]
+        )
+    assert "the slowest 1%" in bench.format_report(report)
+
+
 def test_report_names_the_providers_asked_for_and_used(report: dict[str, Any]) -> None:
     assert report["settings"]["providers"] == ["cpu"]
     assert report["ceilings"]["bare"]["tiny"]["requested_providers"] == ["cpu"]
@@ -162,6 +180,25 @@ def test_bursty_arrivals_come_in_bursts() -> None:
     assert len(times) % 16 == 0
     assert len(np.unique(times)) == len(times) // 16
     assert len(times) == pytest.approx(3200, rel=0.2)
+
+
+def test_tail_split_puts_the_slowest_requests_apart() -> None:
+    # 99 fast requests that spent 1 ms queued, and one slow one that spent 40 ms queued
+    latencies = [3.0] * 99 + [50.0]
+    worker = [(1.0, 1.5)] * 99 + [(40.0, 2.0)]
+    tail = load.tail_split(latencies, worker)
+    assert tail["slowest"] == {
+        "requests": 1,
+        "e2e_ms": 50.0,
+        "queued_ms": 40.0,
+        "inference_ms": 2.0,
+        "rest_ms": 8.0,
+    }
+    assert tail["all"]["requests"] == 100
+    assert tail["all"]["queued_ms"] == pytest.approx((99 * 1.0 + 40.0) / 100)
+    # A reply without timings (NaN) counts in the end-to-end mean only
+    assert load.tail_split([5.0], [(float("nan"), float("nan"))])["all"]["rest_ms"] == 5.0
+    assert load.tail_split([], []) == {}
 
 
 def test_percentiles_are_ordered_and_empty_without_values() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "batch_rows_summary",
     "percentiles",
     "run_load",
+    "tail_split",
 ]
 
 #: Closed-loop callers in the presets, and requests in flight for the protocol-only ceiling.
@@ -72,6 +73,37 @@ def percentiles(values_ms: Sequence[float]) -> dict[str, float]:
     result["mean"] = float(values.mean())
     result["max"] = float(values.max())
     return result
+
+
+def tail_split(
+    latencies_ms: Sequence[float], worker_ms: Sequence[tuple[float, float]], share: float = 0.01
+) -> dict[str, dict[str, float]]:
+    """Where the time of every request, and of the slowest ``share`` of them, went, by the
+    replies' own timings: queued (enqueue to its batch's start), inference (its batch's run)
+    and the rest of the end-to-end time (sending, writing the reply, the way back)."""
+    if len(latencies_ms) == 0:
+        return {}
+    e2e = np.asarray(latencies_ms, dtype=np.float64)
+    worker = np.asarray(worker_ms, dtype=np.float64).reshape(-1, 2)
+    cut = np.percentile(e2e, 100.0 * (1.0 - share))
+
+    def split(mask: np.ndarray) -> dict[str, float]:
+        queued, inference = _finite_mean(worker[mask, 0]), _finite_mean(worker[mask, 1])
+        mean = float(e2e[mask].mean())
+        return {
+            "requests": int(mask.sum()),
+            "e2e_ms": mean,
+            "queued_ms": queued,
+            "inference_ms": inference,
+            "rest_ms": mean - queued - inference,
+        }
+
+    return {"all": split(np.ones(len(e2e), dtype=bool)), "slowest": split(e2e >= cut)}
+
+
+def _finite_mean(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else 0.0
 
 
 def batch_rows_summary(rows: Sequence[int]) -> dict[str, Any]:
@@ -131,6 +163,7 @@ class LoadResult:
 
     def summary(self) -> dict[str, Any]:
         latencies = [v for t in self.tallies for v in t.latencies_ms]
+        worker_ms = [v for t in self.tallies for v in t.worker_ms]
         rows = [v for t in self.tallies for v in t.batch_rows]
         codes: Counter[str] = sum((t.codes for t in self.tallies), Counter())
         completed = sum(t.completed_in_window for t in self.tallies)
@@ -143,6 +176,7 @@ class LoadResult:
             "lost": sum(t.lost for t in self.tallies),
             "throughput_per_s": completed / self.spec.duration_s,
             "latency_ms": percentiles(latencies),
+            "tail": tail_split(latencies, worker_ms),
             "batch_rows": batch_rows_summary(rows),
             "producer": {
                 "processes": self.producers,

@@ -156,6 +156,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_format_phases(report["phases"]), "", *_format_stages(report["phases"])]
         lines += ["", *_format_cpu(report), *_format_budget(report["phases"])]
         lines += _format_redis(report["phases"])
+        lines += _format_tail(report["phases"])
         lines += ["", *_format_batches(report["phases"])]
     if report.get("drain"):
         lines += ["", *_format_drain(report["drain"])]
@@ -347,6 +348,31 @@ def _format_redis(phases: Sequence[dict[str, Any]]) -> list[str]:
             f"{name} {c['us_per_request']:.1f} ({c['calls_per_request']:.2g})" for name, c in top
         )
         lines.append(f"  {p['id']:<24} {cells}")
+    return lines
+
+
+def _format_tail(phases: Sequence[dict[str, Any]]) -> list[str]:
+    """Every request against the slowest 1%: did the tail wait on the worker, or elsewhere?"""
+    rows = [p for p in phases if p.get("tail")]
+    if not rows:
+        return []
+    parts = ("e2e_ms", "queued_ms", "inference_ms", "rest_ms")
+    lines = [
+        "",
+        "all requests against the slowest 1% (ms, means; queued and inference from each "
+        "reply's timings_ms: enqueue to its batch's start, its batch's run; rest: sending, "
+        "writing the reply, the way back)",
+        f"{'phase':<24} {'all: e2e':>9} {'queued':>7} {'infer':>7} {'rest':>7}   "
+        f"{'1%: e2e':>8} {'queued':>7} {'infer':>7} {'rest':>7}",
+    ]
+    for p in rows:
+        every, slow = p["tail"]["all"], p["tail"]["slowest"]
+        lines.append(
+            f"{p['id']:<24} {every['e2e_ms']:>9.2f} "
+            + " ".join(f"{every[k]:>7.2f}" for k in parts[1:])
+            + f"   {slow['e2e_ms']:>8.2f} "
+            + " ".join(f"{slow[k]:>7.2f}" for k in parts[1:])
+        )
     return lines
 
 

@@ -10,12 +10,13 @@ fields only (``outcome``). What each reply says is counted in a ``ProducerTally`
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -24,7 +25,16 @@ import redis
 from producer import core, keys, resp
 from producer.errors import WaitTimeout
 
-__all__ = ["BODIES", "ProducerTally", "Replies", "Sender", "input_rows", "outcome", "row_bytes"]
+__all__ = [
+    "BODIES",
+    "Outcome",
+    "ProducerTally",
+    "Replies",
+    "Sender",
+    "input_rows",
+    "outcome",
+    "row_bytes",
+]
 
 BODIES = 64  # distinct request bodies a producer cycles through, at most
 _BODIES_BYTES = 8 << 20  # and at most this many bytes of them (fewer bodies for big rows)
@@ -72,6 +82,8 @@ class ProducerTally:
     """What one producer process measured. Requests count when sent in the measured window."""
 
     latencies_ms: list[float] = field(default_factory=list)
+    # per latency: (queued, inference) ms from the reply's timings_ms (NaN when it had none)
+    worker_ms: list[tuple[float, float]] = field(default_factory=list)
     batch_rows: list[int] = field(default_factory=list)  # per successful request
     codes: Counter[str] = field(default_factory=Counter)
     completed_in_window: int = 0  # replies that arrived in the window, whenever sent
@@ -186,11 +198,12 @@ class Replies:
             t_ref, _ = self._awaited.pop(key)
             if not self.w0 <= t_ref < self.w1:
                 continue
-            code, batch_rows = outcome(raw)
+            got = outcome(raw)
             tally.latencies_ms.append((now - t_ref) * 1000.0)
-            tally.codes[code] += 1
-            if batch_rows is not None:
-                tally.batch_rows.append(batch_rows)
+            tally.worker_ms.append((got.queued_ms, got.inference_ms))
+            tally.codes[got.code] += 1
+            if got.batch_rows is not None:
+                tally.batch_rows.append(got.batch_rows)
 
     def give_up(self) -> None:
         """Count what is still awaited as lost."""
@@ -198,15 +211,26 @@ class Replies:
         self._awaited.clear()
 
 
-def outcome(raw: bytes) -> tuple[str, int | None]:
-    """A reply's code (OK, or its error's) and, when ok, its batch rows (protocol section 3).
+class Outcome(NamedTuple):
+    """What the load reads of a reply."""
+
+    code: str  # OK, or the error's code
+    batch_rows: int | None  # when ok
+    queued_ms: float  # timings_ms: enqueue to its batch's start, on the worker (NaN: none)
+    inference_ms: float  # timings_ms: its batch's run
+
+
+def outcome(raw: bytes) -> Outcome:
+    """A reply's code, batch rows and worker timings (protocol section 3).
 
     Not ``core.parse_reply``: that decodes every output tensor, which the load does not need.
     """
     try:
         doc = msgpack.unpackb(raw, raw=False)
+        timings = doc["timings_ms"]
+        queued, inference = float(timings["queued"]), float(timings["inference"])
         if doc["ok"]:
-            return "OK", int(doc["batch_rows"])
-        return str(doc["error"]["code"]), None
+            return Outcome("OK", int(doc["batch_rows"]), queued, inference)
+        return Outcome(str(doc["error"]["code"]), None, queued, inference)
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-        return "BAD_REPLY", None
+        return Outcome("BAD_REPLY", None, math.nan, math.nan)
