@@ -318,7 +318,5 @@ class RequestStream:
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
             raise result
-        failed = next((r for r in staged if isinstance(r, Exception)), None)
-        if failed is not None:
-            raise failed
+        resp.raise_first_error(staged)
         return int(result)
