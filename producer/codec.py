@@ -35,6 +35,7 @@ __all__ = [
     "Reply",
     "ReplyEncoder",
     "RequestBody",
+    "data_spans",
     "decode_reply",
     "decode_request",
     "decode_tensor",
@@ -246,6 +247,37 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         meta_raw=_meta_raw(body, max_bytes) if "meta" in doc else None,
         reply_ttl_s=_optional_int(doc, "reply_ttl_s", minimum=1),
     )
+
+
+def data_spans(body: bytes) -> dict[str, tuple[int, int]]:
+    """Where each input's data lies in a body that ``decode_request`` accepted: name to (offset,
+    length) of the payload of its ``data`` bin. A worker keeps this layout to admit later bodies
+    that differ only there without decoding them (``worker.layouts``)."""
+    unpacker = _unpacker(len(body))
+    unpacker.feed(body)
+    spans: dict[str, tuple[int, int]] = {}
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() != "inputs":
+            unpacker.skip()
+            continue
+        for _ in range(unpacker.read_map_header()):
+            name = unpacker.unpack()
+            for _ in range(unpacker.read_map_header()):
+                key = unpacker.unpack()
+                start = unpacker.tell()
+                unpacker.skip()
+                if key == "data":
+                    spans[name] = _bin_payload(body, start)
+    return spans
+
+
+def _bin_payload(body: bytes, start: int) -> tuple[int, int]:
+    """(offset, length) of the payload of the msgpack bin whose header is at ``start``."""
+    width = _BIN_WIDTHS[body[start]]
+    return start + 1 + width, int.from_bytes(body[start + 1 : start + 1 + width], "big")
+
+
+_BIN_WIDTHS = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 
 
 def _optional_names(value: Any) -> tuple[str, ...] | None:

@@ -20,6 +20,7 @@ from producer.errors import WireFormatError
 from producer.keys import is_valid_rid
 from worker import faults
 from worker.errors import Rejected
+from worker.layouts import Layouts
 from worker.leases import Leases
 from worker.reclaim import Reclaimer, Redelivery
 from worker.retry import Outage
@@ -59,12 +60,19 @@ class WorkItem:
         return self.request.rows if self.request is not None else 0
 
 
-def admit(entry: RawEntry, schema: Schema, max_request_bytes: int, deliveries: int = 1) -> WorkItem:
-    """Turn a raw entry into a WorkItem: valid, rejected with a code, or bound for dead letters."""
+def admit(
+    entry: RawEntry,
+    schema: Schema,
+    max_request_bytes: int,
+    deliveries: int = 1,
+    layouts: Layouts | None = None,
+) -> WorkItem:
+    """Turn a raw entry into a WorkItem: valid, rejected with a code, or bound for dead letters.
+    With ``layouts``, a body laid out like one admitted before skips decoding."""
     started = time.perf_counter()
     item = WorkItem(entry, deliveries=deliveries)
     try:
-        _admit(item, schema, max_request_bytes)
+        _admit(item, schema, max_request_bytes, layouts)
     except Rejected as exc:
         item.rejection = exc
     except Exception:  # a decoder bug must fail this request only, never stop the intake thread
@@ -112,7 +120,7 @@ def _rid(item: WorkItem) -> str | None:
     return None
 
 
-def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
+def _admit(item: WorkItem, schema: Schema, max_request_bytes: int, layouts: Layouts | None) -> None:
     fields = item.entry.fields
     rid = _rid(item)
     if rid is None:
@@ -121,6 +129,10 @@ def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
     body = fields.get(b"body")
     if body is None:
         raise Rejected("MALFORMED", "the stream entry has no 'body' field.")
+    known = layouts.match(body) if layouts is not None else None
+    if known is not None:
+        item.request, item.reply_ttl_s = known
+        return
     try:
         decoded = decode_request(body, max_request_bytes)
     except WireFormatError as exc:
@@ -129,6 +141,8 @@ def _admit(item: WorkItem, schema: Schema, max_request_bytes: int) -> None:
     item.meta_raw = decoded.meta_raw
     item.reply_ttl_s = decoded.reply_ttl_s
     item.request = schema.validate(decoded)
+    if layouts is not None:
+        layouts.learn(body, decoded, item.request)
 
 
 class Intake(threading.Thread):
@@ -157,6 +171,7 @@ class Intake(threading.Thread):
         self.leases = leases
         self.reclaimer = reclaimer
         self.block_ms = block_ms
+        self.layouts = Layouts()
         self.idle = threading.Event()  # set when a read came back empty: the stream is drained
         self.failure: BaseException | None = None
         self._outage = Outage("reading requests", give_up=stop, on_down=on_outage)
@@ -179,7 +194,7 @@ class Intake(threading.Thread):
                 self.leases.hold(e.entry_id for e in entries)
                 if faults.ACTIVE:
                     faults.hit("after_read")
-                self._hand_over([admit(e, self.schema, self.max_request_bytes) for e in entries])
+                self._hand_over([self._admit(e) for e in entries])
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
@@ -209,9 +224,12 @@ class Intake(threading.Thread):
         if found.poisoned:
             item = poisoned(found, reclaimer.max_deliveries)
         else:
-            item = admit(found.claimed.entry, self.schema, self.max_request_bytes, found.deliveries)
+            item = self._admit(found.claimed.entry, found.deliveries)
         self._hand_over([item])
         return True
+
+    def _admit(self, entry: RawEntry, deliveries: int = 1) -> WorkItem:
+        return admit(entry, self.schema, self.max_request_bytes, deliveries, self.layouts)
 
     def _hand_over(self, items: list[WorkItem]) -> None:
         self._mark_cancelled(items)

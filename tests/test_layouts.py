@@ -1,0 +1,167 @@
+"""Layouts: a body laid out like one admitted before is admitted without decoding, and exactly as
+the full path would admit it; anything else takes the full path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fuzzing import FuzzTarget, schema_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer import codec
+from worker import intake
+from worker.config import BatchingConfig, ModelConfig, RedisConfig, WorkerConfig
+from worker.intake import WorkItem, admit
+from worker.layouts import Layouts
+from worker.model import TensorSpec
+from worker.schema import Schema
+from worker.stream import RawEntry
+
+MAX_BYTES = 1 << 20
+MULTI = schema_for(FuzzTarget("multi_io"))
+
+
+def free_schema() -> Schema:
+    """One float32 input of shape [N, D], D free: bodies of one length may differ in shape."""
+    spec = TensorSpec("x", np.dtype("float32"), ("N", "D"))
+    config = WorkerConfig(
+        RedisConfig(), ModelConfig("free", Path("free.onnx")), batching=BatchingConfig()
+    )
+    return Schema([spec], [TensorSpec("y", np.dtype("float32"), ("N", "D"))], config)
+
+
+FREE = free_schema()
+
+
+def multi_body(seed: int, **options: Any) -> bytes:
+    rng = np.random.default_rng(seed)
+    inputs = {
+        "a": rng.standard_normal((2, 3)).astype(np.float32),
+        "b": rng.integers(-9, 9, (2, 2)).astype(np.int64),
+    }
+    return codec.encode_request(inputs, **options)
+
+
+def run(body: bytes, schema: Schema, layouts: Layouts | None) -> WorkItem:
+    return admit(RawEntry(b"1-0", {b"rid": b"r1", b"body": body}), schema, MAX_BYTES, 1, layouts)
+
+
+def same(a: WorkItem, b: WorkItem) -> None:
+    """Two admissions agree on everything a batch and a reply use."""
+    assert (a.rejection and (a.rejection.code, a.rejection.message)) == (
+        b.rejection and (b.rejection.code, b.rejection.message)
+    )
+    assert (a.reply_ttl_s, a.deadline_ms, a.meta_raw) == (b.reply_ttl_s, b.deadline_ms, b.meta_raw)
+    if a.request is None or b.request is None:
+        assert a.request is b.request is None
+        return
+    assert (a.request.rows, a.request.signature, a.request.outputs) == (
+        b.request.rows,
+        b.request.signature,
+        b.request.outputs,
+    )
+    assert list(a.request.inputs) == list(b.request.inputs)
+    for name, array in a.request.inputs.items():
+        other = b.request.inputs[name]
+        assert (array.dtype, array.shape) == (other.dtype, other.shape)
+        assert array.tobytes() == other.tobytes()
+
+
+def test_a_body_laid_out_like_an_admitted_one_is_not_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layouts = Layouts()
+    run(multi_body(0, outputs=["total"], reply_ttl_s=30), MULTI, layouts)
+    monkeypatch.setattr(intake, "decode_request", lambda *_: pytest.fail("decoded again"))
+    body = multi_body(1, outputs=["total"], reply_ttl_s=30)
+    item = run(body, MULTI, layouts)
+    monkeypatch.undo()
+    same(item, run(body, MULTI, None))
+    assert item.request is not None
+    assert item.request.outputs == ("total",)
+    assert item.reply_ttl_s == 30
+    # The arrays are views of the body: decoding copies nothing.
+    assert all(
+        np.shares_memory(a, np.frombuffer(body, np.uint8)) for a in item.request.inputs.values()
+    )
+
+
+def test_same_length_but_another_shape_is_decoded_and_gets_its_own_shape() -> None:
+    layouts = Layouts()
+    x = np.arange(16, dtype=np.float32)
+    first = codec.encode_request({"x": x.reshape(1, 16)})
+    second = codec.encode_request({"x": x.reshape(2, 8)})
+    assert len(first) == len(second)
+    run(first, FREE, layouts)
+    item = run(second, FREE, layouts)
+    assert item.request is not None
+    assert item.request.inputs["x"].shape == (2, 8)
+    assert item.request.rows == 2
+    same(item, run(second, FREE, None))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"deadline_ms": 10**13}, {"meta": {"user": 7}}],
+    ids=["deadline", "meta"],
+)
+def test_bodies_whose_options_change_per_request_are_not_kept(options: dict[str, Any]) -> None:
+    layouts = Layouts()
+    run(multi_body(0, **options), MULTI, layouts)
+    assert len(layouts) == 0
+
+
+def test_bool_inputs_are_not_kept() -> None:
+    spec = TensorSpec("flags", np.dtype("bool"), ("N", 4))
+    config = WorkerConfig(RedisConfig(), ModelConfig("b", Path("b.onnx")))
+    schema = Schema([spec], [TensorSpec("y", np.dtype("bool"), ("N", 4))], config)
+    layouts = Layouts()
+    run(codec.encode_request({"flags": np.ones((1, 4), bool)}), schema, layouts)
+    assert len(layouts) == 0
+    # So a bool byte other than 0 or 1 is still refused, as the full path refuses it.
+    bad = codec.encode_request({"flags": np.ones((1, 4), bool)}).replace(
+        b"\x01\x01\x01\x01", b"\x01\x02\x01\x01"
+    )
+    assert run(bad, schema, layouts).rejection is not None
+
+
+def test_layouts_stay_bounded_under_ever_new_layouts() -> None:
+    layouts = Layouts(capacity=8)
+    for ttl in range(1, 400):
+        run(multi_body(0, reply_ttl_s=ttl), MULTI, layouts)
+        assert len(layouts) <= 8
+    assert len(layouts) > 0
+
+
+BASE = multi_body(0, outputs=["twice", "total"], reply_ttl_s=100)
+
+
+@settings(max_examples=400, derandomize=True, database=None, deadline=None)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(BASE) - 1), st.integers(0, 255)), min_size=1, max_size=3
+    )
+)
+def test_any_edit_of_a_known_body_is_admitted_as_the_full_path_admits_it(
+    edits: list[tuple[int, int]],
+) -> None:
+    layouts = Layouts()
+    run(BASE, MULTI, layouts)
+    body = bytearray(BASE)
+    for position, value in edits:
+        body[position] = value
+    edited = bytes(body)
+    same(run(edited, MULTI, layouts), run(edited, MULTI, None))
+
+
+def test_data_spans_point_at_each_inputs_data() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    b = np.full((1, 300), 7, dtype=np.int64)  # a bin of over 255 bytes: a 2-byte length
+    body = codec.encode_request({"a": a, "b": b}, outputs=["total"], reply_ttl_s=5)
+    spans = codec.data_spans(body)
+    assert body[spans["a"][0] : sum(spans["a"])] == a.tobytes()
+    assert body[spans["b"][0] : sum(spans["b"])] == b.tobytes()
