@@ -64,6 +64,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
     )
 }
 _NAME_OF_KIND = {(dt.kind, dt.itemsize): name for name, dt in DTYPES.items()}
+_WIRE_NAMES = {dt: name for name, dt in DTYPES.items()}  # numpy dtypes sent as they are
 
 MAX_META_BYTES = 4096
 MAX_RANK = 32
@@ -367,7 +368,12 @@ class ReplyEncoder:
         ok = error is None
         with_rows = ok and batch_rows is not None
         count = 6 + with_rows + (meta_raw is not None)
-        parts: list[bytes | memoryview] = [_map_header(count), _KEY["rid"], _packb(rid), _KEY["ok"]]
+        parts: list[bytes | memoryview] = [
+            _map_header(count),
+            _KEY["rid"],
+            _pack_str(rid),
+            _KEY["ok"],
+        ]
         if ok:
             tensors = outputs or {}
             parts += [b"\xc3", _KEY["outputs"], _map_header(len(tensors))]
@@ -379,44 +385,43 @@ class ReplyEncoder:
             parts += [b"\xc2", _KEY["error"], _packb(detail)]
         parts.append(self._shared)
         if with_rows:
-            parts += [_KEY["batch_rows"], _packb(batch_rows)]
+            parts += [_KEY["batch_rows"], _pack_rows(batch_rows)]
         parts += [_KEY["timings_ms"], _pack_timings(timings_ms)]
         if meta_raw is not None:
             parts += [_KEY["meta"], meta_raw]
         return b"".join(parts)
 
     def _tensor(self, name: str, array: Any) -> list[bytes | memoryview]:
-        """The output's name and tensor map; data as a buffer (no copy when contiguous)."""
+        """The output's name, tensor map and bin header, packed once per (name, dtype, shape),
+        then its data as a buffer (no copy when contiguous)."""
         arr = array
         if not (
             type(arr) is np.ndarray
             and arr.flags.c_contiguous
-            and (arr.dtype.kind, arr.dtype.itemsize) in _NAME_OF_KIND
-            and arr.dtype.byteorder in "=<|"
             and arr.ndim
+            and arr.dtype in _WIRE_NAMES  # little-endian or native: as sent
         ):
             wire = encode_tensor(array)
             arr = np.frombuffer(wire["data"], DTYPES[wire["dtype"]]).reshape(wire["shape"])
-        key = (name, arr.dtype.str, arr.shape)
+        key = (name, arr.dtype, arr.shape)
         head = self._heads.get(key)
         if head is None:
-            dtype_name = _NAME_OF_KIND[(arr.dtype.kind, arr.dtype.itemsize)]
             head = b"".join(
                 [
                     _packb(name),
                     b"\x83",
                     _KEY["dtype"],
-                    _PACKED_DTYPE[dtype_name],
+                    _PACKED_DTYPE[_WIRE_NAMES[arr.dtype]],
                     _KEY["shape"],
                     _packb(list(arr.shape)),
                     _KEY["data"],
+                    _bin_header(arr.nbytes),
                 ]
             )
             if len(self._heads) >= self._MAX_HEADS:
                 self._heads.clear()
             self._heads[key] = head
-        data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
-        return [head, _bin_header(len(data)), data]
+        return [head, memoryview(arr).cast("B") if arr.size else b""]  # type: ignore[arg-type]
 
 
 def _packb(value: Any) -> bytes:
@@ -433,9 +438,24 @@ def _pack_timings(timings_ms: Mapping[str, float]) -> bytes:
     """The timings map, byte for byte as msgpack packs it, with floats packed directly."""
     parts = [_map_header(len(timings_ms))]
     for key, value in timings_ms.items():
-        parts.append(_packb(key))
+        parts.append(_PACKED_NAMES.get(key) or _packb(key))
         parts.append(b"\xcb" + _FLOAT64.pack(value) if type(value) is float else _packb(value))
     return b"".join(parts)
+
+
+_PACKED_NAMES = {k: _packb(k) for k in ("queued", "inference")}  # the timings every reply has
+
+
+def _pack_str(text: str) -> bytes:
+    """``text`` as msgpack packs it; a short ASCII one (a rid) without calling msgpack."""
+    if len(text) < 32 and text.isascii():
+        return bytes((0xA0 | len(text),)) + text.encode()
+    return _packb(text)
+
+
+def _pack_rows(rows: int) -> bytes:
+    """A row count as msgpack packs it; under 128 it is the byte itself."""
+    return bytes((rows,)) if 0 <= rows < 128 else _packb(rows)
 
 
 def _map_header(n: int) -> bytes:
