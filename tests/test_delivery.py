@@ -165,7 +165,7 @@ def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     # Every execution is counted where it ran; a claimed duplicate would add to these.
     assert sum(m.claims.labels(kind="reclaimed")._value.get() for m in workers) == 0
     assert sum(m.requests.labels(code="OK")._value.get() for m in workers) == 4
-    assert sum(m.batch_rows._sum.get() for m in workers) == 4 * 2048
+    assert sum(m.batch_rows.sum for m in workers) == 4 * 2048
 
 
 def test_forgetting_consumers_keeps_any_with_pending_entries(redis_url: str, rconn) -> None:

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Info, make_wsgi_app
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from producer.errors import ERROR_CODES
 
@@ -28,6 +32,65 @@ OUTAGE_TASKS = ("starting up", "reading requests", "writing replies")
 CLAIM_KINDS = ("reclaimed", "own", "poisoned", "deleted")
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class Histogram(Collector):
+    """A histogram observed a batch at a time, exposed as prometheus_client's own would be.
+
+    prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in Python for
+    each value, about 3 us, and the worker observes two values per request. Here numpy sorts a
+    whole batch into its buckets in one call. (No ``_created`` sample: nothing reads it.)
+    """
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._le = [*(floatToGoString(b) for b in buckets), "+Inf"]
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_many((value,))
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Count each value in the first bucket whose upper bound it does not exceed."""
+        if not len(values):
+            return
+        array = np.asarray(values, dtype=np.float64)
+        counts = np.bincount(
+            np.searchsorted(self._bounds, array, side="left"), minlength=len(self._counts)
+        )
+        total = float(array.sum())
+        with self._lock:
+            self._counts += counts
+            self._sum += total
+
+    @property
+    def sum(self) -> float:
+        """The sum of every value observed."""
+        with self._lock:
+            return self._sum
+
+    @property
+    def count(self) -> int:
+        """How many values were observed."""
+        with self._lock:
+            return int(self._counts.sum())
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            cumulative = np.cumsum(self._counts).tolist()
+            total = self._sum
+        family = HistogramMetricFamily(self._name, self._documentation)
+        family.add_metric([], list(zip(self._le, cumulative, strict=True)), total)
+        yield family
 
 
 class Metrics:
@@ -154,8 +217,8 @@ class Metrics:
     def batch_done(
         self,
         codes: Iterable[str],
-        queued_s: Iterable[float],
-        decode_s: Iterable[float],
+        queued_s: Sequence[float],
+        decode_s: Sequence[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
     ) -> None:
@@ -164,10 +227,8 @@ class Metrics:
         for code, count in tally.items():
             self.requests.labels(code=code).inc(count)
         self.batch_requests.observe(sum(tally.values()))
-        for seconds in queued_s:
-            self.queue_wait.observe(seconds)
-        for seconds in decode_s:
-            self.decode.observe(seconds)
+        self.queue_wait.observe_many(queued_s)
+        self.decode.observe_many(decode_s)
         for rows, seconds in runs:
             self.batch_rows.observe(rows)
             self.inference.observe(seconds)
