@@ -199,6 +199,9 @@ class RequestStream:
         token = uuid.uuid4().hex[:12]
         self._staging = staging_key(prefix, model, consumer, token).encode()
         self._serial = itertools.count()
+        # Key prefixes for rids that intake has checked already (keys.reply_key would again).
+        self._reply = reply_key(prefix, "R")[:-1].encode()
+        self._cancel = cancel_key(prefix, "R")[:-1].encode()
         self._head = [
             self.key.encode(),
             self.dead_key.encode(),
@@ -267,7 +270,9 @@ class RequestStream:
         """The request ids whose cancel key exists: one MGET for the whole batch."""
         if not rids:
             return set()
-        values = self.client.mget([cancel_key(self.prefix, rid) for rid in rids])
+        packer = resp.Packer()
+        packer.add_packed(resp.command(b"MGET", *[self._cancel + rid.encode() for rid in rids]))
+        [values] = resp.raise_first_error(resp.round_trip(self.client, packer))
         return {rid for rid, value in zip(rids, values, strict=True) if value is not None}
 
     def finish(self, items: Sequence[Finish]) -> int:
@@ -286,7 +291,7 @@ class RequestStream:
             if item.reply is not None and item.rid is not None:
                 staged = b"%s.%d" % (self._staging, next(self._serial))
                 _stage(staging, staged, item.reply, item.reply_ttl_s)
-                keys += [staged, reply_key(self.prefix, item.rid).encode()]
+                keys += [staged, self._reply + item.rid.encode()]
                 index = len(keys) // 2 - 1
             args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode()]
         done = self._run_finish(staging, keys, args)
