@@ -8,9 +8,11 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import prometheus_client
 from harness import running_worker, send, wait_reply, write_config
+from prometheus_client import CollectorRegistry, generate_latest
 
-from worker.metrics import Metrics, MetricsServer
+from worker.metrics import Histogram, Metrics, MetricsServer
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -92,3 +94,27 @@ def test_healthz_fails_while_a_batch_hangs() -> None:
         assert _get(server.port, "/readyz")[0] == 503
     finally:
         server.close()
+
+
+def test_batch_histograms_expose_what_prometheus_clients_own_would() -> None:
+    bounds = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.5, 1, 10)
+    # Values on, between and beyond the bounds, as batches and one at a time.
+    batches = [[0.0001, 0.0005, 0.00051], [], [0.003, 0.003, 0.5, 7.0], [11.0, float("inf")]]
+    theirs = CollectorRegistry()
+    reference = prometheus_client.Histogram("x_seconds", "Doc.", buckets=bounds, registry=theirs)
+    ours = CollectorRegistry()
+    histogram = Histogram("x_seconds", "Doc.", bounds, ours)
+    for batch in batches:
+        for value in batch:
+            reference.observe(value)
+        histogram.observe_many(batch)
+    histogram.observe(0.002)
+    reference.observe(0.002)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert lines(ours) == lines(theirs)
+    assert histogram.count == 10
+    assert _value(generate_latest(ours).decode(), 'x_seconds_bucket{le="0.0005"}') == 2
