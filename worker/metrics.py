@@ -7,6 +7,8 @@ process is alive, and ``/readyz`` says it is warm and reading from the stream.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 from collections import Counter as Tally
@@ -14,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, make_wsgi_app
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -38,17 +39,17 @@ class Histogram(Collector):
     """A histogram observed a batch at a time, exposed as prometheus_client's own would be.
 
     prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in Python for
-    each value, about 3 us, and the worker observes two values per request. Here numpy sorts a
-    whole batch into its buckets in one call. (No ``_created`` sample: nothing reads it.)
+    each value, about 3 us, and the worker observes two values per request. Here a batch's
+    values are bucketed by bisection under one lock. (No ``_created`` sample: nothing reads it.)
     """
 
     def __init__(
         self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
     ) -> None:
         self._name, self._documentation = name, documentation
-        self._bounds = np.asarray(buckets, dtype=np.float64)
+        self._bounds = [float(b) for b in buckets]
         self._le = [*(floatToGoString(b) for b in buckets), "+Inf"]
-        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self._counts = [0] * (len(buckets) + 1)
         self._sum = 0.0
         self._lock = threading.Lock()
         registry.register(self)
@@ -56,18 +57,13 @@ class Histogram(Collector):
     def observe(self, value: float) -> None:
         self.observe_many((value,))
 
-    def observe_many(self, values: Sequence[float]) -> None:
+    def observe_many(self, values: Iterable[float]) -> None:
         """Count each value in the first bucket whose upper bound it does not exceed."""
-        if not len(values):
-            return
-        array = np.asarray(values, dtype=np.float64)
-        counts = np.bincount(
-            np.searchsorted(self._bounds, array, side="left"), minlength=len(self._counts)
-        )
-        total = float(array.sum())
+        bounds, counts = self._bounds, self._counts
         with self._lock:
-            self._counts += counts
-            self._sum += total
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1
+                self._sum += value
 
     @property
     def sum(self) -> float:
@@ -79,14 +75,14 @@ class Histogram(Collector):
     def count(self) -> int:
         """How many values were observed."""
         with self._lock:
-            return int(self._counts.sum())
+            return sum(self._counts)
 
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self._name, self._documentation)]
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         with self._lock:
-            cumulative = np.cumsum(self._counts).tolist()
+            cumulative = list(itertools.accumulate(self._counts))
             total = self._sum
         family = HistogramMetricFamily(self._name, self._documentation)
         family.add_metric([], list(zip(self._le, cumulative, strict=True)), total)
@@ -217,8 +213,8 @@ class Metrics:
     def batch_done(
         self,
         codes: Iterable[str],
-        queued_s: Sequence[float],
-        decode_s: Sequence[float],
+        queued_s: Iterable[float],
+        decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
     ) -> None:
