@@ -391,6 +391,44 @@ class ReplyEncoder:
             parts += [_KEY["meta"], meta_raw]
         return b"".join(parts)
 
+    def encode_run(
+        self,
+        requests: Sequence[tuple[str, Mapping[str, np.ndarray], float, bytes | None]],
+        *,
+        batch_rows: int,
+        inference_ms: float,
+    ) -> list[bytes]:
+        """The ok replies of one model run, each ``(rid, outputs, queued_ms, meta_raw)``: the
+        bytes as ``encode`` writes them with timings ``queued`` and ``inference``, with what the
+        run's replies share packed once rather than per reply."""
+        middle = b"".join(
+            [
+                self._shared,
+                _KEY["batch_rows"],
+                _pack_rows(batch_rows),
+                _KEY["timings_ms"],
+                b"\x82",
+                _PACKED_NAMES["queued"],
+                b"\xcb",
+            ]
+        )
+        inference = _PACKED_NAMES["inference"] + b"\xcb" + _FLOAT64.pack(inference_ms)
+        replies = []
+        for rid, outputs, queued_ms, meta_raw in requests:
+            parts = [
+                _OK_HEAD[meta_raw is not None],
+                _pack_str(rid),
+                _OK_OUTPUTS,
+                _map_header(len(outputs)),
+            ]
+            for name, array in outputs.items():
+                parts += self._tensor(name, array)
+            parts += [middle, _FLOAT64.pack(queued_ms), inference]
+            if meta_raw is not None:
+                parts += [_KEY["meta"], meta_raw]
+            replies.append(b"".join(parts))
+        return replies
+
     def _tensor(self, name: str, array: Any) -> list[bytes | memoryview]:
         """The output's name, tensor map and bin header, packed once per (name, dtype, shape),
         then its data as a buffer (no copy when contiguous)."""
@@ -468,6 +506,12 @@ def _bin_header(n: int) -> bytes:
     if n < 1 << 16:
         return b"\xc5" + n.to_bytes(2, "big")
     return b"\xc6" + n.to_bytes(4, "big")
+
+
+# The start of an ok reply with batch_rows, without and with meta, up to the rid's value; then
+# what follows the rid up to the outputs map's header.
+_OK_HEAD = (_map_header(7) + _KEY["rid"], _map_header(8) + _KEY["rid"])
+_OK_OUTPUTS = _KEY["ok"] + b"\xc3" + _KEY["outputs"]
 
 
 def decode_reply(raw: bytes) -> Reply:

@@ -249,6 +249,43 @@ def test_replies_round_trip_and_echo_meta_bytes(
     assert codec.encode_reply(got) == raw  # a relay that decodes and re-encodes changes nothing
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.from_regex(RID, fullmatch=True),
+            st.dictionaries(names, arrays(), max_size=2),
+            st.floats(0, 1e6),
+            st.none() | meta_values.map(codec.pack_meta),
+        ),
+        max_size=5,
+    ),
+    batch_rows=st.integers(1, 4096),
+    inference_ms=st.floats(0, 1e6),
+)
+def test_a_runs_replies_encoded_together_are_the_bytes_encoded_one_by_one(
+    requests: list[tuple[str, dict[str, tuple[str, np.ndarray]], float, bytes | None]],
+    batch_rows: int,
+    inference_ms: float,
+) -> None:
+    encoder = codec.ReplyEncoder(codec.ModelRef("m", "1", "0" * 64), "w")
+    together = encoder.encode_run(
+        [(rid, {k: a for k, (_, a) in outs.items()}, q, meta) for rid, outs, q, meta in requests],
+        batch_rows=batch_rows,
+        inference_ms=inference_ms,
+    )
+    assert together == [
+        encoder.encode(
+            rid,
+            outputs={k: a for k, (_, a) in outs.items()},
+            batch_rows=batch_rows,
+            timings_ms={"queued": q, "inference": inference_ms},
+            meta_raw=meta,
+        )
+        for rid, outs, q, meta in requests
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # Meta is echoed byte for byte
 

@@ -302,26 +302,45 @@ class Worker:
                     buffers=self.buffers,
                     pad_rows=self.model.padded_rows,
                 )
-                finishes.extend(self._success_or_failure(o, started_ms) for o in outcomes)
+                finishes += self._finish_run(outcomes, started_ms)
         return finishes
 
     def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
         wanted = {n for item in items if item.request is not None for n in item.request.outputs}
         return [n for n in self.schema.output_names if n in wanted]
 
-    def _success_or_failure(self, outcome: Outcome, started_ms: float) -> Finish:
-        item = outcome.item
-        if outcome.error is not None:
+    def _finish_run(self, outcomes: Sequence[Outcome], started_ms: float) -> list[Finish]:
+        """The finish steps of a sub-batch's outcomes; the ok replies of each run are encoded
+        together (what they share is packed once)."""
+        finishes = []
+        runs: dict[tuple[int, float], list[Outcome]] = {}
+        for outcome in outcomes:
+            if outcome.error is None:
+                runs.setdefault((outcome.batch_rows, outcome.inference_ms), []).append(outcome)
+                continue
             if outcome.error.code == "INFERENCE_FAILED":
                 log.warning(
                     "request failed in the runtime",
-                    extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
+                    extra={"fields": {"rid": outcome.item.rid, "error": outcome.error.message}},
                 )
-            return self._failure(item, outcome.error, started_ms, outcome.inference_ms)
-        reply = self._reply(
-            item, started_ms, outcome.inference_ms, outputs=outcome.outputs, rows=outcome.batch_rows
-        )
-        return Finish(item.entry.entry_id, item.rid, reply, self._ttl(item), code="OK")
+            finishes.append(
+                self._failure(outcome.item, outcome.error, started_ms, outcome.inference_ms)
+            )
+        for (rows, inference_ms), done in runs.items():
+            items = [o.item for o in done]
+            replies = self._encoder.encode_run(
+                [
+                    (item.rid or "", o.outputs or {}, _queued_ms(item, started_ms), item.meta_raw)
+                    for item, o in zip(items, done, strict=True)
+                ],
+                batch_rows=rows,
+                inference_ms=round(inference_ms, 3),
+            )
+            finishes += [
+                Finish(item.entry.entry_id, item.rid, reply, self._ttl(item), code="OK")
+                for item, reply in zip(items, replies, strict=True)
+            ]
+        return finishes
 
     def _failure(
         self, item: WorkItem, error: Rejected | None, started_ms: float, inference_ms: float = 0.0
@@ -343,7 +362,7 @@ class Worker:
             )
         assert error is not None
         info = ErrorInfo(error.code, error.message, error.retryable)
-        reply = self._reply(item, started_ms, inference_ms, error=info)
+        reply = self._reply(item, started_ms, inference_ms, info)
         return Finish(
             item.entry.entry_id,
             item.rid,
@@ -354,32 +373,22 @@ class Worker:
         )
 
     def _reply(
-        self,
-        item: WorkItem,
-        started_ms: float,
-        inference_ms: float,
-        *,
-        outputs: dict[str, Any] | None = None,
-        error: ErrorInfo | None = None,
-        rows: int | None = None,
+        self, item: WorkItem, started_ms: float, inference_ms: float, error: ErrorInfo
     ) -> bytes:
         assert item.rid is not None
-        timings = {
-            "queued": round(max(started_ms - item.entry.id_ms, 0.0), 3),
-            "inference": round(inference_ms, 3),
-        }
+        timings = {"queued": _queued_ms(item, started_ms), "inference": round(inference_ms, 3)}
         return self._encoder.encode(
-            item.rid,
-            outputs=outputs,
-            error=error,
-            batch_rows=rows,
-            timings_ms=timings,
-            meta_raw=item.meta_raw,
+            item.rid, error=error, timings_ms=timings, meta_raw=item.meta_raw
         )
 
     def _ttl(self, item: WorkItem) -> int:
         own = self.config.delivery.reply_ttl_s
         return min(item.reply_ttl_s, own) if item.reply_ttl_s else own
+
+
+def _queued_ms(item: WorkItem, started_ms: float) -> float:
+    """From enqueue (the stream id's time) to the batch's start, as replies report it."""
+    return round(max(started_ms - item.entry.id_ms, 0.0), 3)
 
 
 def _expired(item: WorkItem) -> Rejected | None:
