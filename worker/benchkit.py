@@ -35,9 +35,9 @@ import redis
 
 from producer import bench
 from producer.codec import ModelRef, Reply, encode_reply
-from producer.keys import request_stream
+from producer.keys import is_valid_rid, request_stream
 from worker.config import PROVIDERS, ModelConfig, ProviderConfig
-from worker.stream import Finish, RequestStream
+from worker.stream import Finish, RawEntry, RequestStream
 
 __all__ = ["main", "measure_asyncio", "measure_bare", "measure_protocol"]
 
@@ -156,12 +156,18 @@ class _Echo(threading.Thread):
                 entries = self.stream.read(self.count, _ECHO_BLOCK_MS)
                 if entries:
                     reply = self.replies(len(entries))
-                    finishes = [
-                        Finish(e.entry_id, e.fields[b"rid"].decode(), reply, 600) for e in entries
-                    ]
+                    finishes = [Finish(e.entry_id, _rid(e), reply, 600) for e in entries]
                     self.stream.finish(finishes)
         except BaseException as exc:  # raised on the measuring thread once the load is over
             self.failure = exc
+
+
+def _rid(entry: RawEntry) -> str:
+    """The entry's rid, checked as intake checks it: only checked names go into keys."""
+    rid = entry.fields[b"rid"].decode()
+    if not is_valid_rid(rid):
+        raise ValueError(f"the bench's producer sent an invalid rid {rid[:140]!r}")
+    return rid
 
 
 def measure_protocol(

@@ -82,16 +82,16 @@ class Layouts:
             return
         if any(a.dtype.kind == "b" or a.size == 0 for a in valid.inputs.values()):
             return
+        if len(self._by_length.get(len(body), ())) >= _PER_LENGTH:
+            return
         layout = _layout(body, decoded, valid)
         if sum(len(part) for _, part in layout.fixed) > _MAX_FIXED_BYTES:
             return
         if self._count >= self.capacity:  # a stream of ever-new shapes: start over
             self._by_length.clear()
             self._count = 0
-        same_length = self._by_length.setdefault(len(body), [])
-        if len(same_length) < _PER_LENGTH:
-            same_length.append(layout)
-            self._count += 1
+        self._by_length.setdefault(len(body), []).append(layout)
+        self._count += 1
 
 
 def _layout(body: bytes, decoded: RequestBody, valid: ValidRequest) -> _Layout:

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 from worker.intake import WorkItem, admit
+from worker.layouts import Layouts
 
 from .mutator import Mutator, fuzz_entry
 from .oracle import ADMIT_CODES, outcome, raw_entry
@@ -31,6 +32,7 @@ def fuzz_admit(
     target = target or FuzzTarget()
     schema = schema_for(target)
     mutator = Mutator(target, seed)
+    layouts = Layouts()
     outcomes: Counter[str] = Counter()
     failures: list[dict[str, Any]] = []
     worst: dict[str, Any] = {"bytes": 0, "body_bytes": 0, "index": -1, "mutation": ""}
@@ -46,11 +48,15 @@ def fuzz_admit(
                 base = tracemalloc.get_traced_memory()[0]
             try:
                 item = admit(raw_entry(rid, body), schema, target.max_request_bytes)
+                # The same body through known layouts (worker/layouts.py) must fare the same.
+                fast = admit(raw_entry(rid, body), schema, target.max_request_bytes, 1, layouts)
             except Exception as exc:  # the finding itself: admit must never raise
                 outcomes["EXCEPTION"] += 1
                 failures.append(_failure(index, mutation, "EXCEPTION", repr(exc)))
                 continue
             code = outcome(item)
+            if _admitted(fast) != _admitted(item):
+                failures.append(_failure(index, mutation, "LAYOUT_MISMATCH", _message(fast)))
             outcomes[code] += 1
             if code not in ADMIT_CODES:
                 failures.append(_failure(index, mutation, code, _message(item)))
@@ -84,6 +90,19 @@ def fuzz_admit(
         "elapsed_s": round(elapsed, 2),
         "ok": not failures,
     }
+
+
+def _admitted(item: WorkItem) -> tuple[Any, ...]:
+    """Everything admit decided for an item: its answer, options, rows and input bytes."""
+    request = item.request
+    arrays = (
+        None
+        if request is None
+        else [(n, a.dtype.str, a.shape, a.tobytes()) for n, a in request.inputs.items()]
+    )
+    shape = None if request is None else (request.rows, request.signature, request.outputs)
+    options = (item.deadline_ms, item.meta_raw, item.reply_ttl_s)
+    return outcome(item), _message(item), item.dead_reason, options, shape, arrays
 
 
 def _message(item: WorkItem) -> str:
