@@ -384,7 +384,7 @@ class ReplyEncoder:
             detail = {"code": error.code, "message": error.message, "retryable": error.retryable}
             parts += [b"\xc2", _KEY["error"], _packb(detail)]
         parts.append(self._shared)
-        if with_rows:
+        if with_rows and batch_rows is not None:
             parts += [_KEY["batch_rows"], _pack_rows(batch_rows)]
         parts += [_KEY["timings_ms"], _pack_timings(timings_ms)]
         if meta_raw is not None:
@@ -415,7 +415,7 @@ class ReplyEncoder:
         inference = _PACKED_NAMES["inference"] + b"\xcb" + _FLOAT64.pack(inference_ms)
         replies = []
         for rid, outputs, queued_ms, meta_raw in requests:
-            parts = [
+            parts: list[bytes | memoryview] = [
                 _OK_HEAD[meta_raw is not None],
                 _pack_str(rid),
                 _OK_OUTPUTS,
