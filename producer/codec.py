@@ -13,6 +13,7 @@ hundred characters of what was sent.
 
 from __future__ import annotations
 
+import functools
 import math
 import reprlib
 import struct
@@ -240,7 +241,7 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
     for name in raw_inputs:
         if not isinstance(name, str):
             raise WireFormatError(f"input names must be strings; got {_kind(name)} {_quote(name)}.")
-    inputs = {name: decode_tensor(t, f"input {_quote(name)}") for name, t in raw_inputs.items()}
+    inputs = {name: decode_tensor(t, _input_where(name)) for name, t in raw_inputs.items()}
     return RequestBody(
         inputs=inputs,
         outputs=_optional_names(doc.get("outputs")),
@@ -248,6 +249,12 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         meta_raw=_meta_raw(body, max_bytes) if "meta" in doc else None,
         reply_ttl_s=_optional_int(doc, "reply_ttl_s", minimum=1),
     )
+
+
+def _input_where(name: str) -> str:
+    """How errors name an input: quoted, and cut short when a hostile name is long."""
+    quoted = repr(name) if len(name) <= _MAX_QUOTE else ""
+    return f"input {quoted if 0 < len(quoted) <= _MAX_QUOTE else _quote(name)}"
 
 
 def data_spans(body: bytes) -> dict[str, tuple[int, int]]:
@@ -549,6 +556,7 @@ def decode_reply(raw: bytes) -> Reply:
 # msgpack, with limits
 
 
+@functools.lru_cache(maxsize=64)
 def _limits(max_bytes: int) -> dict[str, Any]:
     """Unpacker options that bound what a hostile body can make the decoder allocate."""
     return {
