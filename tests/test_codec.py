@@ -511,3 +511,13 @@ def test_meta_may_use_any_msgpack_key_and_is_echoed_verbatim() -> None:
     raw_meta = pack({1: "a", "b": [1, 2]})
     decoded = codec.decode_request(body_with_raw("meta", raw_meta), MAX_BYTES)
     assert decoded.meta_raw == raw_meta
+
+
+@pytest.mark.parametrize("name", ["x", "a'b", 'é"', "x" * 98, "x" * 100, "\x00" * 40, "y" * 500])
+def test_errors_quote_an_input_name_as_reprlib_cuts_it(name: str) -> None:
+    body = pack({"inputs": {name: {"dtype": "float32", "shape": [1], "data": b""}}})
+    with pytest.raises(WireFormatError) as info:
+        codec.decode_request(body, MAX_BYTES)
+    quoted = codec._quote(name)
+    assert info.value.message.startswith(f"input {quoted}: data has 0 bytes")
+    assert len(quoted) <= 104  # a hostile name cannot make the message long
