@@ -29,6 +29,8 @@ _MAX_FIXED_BYTES = 4096  # a layout keeps its bytes but the data: only small one
 
 @dataclass(frozen=True, slots=True)
 class _Array:
+    """Where one input's data lies in a matching body, and the array it makes."""
+
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
