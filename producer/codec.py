@@ -31,12 +31,13 @@ __all__ = [
     "MAX_META_BYTES",
     "MAX_RANK",
     "MAX_VALUES",
+    "BodySpans",
     "ErrorInfo",
     "ModelRef",
     "Reply",
     "ReplyEncoder",
     "RequestBody",
-    "data_spans",
+    "body_spans",
     "decode_reply",
     "decode_request",
     "decode_tensor",
@@ -257,15 +258,32 @@ def _input_where(name: str) -> str:
     return f"input {quoted if 0 < len(quoted) <= _MAX_QUOTE else _quote(name)}"
 
 
-def data_spans(body: bytes) -> dict[str, tuple[int, int]]:
-    """Where each input's data lies in a body that ``decode_request`` accepted: name to (offset,
-    length) of the payload of its ``data`` bin. A worker keeps this layout to admit later bodies
-    that differ only there without decoding them (``worker.layouts``)."""
+@dataclass(frozen=True, slots=True)
+class BodySpans:
+    """Where the per-request values lie in a body that ``decode_request`` accepted.
+
+    ``data``: input name to (offset, length) of its ``data`` bin's payload. ``deadline``:
+    (offset, width, signed) of the payload of ``deadline_ms`` when it is a 32- or 64-bit integer
+    (its type byte fixes its width), else None. A worker keeps the rest of the body to admit later
+    bodies that differ only there without decoding them (``worker.layouts``).
+    """
+
+    data: dict[str, tuple[int, int]]
+    deadline: tuple[int, int, bool] | None
+
+
+def body_spans(body: bytes) -> BodySpans:
+    """The spans of a body that ``decode_request`` accepted (see ``BodySpans``)."""
     unpacker = _unpacker(len(body))
     unpacker.feed(body)
-    spans: dict[str, tuple[int, int]] = {}
+    data: dict[str, tuple[int, int]] = {}
+    deadline: tuple[int, int, bool] | None = None
     for _ in range(unpacker.read_map_header()):
-        if unpacker.unpack() != "inputs":
+        key = unpacker.unpack()
+        payload = _INT_PAYLOADS.get(body[unpacker.tell()])
+        if key == "deadline_ms" and payload is not None:
+            deadline = (unpacker.tell() + 1, *payload)
+        if key != "inputs":
             unpacker.skip()
             continue
         for _ in range(unpacker.read_map_header()):
@@ -275,8 +293,8 @@ def data_spans(body: bytes) -> dict[str, tuple[int, int]]:
                 start = unpacker.tell()
                 unpacker.skip()
                 if key == "data":
-                    spans[name] = _bin_payload(body, start)
-    return spans
+                    data[name] = _bin_payload(body, start)
+    return BodySpans(data, deadline)
 
 
 def _bin_payload(body: bytes, start: int) -> tuple[int, int]:
@@ -285,6 +303,8 @@ def _bin_payload(body: bytes, start: int) -> tuple[int, int]:
     return start + 1 + width, int.from_bytes(body[start + 1 : start + 1 + width], "big")
 
 
+# msgpack integer types whose payload may hold any value of its width: (width, signed)
+_INT_PAYLOADS = {0xCE: (4, False), 0xCF: (8, False), 0xD2: (4, True), 0xD3: (8, True)}
 _BIN_WIDTHS = {0xC4: 1, 0xC5: 2, 0xC6: 4}
 
 

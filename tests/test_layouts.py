@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from fuzzing import FuzzTarget, schema_for
@@ -104,14 +105,25 @@ def test_same_length_but_another_shape_is_decoded_and_gets_its_own_shape() -> No
     same(item, run(second, FREE, None))
 
 
-@pytest.mark.parametrize(
-    "options",
-    [{"deadline_ms": 10**13}, {"meta": {"user": 7}}],
-    ids=["deadline", "meta"],
-)
-def test_bodies_whose_options_change_per_request_are_not_kept(options: dict[str, Any]) -> None:
+def test_meta_whose_bytes_change_per_request_is_not_kept() -> None:
     layouts = Layouts()
-    run(multi_body(0, **options), MULTI, layouts)
+    run(multi_body(0, meta={"user": 7}), MULTI, layouts)
+    assert len(layouts) == 0
+
+
+def test_deadlines_are_read_from_their_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    layouts = Layouts()
+    now_ms = 1_764_000_000_000  # epoch milliseconds: a uint64, as clients pack them
+    run(multi_body(0, deadline_ms=now_ms), MULTI, layouts)
+    monkeypatch.setattr(intake, "decode_request", lambda *_: pytest.fail("decoded again"))
+    for deadline_ms in (now_ms + 1, now_ms + 10**9, 2**40):
+        body = multi_body(1, deadline_ms=deadline_ms)
+        assert run(body, MULTI, layouts).deadline_ms == deadline_ms
+
+
+def test_a_deadline_packed_small_is_not_kept() -> None:
+    layouts = Layouts()
+    run(multi_body(0, deadline_ms=5), MULTI, layouts)  # a fixint: its one byte is its value
     assert len(layouts) == 0
 
 
@@ -138,30 +150,47 @@ def test_layouts_stay_bounded_under_ever_new_layouts() -> None:
 
 
 BASE = multi_body(0, outputs=["twice", "total"], reply_ttl_s=100)
+# A deadline packed as a signed 64-bit integer, as some msgpack libraries pack every integer:
+# an edit of its first byte can make it negative, which the full path refuses.
+DEADLINE_KEY = msgpack.packb("deadline_ms")
+SIGNED_DEADLINE = multi_body(0, deadline_ms=2**40).replace(
+    DEADLINE_KEY + b"\xcf", DEADLINE_KEY + b"\xd3"
+)
 
 
+@pytest.mark.parametrize("base", [BASE, SIGNED_DEADLINE], ids=["plain", "signed-deadline"])
 @settings(max_examples=400, derandomize=True, database=None, deadline=None)
 @given(
-    edits=st.lists(
-        st.tuples(st.integers(0, len(BASE) - 1), st.integers(0, 255)), min_size=1, max_size=3
-    )
+    edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=3)
 )
 def test_any_edit_of_a_known_body_is_admitted_as_the_full_path_admits_it(
-    edits: list[tuple[int, int]],
+    base: bytes, edits: list[tuple[int, int]]
 ) -> None:
     layouts = Layouts()
-    run(BASE, MULTI, layouts)
-    body = bytearray(BASE)
+    run(base, MULTI, layouts)
+    assert len(layouts) == 1
+    body = bytearray(base)
     for position, value in edits:
-        body[position] = value
+        body[position % len(body)] = value
     edited = bytes(body)
     same(run(edited, MULTI, layouts), run(edited, MULTI, None))
+
+
+def test_a_negative_signed_deadline_is_refused_as_the_full_path_refuses_it() -> None:
+    layouts = Layouts()
+    run(SIGNED_DEADLINE, MULTI, layouts)
+    at = SIGNED_DEADLINE.index(DEADLINE_KEY + b"\xd3") + len(DEADLINE_KEY) + 1
+    negative = SIGNED_DEADLINE[:at] + b"\xff" + SIGNED_DEADLINE[at + 1 :]
+    item = run(negative, MULTI, layouts)
+    assert item.rejection is not None
+    assert item.rejection.code == "MALFORMED"
+    same(item, run(negative, MULTI, None))
 
 
 def test_data_spans_point_at_each_inputs_data() -> None:
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.full((1, 300), 7, dtype=np.int64)  # a bin of over 255 bytes: a 2-byte length
     body = codec.encode_request({"a": a, "b": b}, outputs=["total"], reply_ttl_s=5)
-    spans = codec.data_spans(body)
+    spans = codec.body_spans(body).data
     assert body[spans["a"][0] : sum(spans["a"])] == a.tobytes()
     assert body[spans["b"][0] : sum(spans["b"])] == b.tobytes()

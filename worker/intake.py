@@ -131,7 +131,7 @@ def _admit(item: WorkItem, schema: Schema, max_request_bytes: int, layouts: Layo
         raise Rejected("MALFORMED", "the stream entry has no 'body' field.")
     known = layouts.match(body) if layouts is not None else None
     if known is not None:
-        item.request, item.reply_ttl_s = known
+        item.request, item.reply_ttl_s, item.deadline_ms = known
         return
     try:
         decoded = decode_request(body, max_request_bytes)

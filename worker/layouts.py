@@ -8,23 +8,34 @@ the first, so it passes the same checks, and its arrays are views of its own dat
 validating was about a third of the worker's time per small request; matching a layout is a few
 byte comparisons. Anything that does not match takes the full path, which stays the reference.
 
-Bodies with a deadline or meta are not kept (those bytes change from request to request), nor
-bool inputs (their data bytes are checked one by one) or empty ones.
+A deadline changes from request to request too: when it is packed as a 32- or 64-bit integer
+(as clients pack epoch milliseconds), its value bytes are read like the data, and a signed one
+that is negative goes to the full path, which refuses it. Bodies with meta (whose bytes change
+in length), bool inputs (their data bytes are checked one by one) or empty ones are not kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from producer.codec import RequestBody, data_spans
+from producer.codec import RequestBody, body_spans
 from worker.schema import Signature, ValidRequest
 
-__all__ = ["Layouts"]
+__all__ = ["Known", "Layouts"]
 
 _PER_LENGTH = 4  # layouts kept per body length (producers that order keys differently)
 _MAX_FIXED_BYTES = 4096  # a layout keeps its bytes but the data: only small ones are kept
+
+
+class Known(NamedTuple):
+    """A body admitted by its layout: what decoding and validating it would have given."""
+
+    request: ValidRequest
+    reply_ttl_s: int | None
+    deadline_ms: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +59,19 @@ class _Layout:
     signature: Signature
     outputs: tuple[str, ...]
     reply_ttl_s: int | None
+    deadline: tuple[int, int, bool] | None  # (offset, width, signed) of deadline_ms's value
 
     def matches(self, body: bytes) -> bool:
         return all(body.startswith(part, offset) for offset, part in self.fixed)
+
+    def deadline_ms(self, body: bytes) -> int | None:
+        """The body's deadline_ms (None: it has none); -1 when it is negative, which the full
+        path refuses."""
+        if self.deadline is None:
+            return None
+        offset, width, signed = self.deadline
+        value = int.from_bytes(body[offset : offset + width], "big", signed=signed)
+        return value if value >= 0 else -1
 
     def admit(self, body: bytes) -> ValidRequest:
         inputs = {
@@ -71,22 +92,27 @@ class Layouts:
     def __len__(self) -> int:
         return self._count
 
-    def match(self, body: bytes) -> tuple[ValidRequest, int | None] | None:
-        """The valid request and its ``reply_ttl_s`` when ``body`` has a known layout."""
+    def match(self, body: bytes) -> Known | None:
+        """What the full path would conclude of ``body``, when it has a known layout."""
         for layout in self._by_length.get(len(body), ()):
             if layout.matches(body):
-                return layout.admit(body), layout.reply_ttl_s
+                deadline_ms = layout.deadline_ms(body)
+                if deadline_ms == -1:
+                    return None
+                return Known(layout.admit(body), layout.reply_ttl_s, deadline_ms)
         return None
 
     def learn(self, body: bytes, decoded: RequestBody, valid: ValidRequest) -> None:
         """Keep the layout of ``body``, which ``decoded`` and ``valid`` came from."""
-        if decoded.deadline_ms is not None or decoded.meta_raw is not None:
+        if decoded.meta_raw is not None:
             return
         if any(a.dtype.kind == "b" or a.size == 0 for a in valid.inputs.values()):
             return
         if len(self._by_length.get(len(body), ())) >= _PER_LENGTH:
             return
         layout = _layout(body, decoded, valid)
+        if decoded.deadline_ms is not None and layout.deadline is None:
+            return  # packed in fewer bytes than its type's width: it is one of the fixed bytes
         if sum(len(part) for _, part in layout.fixed) > _MAX_FIXED_BYTES:
             return
         if self._count >= self.capacity:  # a stream of ever-new shapes: start over
@@ -97,13 +123,15 @@ class Layouts:
 
 
 def _layout(body: bytes, decoded: RequestBody, valid: ValidRequest) -> _Layout:
-    spans = data_spans(body)
+    spans = body_spans(body)
     arrays = tuple(
-        _Array(name, a.dtype, a.shape, spans[name][0], a.size) for name, a in valid.inputs.items()
+        _Array(name, a.dtype, a.shape, spans.data[name][0], a.size)
+        for name, a in valid.inputs.items()
     )
+    holes = sorted([*spans.data.values(), *([spans.deadline[:2]] if spans.deadline else [])])
     fixed = []
     start = 0
-    for offset, length in sorted(spans.values()):
+    for offset, length in holes:
         fixed.append((start, body[start:offset]))
         start = offset + length
     fixed.append((start, body[start:]))
@@ -114,4 +142,5 @@ def _layout(body: bytes, decoded: RequestBody, valid: ValidRequest) -> _Layout:
         valid.signature,
         valid.outputs,
         decoded.reply_ttl_s,
+        spans.deadline,
     )
