@@ -100,6 +100,14 @@ def decode_or_code(body: bytes, max_bytes: int = TARGET.max_request_bytes) -> st
     return "OK"
 
 
+def reply_or_code(raw: bytes) -> str:
+    try:
+        codec.decode_reply(raw)
+    except WireFormatError as exc:
+        return exc.code
+    return "OK"
+
+
 # ---------------------------------------------------------------------------------------------
 # Hypothesis: the decoder and admit never raise anything else
 
@@ -244,6 +252,31 @@ def test_a_body_of_empty_containers_is_refused_fast_and_small() -> None:
     assert peak_bytes(lambda: decode_or_code(body, BIG)) < 100_000
     assert time.perf_counter() - started < 5
     assert f"more than {codec.MAX_VALUES}" in str(refused(body))
+
+
+@pytest.mark.parametrize(
+    "level",
+    [b"\xdc\x0f\xff", b"\xdc\x03\xff", b"\xde\x01\xff", b"\x9f"],
+    ids=["array16-of-4095", "array16-of-1023", "map16-of-511", "fixarray-of-15"],
+)
+def test_small_msgpack_is_bounded_without_the_header_walk(level: bytes) -> None:
+    # At most 1 KiB is not walked first (codec._SMALL); containers are capped at its length,
+    # so a hostile one nests at most a third of a KiB of them: a few MB at worst.
+    body = with_raw("meta", b"")
+    body += (level * 1024)[: codec._SMALL - len(body)]
+    raw = (level * 1024)[: codec._SMALL]
+    assert len(body) == len(raw) == codec._SMALL
+    assert decode_or_code(body, BIG) == "MALFORMED"
+    assert peak_bytes(lambda: decode_or_code(body, BIG)) < 4_000_000
+    assert reply_or_code(raw) == "MALFORMED"
+    assert peak_bytes(lambda: reply_or_code(raw)) < 4_000_000
+
+
+def test_a_container_as_long_as_a_small_body_allows_is_accepted() -> None:
+    meta = [0] * 900  # 900 values in 903 bytes: the cap is the body's length, never below it
+    body = with_raw("meta", pack(meta))
+    assert len(body) <= codec._SMALL
+    assert codec.decode_request(body, BIG).meta_raw == pack(meta)
 
 
 def test_values_up_to_the_limit_are_accepted() -> None:
