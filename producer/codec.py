@@ -6,9 +6,10 @@ raises ``WireFormatError`` (code ``MALFORMED``, or ``TOO_LARGE`` for size limits
 says what is wrong and where. Tensor data is never copied on decode (``numpy.frombuffer``).
 
 A hostile body costs little more than its own size: the size limit comes first, the values it
-declares are counted from its headers before the unpacker builds any (``MAX_VALUES``), shapes
-are checked against the data length before an array exists, and error messages quote at most a
-hundred characters of what was sent.
+declares are counted from its headers before the unpacker builds any (``MAX_VALUES``; at 1 KiB
+or less its containers are capped at its length instead), shapes are checked against the data
+length before an array exists, and error messages quote at most a hundred characters of what
+was sent.
 """
 
 from __future__ import annotations
