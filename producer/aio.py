@@ -3,7 +3,8 @@ sans-I/O ``core`` and ``window``.
 
 Same methods, same behaviour, with ``await``: ``wait_many`` and ``map`` are async iterators.
 Like ``Client``, it pipelines submits and waits on many keys at once, which is what keeps its cost
-per request low; one coroutine per request, each with its own BLPOP, would not.
+per request low. Calls made concurrently (``infer`` from many handlers) share their round trips
+as well (``producer.coalesce``): submits go together, and one BLPOP waits for many calls.
 
 Example::
 
@@ -27,8 +28,9 @@ from numpy.typing import ArrayLike
 
 from producer import core, resp, window
 from producer.client import DEFAULT_URL
+from producer.coalesce import Coalescer, ReplyHub
 from producer.core import Chunk, Result
-from producer.errors import RedbatchError
+from producer.errors import RedbatchError, WaitTimeout
 from producer.keys import DEFAULT_PREFIX
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
@@ -71,6 +73,9 @@ class AsyncClient:
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
         self._retry = RetryPolicy(self._where, retry_s)
         self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
+        # Concurrent submit and wait calls (infer from many handlers) share round trips.
+        self._submits: Coalescer[core.Submission] = Coalescer(self._send)
+        self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._block_cap_s, self._late)
 
     @property
     def model(self) -> str:
@@ -99,7 +104,7 @@ class AsyncClient:
             reply_ttl_s=reply_ttl_s,
             now_s=time.time(),
         )
-        await self._send([sub])
+        await self._submits([sub])
         return sub.rid
 
     async def submit_many(
@@ -121,7 +126,7 @@ class AsyncClient:
             now_s=time.time(),
         )
         if subs:
-            await self._send(subs)
+            await self._submits(subs)
         return [sub.rid for sub in subs]
 
     async def _send(self, subs: Sequence[core.Submission]) -> None:
@@ -151,14 +156,22 @@ class AsyncClient:
         return None if raw is None else core.parse_reply(rid, raw)
 
     async def wait(self, rid: str, timeout_s: float) -> Result:
-        """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
-        waiter = window.ReplyWaiter(self._settings, timeout_s)
-        waiter.add(rid, time.monotonic())
-        while True:
-            item = await self._retry.acall(self._blpop, waiter)
-            results = waiter.take_blpopped(item, time.monotonic())
-            if results:
-                return results[0]
+        """Block for the reply of ``rid`` and consume it; raises WaitTimeout. Concurrent waits
+        share their round trips: one BLPOP watches many keys."""
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
+        key = self._settings.reply_key(rid).encode()
+        return core.parse_reply_or_fail(rid, await self._replies.wait(key, timeout_s), self.model)
+
+    async def _hub_blpop(self, keys: list[bytes], block_s: float) -> Any:
+        return await self._retry.acall(self._redis.blpop, keys, block_s)
+
+    async def _hub_lpop(self, keys: list[bytes]) -> Sequence[Any]:
+        return await self._retry.acall(self._lpop, keys)
+
+    def _late(self, key: bytes, timeout_s: float) -> WaitTimeout:
+        rid = key.decode().rpartition(":reply:")[2]
+        return window.wait_timeout(self.model, timeout_s, [rid])
 
     def wait_many(self, rids: Sequence[str], timeout_s: float) -> AsyncIterator[Result]:
         """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
@@ -301,7 +314,10 @@ class AsyncClient:
     # -- lifetime --------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close the connections, unless the Redis client was passed in."""
+        """Close the connections, unless the Redis client was passed in; calls still waiting
+        raise RedbatchError."""
+        self._submits.close()
+        self._replies.close()
         if self._owns_redis:
             await self._redis.aclose()
 

@@ -32,7 +32,7 @@ from redis.typing import EncodableT, FieldT
 
 from producer import codec, keys, resp
 from producer.codec import ErrorInfo, ModelRef
-from producer.errors import BacklogFull, NoWorkerInfo, error_for_code
+from producer.errors import BacklogFull, NoWorkerInfo, WireFormatError, error_for_code
 
 __all__ = [
     "FIRST_BACKOFF_S",
@@ -137,6 +137,16 @@ def parse_reply(rid: str, raw: bytes | str) -> Result:
         batch_rows=reply.batch_rows,
         timings_ms=reply.timings_ms,
     )
+
+
+def parse_reply_or_fail(rid: str, raw: bytes | str, model: str) -> Result:
+    """``parse_reply``, or a failed Result (INTERNAL) when the reply cannot be decoded: one bad
+    reply must not become an exception that loses the others read with it."""
+    try:
+        return parse_reply(rid, raw)
+    except WireFormatError as exc:
+        message = f"the reply could not be decoded: {exc}"
+        return failed_result(rid, model, "INTERNAL", message, True)
 
 
 def failed_result(rid: str, model: str, code: str, message: str, retryable: bool) -> Result:

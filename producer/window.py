@@ -24,9 +24,9 @@ from producer.core import (
     as_bytes,
     build_submission,
     failed_result,
-    parse_reply,
+    parse_reply_or_fail,
 )
-from producer.errors import WaitTimeout, WireFormatError
+from producer.errors import WaitTimeout
 
 #: The client-side code of a request whose reply did not come in time (map() and ``redbatch
 #: run``); its request is cancelled, so a worker that has not formed its batch yet skips it.
@@ -99,11 +99,7 @@ class ReplyWaiter:
 
     def _take(self, key: bytes, raw: bytes | str) -> Result:
         rid, _ = self._pending.pop(key)
-        try:
-            return parse_reply(rid, raw)
-        except WireFormatError as exc:
-            message = f"the reply could not be decoded: {exc}"
-            return failed_result(rid, self._settings.model, "INTERNAL", message, True)
+        return parse_reply_or_fail(rid, raw, self._settings.model)
 
     def _late(self, now: float) -> list[Result]:
         late = [rid for rid, deadline in self._pending.values() if deadline <= now]
@@ -118,12 +114,17 @@ class ReplyWaiter:
             )
             model = self._settings.model
             return [failed_result(rid, model, WAIT_TIMEOUT, message, True) for rid in late]
-        shown = ", ".join(late[:5]) + (f" and {len(late) - 5} more" if len(late) > 5 else "")
-        raise WaitTimeout(
-            f"No reply within {self.timeout_s:g} s for {len(late)} request(s) to model "
-            f"{self._settings.model!r}: {shown}. A worker may be down or behind; "
-            "'redbatch status' shows the backlog and the live workers."
-        )
+        raise wait_timeout(self._settings.model, self.timeout_s, late)
+
+
+def wait_timeout(model: str, timeout_s: float, rids: Sequence[str]) -> WaitTimeout:
+    """The error for requests whose reply did not come within ``timeout_s``."""
+    shown = ", ".join(rids[:5]) + (f" and {len(rids) - 5} more" if len(rids) > 5 else "")
+    return WaitTimeout(
+        f"No reply within {timeout_s:g} s for {len(rids)} request(s) to model {model!r}: "
+        f"{shown}. A worker may be down or behind; 'redbatch status' shows the backlog and the "
+        "live workers."
+    )
 
 
 # ---------------------------------------------------------------------------------------------

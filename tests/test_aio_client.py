@@ -24,7 +24,14 @@ from producer import aio as aio_module
 from producer import codec, keys
 from producer.aio import AsyncClient
 from producer.codec import ErrorInfo, ModelRef, Reply
-from producer.errors import BacklogFull, ConnectionFailed, InvalidInput, NoWorkerInfo, WaitTimeout
+from producer.errors import (
+    BacklogFull,
+    ConnectionFailed,
+    InvalidInput,
+    NoWorkerInfo,
+    RedbatchError,
+    WaitTimeout,
+)
 from worker.localredis import free_port
 
 MODEL = "demo"
@@ -283,5 +290,139 @@ def test_unreachable_redis_raises_connection_failed() -> None:
             assert time.monotonic() - started < 10
         assert f"redis://127.0.0.1:{port}/0" in str(info.value)
         assert "hunter2" not in str(info.value)
+
+    run(scenario)
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrent calls share round trips (producer/coalesce.py)
+
+
+def a_reply(rid: str) -> bytes:
+    return codec.encode_reply(
+        Reply(rid=rid, ok=True, model=FAKE_MODEL, worker="hand", timings_ms={}, outputs={})
+    )
+
+
+async def blocked_clients(conn: redis.asyncio.Redis, at_least: int) -> None:
+    """Return once Redis has ``at_least`` clients blocked (in a BLPOP)."""
+    while int((await conn.info("clients"))["blocked_clients"]) < at_least:
+        await asyncio.sleep(0.005)
+
+
+def test_concurrent_infers_share_submits_and_waits(
+    redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xadd_trips: list[int] = []
+    xadd = AsyncClient._xadd
+
+    async def counting_xadd(self: AsyncClient, subs: Any) -> None:
+        xadd_trips.append(len(subs))
+        await xadd(self, subs)
+
+    monkeypatch.setattr(AsyncClient, "_xadd", counting_xadd)
+    blpops_before = int(rconn.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
+
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
+
+            async def one(i: int) -> None:
+                out = await client.infer({"x": xs(1) + i}, timeout_s=10)
+                np.testing.assert_array_equal(out["y"], (xs(1) + i) * 2)
+
+            await asyncio.gather(*(one(i) for i in range(64)))
+
+    run(scenario)
+    blpops = int(rconn.info("commandstats")["cmdstat_blpop"]["calls"]) - blpops_before
+    assert sum(xadd_trips) == 64
+    assert len(xadd_trips) <= 4  # 64 alone without coalescing
+    assert blpops <= 16  # one per call without the hub
+
+
+def test_a_call_that_starts_waiting_during_a_blocked_blpop_is_not_held_by_it(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client:
+            observer = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                slow = asyncio.create_task(client.wait("never-answered", timeout_s=3.0))
+                await blocked_clients(observer, 1)  # its BLPOP is on the wire
+                started = time.monotonic()
+                quick = asyncio.create_task(client.wait("answered", timeout_s=3.0))
+                await blocked_clients(observer, 2)  # a second BLPOP watches the newcomer
+                await observer.rpush(keys.reply_key(PREFIX, "answered"), a_reply("answered"))
+                result = await quick
+                assert result.rid == "answered"
+                assert time.monotonic() - started < 1.0  # not after the first call's 3 s
+                assert not slow.done()
+                with pytest.raises(WaitTimeout, match="never-answered"):
+                    await slow
+                # A reply that comes after its caller gave up stays for a later wait or poll.
+                late_key = keys.reply_key(PREFIX, "never-answered")
+                await observer.rpush(late_key, a_reply("never-answered"))
+                assert await observer.llen(late_key) == 1
+                assert (await client.wait("never-answered", timeout_s=1.0)).ok
+            finally:
+                await observer.aclose()
+
+    run(scenario)
+
+
+def test_one_call_cancelled_or_timed_out_leaves_the_others_their_replies(
+    redis_url: str,
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client:
+            writer = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                waits = {
+                    rid: asyncio.create_task(client.wait(rid, timeout_s=t))
+                    for rid, t in (("a", 5.0), ("b", 5.0), ("c", 0.3), ("d", 5.0))
+                }
+                await blocked_clients(writer, 1)
+                waits["b"].cancel()
+                with pytest.raises(WaitTimeout):
+                    await waits["c"]
+                for rid in ("a", "d"):
+                    await writer.rpush(keys.reply_key(PREFIX, rid), a_reply(rid))
+                assert (await waits["a"]).rid == "a"
+                assert (await waits["d"]).rid == "d"
+                with pytest.raises(asyncio.CancelledError):
+                    await waits["b"]
+            finally:
+                await writer.aclose()
+
+    run(scenario)
+
+
+def test_two_calls_waiting_on_one_request_both_get_its_reply(redis_url: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
+            rid = await client.submit({"x": xs(1)})
+            first, second = await asyncio.gather(
+                client.wait(rid, timeout_s=10), client.wait(rid, timeout_s=10)
+            )
+        assert first.rid == second.rid == rid
+        assert first.ok
+        assert second.ok
+
+    run(scenario)
+
+
+def test_closing_the_client_ends_the_calls_still_waiting(redis_url: str) -> None:
+    async def scenario() -> None:
+        client = AsyncClient(MODEL, redis_url)
+        observer = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            waiting = asyncio.create_task(client.wait("never", timeout_s=30))
+            await blocked_clients(observer, 1)
+            started = time.monotonic()
+            await client.close()
+            with pytest.raises(RedbatchError, match="closed"):
+                await waiting
+            assert time.monotonic() - started < 2.0
+        finally:
+            await observer.aclose()
 
     run(scenario)

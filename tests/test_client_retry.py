@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import redis
+import redis.asyncio
 import redis.exceptions as rex
 
 from producer import codec, keys
@@ -201,6 +202,29 @@ def test_async_calls_ride_out_a_redis_restart_with_one_outage_logged(
 
     assert (rid, polled) == ("job-7", None)
     assert [f[b"rid"] for f in entries(redis_url)] == [b"job-7"]
+    assert outage_events(outage_log) == ["redis_down", "redis_up"]
+
+
+def test_async_waits_sharing_a_blpop_ride_out_an_outage(
+    server: LocalRedis, redis_url: str, signal: LogSignal, outage_log: pytest.LogCaptureFixture
+) -> None:
+    # Given two calls waiting together (one shared BLPOP) when Redis dies
+    async def scenario() -> list[bool]:
+        async with AsyncClient(MODEL, redis_url, retry_s=30) as client:
+            waits = [asyncio.create_task(client.wait(rid, 30)) for rid in ("r-1", "r-2")]
+            await asyncio.sleep(0)  # both registered before the BLPOP goes out
+            await asyncio.to_thread(server.stop, True)
+            await asyncio.to_thread(signal.wait, "redis_down")
+            # When Redis comes back and the replies are written only then
+            await asyncio.to_thread(server.start)
+            writer = redis.asyncio.Redis.from_url(redis_url)
+            for rid in ("r-2", "r-1"):
+                await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, rid), reply_bytes(rid))
+            await writer.aclose()
+            return [(await w).ok for w in waits]
+
+    # Then both get their reply
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == [True, True]
     assert outage_events(outage_log) == ["redis_down", "redis_up"]
 
 
