@@ -75,7 +75,7 @@ class AsyncClient:
         self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
         # Concurrent submit and wait calls (infer from many handlers) share round trips.
         self._submits: Coalescer[core.Submission] = Coalescer(self._send)
-        self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._block_cap_s, self._late)
+        self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._late)
 
     @property
     def model(self) -> str:
@@ -152,25 +152,33 @@ class AsyncClient:
     async def poll(self, rid: str) -> Result | None:
         """The reply of ``rid`` if it has arrived, else None; never blocks, never consumes."""
         key = self._settings.reply_key(rid)
-        raw = await self._retry.acall(self._redis.lindex, key, 0)
+        raw = self._replies.peek(key.encode())  # popped by a wait that gave up on it
+        if raw is None:
+            raw = await self._retry.acall(self._redis.lindex, key, 0)
         return None if raw is None else core.parse_reply(rid, raw)
 
     async def wait(self, rid: str, timeout_s: float) -> Result:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout. Concurrent waits
         share their round trips: one BLPOP watches many keys."""
-        if timeout_s < 0:
+        if not timeout_s >= 0:  # NaN too
             raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
         key = self._settings.reply_key(rid).encode()
-        return core.parse_reply_or_fail(rid, await self._replies.wait(key, timeout_s), self.model)
+        raw = await self._replies.wait(key, timeout_s, rid)
+        return core.parse_reply_or_fail(rid, raw, self.model)
 
-    async def _hub_blpop(self, keys: list[bytes], block_s: float) -> Any:
-        return await self._retry.acall(self._redis.blpop, keys, block_s)
+    async def _hub_blpop(self, keys: list[bytes], until: float) -> Any:
+        return await self._retry.acall(self._blpop_until, keys, until)
+
+    async def _blpop_until(self, keys: list[bytes], until: float) -> Any:
+        # The block is worked out per try, so a retry after an outage blocks only what is left.
+        # Redis counts in milliseconds, and a timeout of 0 would block forever.
+        block_s = max(round(min(until - time.monotonic(), self._block_cap_s), 3), 0.001)
+        return await self._redis.blpop(keys, block_s)
 
     async def _hub_lpop(self, keys: list[bytes]) -> Sequence[Any]:
         return await self._retry.acall(self._lpop, keys)
 
-    def _late(self, key: bytes, timeout_s: float) -> WaitTimeout:
-        rid = key.decode().rpartition(":reply:")[2]
+    def _late(self, rid: str, timeout_s: float) -> WaitTimeout:
         return window.wait_timeout(self.model, timeout_s, [rid])
 
     def wait_many(self, rids: Sequence[str], timeout_s: float) -> AsyncIterator[Result]:

@@ -1,26 +1,31 @@
 """Round trips shared by an ``AsyncClient``'s concurrent calls.
 
 A web back end calls ``infer`` from many handlers at once. With its own ``XADD`` and its own
-``BLPOP`` per call, 64 concurrent calls cost the client 0.48 to 0.61 CPU ms a request here and
-reached 1,600 to 2,000 requests/s (tiny model), where ``map()`` with as many in flight cost 0.1
-ms and reached 6,800/s; sharing the round trips as below, 0.25 to 0.27 ms and 3,100 to 3,600/s.
+``BLPOP`` per call, 64 concurrent calls cost the client 0.46 to 0.55 CPU ms a request here and
+reached 1,750 to 2,050 requests/s (tiny model), where ``map()`` with as many in flight cost 0.1
+ms and reached 6,800/s; sharing the round trips as below, 0.23 ms and 3,900/s.
 
-- ``Coalescer``: submits made while one is on the wire go together in the next round trip.
+- ``Coalescer``: submits made while one is on the wire go together in the next round trip. A
+  caller cancelled before its turn is taken out; one cancelled while its round trip is on the
+  wire may still have been sent, as before.
 - ``ReplyHub``: one ``BLPOP`` waits for the replies of many calls, and when it returns, one
   pipelined ``LPOP`` sweeps up the others that are ready (replies of one batch arrive together).
   A call that starts waiting while every ``BLPOP`` is blocked gets a new one with the other
   newcomers, so no call waits on a ``BLPOP`` that does not watch its key; a ``BLPOP`` that
   returns takes the newcomers into its next round, so their number stays near the number of
   batches in flight. Deadlines are kept by the ``BLPOP`` that watches a key (it blocks no
-  longer than the first of them), so a reply is never popped after its caller gave up on it.
-  A caller that is cancelled instead can lose its reply to a ``BLPOP`` already on the wire, as
-  a cancelled ``BLPOP`` of its own could.
+  longer than the first of them). A ``BLPOP`` on the wire can still pop the reply of a call
+  that was cancelled meanwhile: that reply is kept in memory (an hour, 4,096 at most), where a
+  later ``wait`` or ``poll`` of the same request finds it, rather than lost. A second call that
+  waits on a request already awaited waits with a ``BLPOP`` of its own, as before: the two race
+  for the one reply.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -32,8 +37,16 @@ __all__ = ["Coalescer", "ReplyHub"]
 
 T = TypeVar("T")
 
+# blpop(keys, until): BLPOP over keys, blocking until the monotonic time ``until`` at most
 Blpop = Callable[[list[bytes], float], Awaitable[Any]]
 Lpop = Callable[[list[bytes]], Awaitable[Sequence[Any]]]
+
+_ORPHANS_KEPT = 4096
+_ORPHAN_TTL_S = 3600.0
+
+
+def _closed() -> RedbatchError:
+    return RedbatchError("the client was closed.")
 
 
 class Coalescer(Generic[T]):
@@ -43,17 +56,25 @@ class Coalescer(Generic[T]):
         self._send = send
         self._queue: list[tuple[Sequence[T], asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def __call__(self, items: Sequence[T]) -> None:
         """Send ``items`` with whatever else is waiting; raises what the send raised."""
+        if self._closed:
+            raise _closed()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((items, future))
+        entry = (items, future)
+        self._queue.append(entry)
         if self._task is None:
             self._task = asyncio.create_task(self._run())
-        await future
+        try:
+            await future
+        except asyncio.CancelledError:
+            if entry in self._queue:  # not taken yet: it will not be sent
+                self._queue.remove(entry)
+            raise
 
     async def _run(self) -> None:
-        batch: list[tuple[Sequence[T], asyncio.Future[None]]] = []
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
@@ -61,16 +82,19 @@ class Coalescer(Generic[T]):
                     await self._send([item for items, _ in batch for item in items])
                 except Exception as exc:
                     _settle(batch, exc)
+                except BaseException:
+                    _settle(batch, _closed())
+                    raise
                 else:
                     _settle(batch, None)
-        except BaseException:  # cancelled: the client is closing
-            _settle([*batch, *self._queue], RedbatchError("the client was closed."))
-            self._queue = []
-            raise
         finally:
             self._task = None
 
     def close(self) -> None:
+        """Fail what waits to be sent and stop sending."""
+        self._closed = True
+        queued, self._queue = self._queue, []
+        _settle(queued, _closed())
         if self._task is not None:
             self._task.cancel()
 
@@ -86,67 +110,81 @@ def _settle(batch: Sequence[tuple[Any, asyncio.Future[None]]], exc: BaseExceptio
 
 @dataclass(slots=True)
 class _Waiting:
-    """One awaited key: the future of its element, its deadline, and how many calls wait."""
+    """One awaited key: the future of its element, and its deadline."""
 
     future: asyncio.Future[Any]
     deadline: float  # monotonic
     timeout_s: float  # for the message
-    callers: int = 0
+    name: str  # the request, for the message
 
 
 class ReplyHub:
     """Pops reply keys for many waiting calls with few ``BLPOP``s (see the module docstring).
 
-    ``blpop(keys, block_s)`` and ``lpop(keys)`` are the client's commands, retries included;
-    ``timed_out(key, timeout_s)`` makes the error a caller gets when its deadline passes.
+    ``blpop(keys, until)`` and ``lpop(keys)`` are the client's commands, retries included;
+    ``timed_out(name, timeout_s)`` makes the error a caller gets when its deadline passes.
     """
 
     def __init__(
-        self,
-        blpop: Blpop,
-        lpop: Lpop,
-        block_cap_s: float,
-        timed_out: Callable[[bytes, float], WaitTimeout],
+        self, blpop: Blpop, lpop: Lpop, timed_out: Callable[[str, float], WaitTimeout]
     ) -> None:
         self._blpop, self._lpop = blpop, lpop
-        self._block_cap_s = block_cap_s
         self._timed_out = timed_out
         self._waiting: dict[bytes, _Waiting] = {}
         self._unwatched: list[bytes] = []  # awaited keys no BLPOP has taken yet
         self._starting = False  # a new watcher is about to take the unwatched keys
         self._watchers: set[asyncio.Task[None]] = set()
+        # replies popped after their callers gave up: key -> (element, monotonic expiry)
+        self._orphans: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
+        self._closed = False
 
-    async def wait(self, key: bytes, timeout_s: float) -> Any:
-        """Pop the element at ``key``, waiting up to ``timeout_s``; WaitTimeout after that.
-        Calls that wait on one key at once share its one element (and the first's deadline)."""
-        waiting = self._waiting.get(key)
-        if waiting is None:
-            future = asyncio.get_running_loop().create_future()
-            waiting = self._waiting[key] = _Waiting(future, time.monotonic() + timeout_s, timeout_s)
-            self._unwatched.append(key)
-            if not self._starting:
-                self._starting = True
-                task = asyncio.create_task(self._watch())
-                self._watchers.add(task)
-                task.add_done_callback(self._watchers.discard)
-        waiting.callers += 1
+    def peek(self, key: bytes) -> Any:
+        """A reply this hub popped for a call that gave up on it (None: none)."""
+        orphan = self._orphans.get(key)
+        return None if orphan is None or orphan[1] < time.monotonic() else orphan[0]
+
+    async def wait(self, key: bytes, timeout_s: float, name: str) -> Any:
+        """Pop the element at ``key``, waiting up to ``timeout_s``; WaitTimeout after that."""
+        if self._closed:
+            raise _closed()
+        if self.peek(key) is not None:
+            return self._orphans.pop(key)[0]
+        if key in self._waiting:  # another call waits on it: wait alone, as two BLPOPs would
+            return await self._wait_alone(key, timeout_s, name)
+        future = asyncio.get_running_loop().create_future()
+        waiting = self._waiting[key] = _Waiting(
+            future, time.monotonic() + timeout_s, timeout_s, name
+        )
+        self._unwatched.append(key)
+        if not self._starting:
+            self._starting = True
+            task = asyncio.create_task(self._watch())
+            self._watchers.add(task)
+            task.add_done_callback(self._watchers.discard)
         try:
-            return await asyncio.shield(waiting.future)
+            return await future
         finally:
-            waiting.callers -= 1
-            if not waiting.callers and self._waiting.get(key) is waiting:
-                del self._waiting[key]  # answered, timed out, or given up by its callers
+            if self._waiting.get(key) is waiting:
+                del self._waiting[key]  # answered, timed out, or given up by its caller
+
+    async def _wait_alone(self, key: bytes, timeout_s: float, name: str) -> Any:
+        until = time.monotonic() + timeout_s
+        while True:
+            item = await self._blpop([key], until)
+            if item:
+                return item[1]
+            if time.monotonic() >= until:
+                raise self._timed_out(name, timeout_s)
 
     async def _watch(self) -> None:
         """Watch the unwatched keys, and newcomers whenever a BLPOP returns, until none wait."""
         keys: list[bytes] = []
         try:
             while True:
-                keys = self._live(keys + self._take_unwatched())
+                keys = self._live(list(dict.fromkeys(keys + self._take_unwatched())))
                 if not keys:
                     return
-                block_s = self._block_s(keys)
-                item = await self._blpop(keys, block_s)
+                item = await self._blpop(keys, min(self._waiting[k].deadline for k in keys))
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
@@ -157,7 +195,7 @@ class ReplyHub:
                                 self._settle(key, raw)
                 keys = self._expire(self._live(keys))
         except asyncio.CancelledError:
-            self._fail(keys + self._take_unwatched(), RedbatchError("the client was closed."))
+            self._fail(keys, _closed())
             raise
         except Exception as exc:  # the client's retries gave up: every watched call fails
             self._fail(keys, exc)
@@ -169,14 +207,8 @@ class ReplyHub:
 
     def _live(self, keys: list[bytes]) -> list[bytes]:
         """The keys still awaited (a caller cancelled, or answered, is dropped)."""
-        return [
-            key for key in keys if key in self._waiting and not self._waiting[key].future.done()
-        ]
-
-    def _block_s(self, keys: list[bytes]) -> float:
-        first = min(self._waiting[key].deadline for key in keys)
-        # Redis counts in milliseconds, and a timeout of 0 would block forever.
-        return max(round(min(first - time.monotonic(), self._block_cap_s), 3), 0.001)
+        waiting = self._waiting
+        return [key for key in keys if key in waiting and not waiting[key].future.done()]
 
     def _expire(self, keys: list[bytes]) -> list[bytes]:
         """Fail the keys whose deadline has passed; return the others."""
@@ -185,7 +217,7 @@ class ReplyHub:
         for key in keys:
             waiting = self._waiting[key]
             if waiting.deadline <= now:
-                waiting.future.set_exception(self._timed_out(key, waiting.timeout_s))
+                waiting.future.set_exception(self._timed_out(waiting.name, waiting.timeout_s))
             else:
                 left.append(key)
         return left
@@ -194,6 +226,11 @@ class ReplyHub:
         waiting = self._waiting.get(key)
         if waiting is not None and not waiting.future.done():
             waiting.future.set_result(raw)
+            return
+        # Its callers gave up while the BLPOP or LPOP that popped it was on the wire.
+        self._orphans[key] = (raw, time.monotonic() + _ORPHAN_TTL_S)
+        while len(self._orphans) > _ORPHANS_KEPT:
+            self._orphans.popitem(last=False)
 
     def _fail(self, keys: list[bytes], exc: BaseException) -> None:
         for key in keys:
@@ -202,5 +239,9 @@ class ReplyHub:
                 waiting.future.set_exception(exc)
 
     def close(self) -> None:
+        """Fail every call still waiting and stop watching."""
+        self._closed = True
+        self._unwatched, self._starting = [], False
+        self._fail(list(self._waiting), _closed())
         for task in list(self._watchers):
             task.cancel()

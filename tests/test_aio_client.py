@@ -23,6 +23,7 @@ import redis.asyncio
 from producer import aio as aio_module
 from producer import codec, keys
 from producer.aio import AsyncClient
+from producer.coalesce import ReplyHub
 from producer.codec import ErrorInfo, ModelRef, Reply
 from producer.errors import (
     BacklogFull,
@@ -396,16 +397,19 @@ def test_one_call_cancelled_or_timed_out_leaves_the_others_their_replies(
     run(scenario)
 
 
-def test_two_calls_waiting_on_one_request_both_get_its_reply(redis_url: str) -> None:
+def test_two_calls_waiting_on_one_request_race_for_its_one_reply(redis_url: str) -> None:
+    # As with two BLPOPs: one call gets the reply, the other waits out its own timeout.
     async def scenario() -> None:
         async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
             rid = await client.submit({"x": xs(1)})
-            first, second = await asyncio.gather(
-                client.wait(rid, timeout_s=10), client.wait(rid, timeout_s=10)
+            started = time.monotonic()
+            outcomes = await asyncio.gather(
+                client.wait(rid, timeout_s=1.0),
+                client.wait(rid, timeout_s=1.0),
+                return_exceptions=True,
             )
-        assert first.rid == second.rid == rid
-        assert first.ok
-        assert second.ok
+        assert sorted(type(o).__name__ for o in outcomes) == ["Result", "WaitTimeout"]
+        assert time.monotonic() - started < 5
 
     run(scenario)
 
@@ -424,5 +428,99 @@ def test_closing_the_client_ends_the_calls_still_waiting(redis_url: str) -> None
             assert time.monotonic() - started < 2.0
         finally:
             await observer.aclose()
+
+    run(scenario)
+
+
+def test_closing_before_any_round_trip_ran_ends_every_call(redis_url: str) -> None:
+    async def scenario() -> None:
+        client = AsyncClient(MODEL, redis_url)
+        waiting = asyncio.create_task(client.wait("never", timeout_s=1.0))
+        submitting = asyncio.create_task(client.submit({"x": xs(1)}))
+        await asyncio.sleep(0)  # both registered; their round trips not started
+        await client.close()
+        for call in (waiting, submitting):
+            with pytest.raises(RedbatchError, match="closed"):
+                await call
+        with pytest.raises(RedbatchError, match="closed"):
+            await client.wait("other", timeout_s=0.2)
+        with pytest.raises(RedbatchError, match="closed"):
+            await client.submit({"x": xs(1)})
+
+    run(scenario)
+
+
+def test_a_submit_cancelled_before_its_turn_is_not_sent(redis_url: str, rconn: redis.Redis) -> None:
+    async def scenario() -> None:
+        for _ in range(3):
+            rconn.xadd(STREAM, {"filler": "1"})  # the backlog is full: the first send waits
+        async with AsyncClient(MODEL, redis_url, max_backlog=3, wait_for_backlog=True) as client:
+            first = asyncio.create_task(client.submit({"x": xs(1)}, rid="first"))
+            await asyncio.sleep(0)  # its send is under way, in the backlog gate
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.submit({"x": xs(1)}, rid="ghost"), 0.3)
+            rconn.delete(STREAM)  # the backlog drains
+            await first
+        assert [f[b"rid"] for _, f in rconn.xrange(STREAM)] == [b"first"]
+
+    run(scenario)
+
+
+def test_a_reply_popped_after_its_callers_gave_up_is_kept_for_the_next_wait(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client:
+            observer = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                gave_up = asyncio.create_task(client.wait("k", timeout_s=30))
+                await blocked_clients(observer, 1)  # its BLPOP on the wire, blocking for long
+                gave_up.cancel()
+                with pytest.raises(WaitTimeout):
+                    await client.wait("k", timeout_s=0.3)
+                # The reply comes while the first call's BLPOP still blocks, and is popped by it
+                await observer.rpush(keys.reply_key(PREFIX, "k"), a_reply("k"))
+                while await observer.llen(keys.reply_key(PREFIX, "k")):
+                    await asyncio.sleep(0.005)
+                polled = await client.poll("k")
+                assert polled is not None
+                assert polled.ok
+                assert (await client.wait("k", timeout_s=1.0)).rid == "k"
+            finally:
+                await observer.aclose()
+
+    run(scenario)
+
+
+def test_a_key_given_up_and_awaited_again_is_watched_once() -> None:
+    # Scripted BLPOPs, in the order a busy loop can produce: the first blocks on [b, k] until
+    # released, k's caller gives up and waits again, and the first watcher then takes k too.
+    async def scenario() -> None:
+        released = asyncio.get_running_loop().create_future()
+        calls: list[list[bytes]] = []
+
+        async def blpop(keys_: list[bytes], until: float) -> Any:
+            calls.append(list(keys_))
+            if len(calls) == 1:
+                return await released
+            await asyncio.sleep(max(until - time.monotonic(), 0.001))
+            return None
+
+        async def lpop(keys_: list[bytes]) -> list[Any]:
+            return [None] * len(keys_)
+
+        hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))
+        b = asyncio.create_task(hub.wait(b"b", 0.6, "b"))
+        k = asyncio.create_task(hub.wait(b"k", 10, "k"))
+        await asyncio.sleep(0.01)
+        k.cancel()
+        await asyncio.sleep(0)
+        again = asyncio.create_task(hub.wait(b"k", 0.3, "k"))
+        released.set_result(None)
+        with pytest.raises(WaitTimeout, match="late k"):
+            await again
+        with pytest.raises(WaitTimeout, match="late b"):
+            await b
+        assert all(len(c) == len(set(c)) for c in calls)
 
     run(scenario)
