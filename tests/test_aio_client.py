@@ -9,9 +9,10 @@ async shell.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any
 
@@ -311,6 +312,17 @@ async def blocked_clients(conn: redis.asyncio.Redis, at_least: int) -> None:
         await asyncio.sleep(0.005)
 
 
+@contextlib.asynccontextmanager
+async def client_and_observer(url: str) -> AsyncIterator[tuple[AsyncClient, redis.asyncio.Redis]]:
+    """A client, and a second connection to watch and write Redis beside it."""
+    async with AsyncClient(MODEL, url) as client:
+        observer = redis.asyncio.Redis.from_url(url)
+        try:
+            yield client, observer
+        finally:
+            await observer.aclose()
+
+
 def test_concurrent_infers_share_submits_and_waits(
     redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -341,31 +353,27 @@ def test_concurrent_infers_share_submits_and_waits(
 
 
 def test_a_call_that_starts_waiting_during_a_blocked_blpop_is_not_held_by_it(
-    redis_url: str, rconn: redis.Redis
+    redis_url: str,
 ) -> None:
     async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            observer = redis.asyncio.Redis.from_url(redis_url)
-            try:
-                slow = asyncio.create_task(client.wait("never-answered", timeout_s=3.0))
-                await blocked_clients(observer, 1)  # its BLPOP is on the wire
-                started = time.monotonic()
-                quick = asyncio.create_task(client.wait("answered", timeout_s=3.0))
-                await blocked_clients(observer, 2)  # a second BLPOP watches the newcomer
-                await observer.rpush(keys.reply_key(PREFIX, "answered"), a_reply("answered"))
-                result = await quick
-                assert result.rid == "answered"
-                assert time.monotonic() - started < 1.0  # not after the first call's 3 s
-                assert not slow.done()
-                with pytest.raises(WaitTimeout, match="never-answered"):
-                    await slow
-                # A reply that comes after its caller gave up stays for a later wait or poll.
-                late_key = keys.reply_key(PREFIX, "never-answered")
-                await observer.rpush(late_key, a_reply("never-answered"))
-                assert await observer.llen(late_key) == 1
-                assert (await client.wait("never-answered", timeout_s=1.0)).ok
-            finally:
-                await observer.aclose()
+        async with client_and_observer(redis_url) as (client, observer):
+            slow = asyncio.create_task(client.wait("never-answered", timeout_s=3.0))
+            await blocked_clients(observer, 1)  # its BLPOP is on the wire
+            started = time.monotonic()
+            quick = asyncio.create_task(client.wait("answered", timeout_s=3.0))
+            await blocked_clients(observer, 2)  # a second BLPOP watches the newcomer
+            await observer.rpush(keys.reply_key(PREFIX, "answered"), a_reply("answered"))
+            result = await quick
+            assert result.rid == "answered"
+            assert time.monotonic() - started < 1.0  # not after the first call's 3 s
+            assert not slow.done()
+            with pytest.raises(WaitTimeout, match="never-answered"):
+                await slow
+            # A reply that comes after its caller gave up stays for a later wait or poll.
+            late_key = keys.reply_key(PREFIX, "never-answered")
+            await observer.rpush(late_key, a_reply("never-answered"))
+            assert await observer.llen(late_key) == 1
+            assert (await client.wait("never-answered", timeout_s=1.0)).ok
 
     run(scenario)
 
@@ -374,25 +382,21 @@ def test_one_call_cancelled_or_timed_out_leaves_the_others_their_replies(
     redis_url: str,
 ) -> None:
     async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            writer = redis.asyncio.Redis.from_url(redis_url)
-            try:
-                waits = {
-                    rid: asyncio.create_task(client.wait(rid, timeout_s=t))
-                    for rid, t in (("a", 5.0), ("b", 5.0), ("c", 0.3), ("d", 5.0))
-                }
-                await blocked_clients(writer, 1)
-                waits["b"].cancel()
-                with pytest.raises(WaitTimeout):
-                    await waits["c"]
-                for rid in ("a", "d"):
-                    await writer.rpush(keys.reply_key(PREFIX, rid), a_reply(rid))
-                assert (await waits["a"]).rid == "a"
-                assert (await waits["d"]).rid == "d"
-                with pytest.raises(asyncio.CancelledError):
-                    await waits["b"]
-            finally:
-                await writer.aclose()
+        async with client_and_observer(redis_url) as (client, writer):
+            waits = {
+                rid: asyncio.create_task(client.wait(rid, timeout_s=t))
+                for rid, t in (("a", 5.0), ("b", 5.0), ("c", 0.3), ("d", 5.0))
+            }
+            await blocked_clients(writer, 1)
+            waits["b"].cancel()
+            with pytest.raises(WaitTimeout):
+                await waits["c"]
+            for rid in ("a", "d"):
+                await writer.rpush(keys.reply_key(PREFIX, rid), a_reply(rid))
+            assert (await waits["a"]).rid == "a"
+            assert (await waits["d"]).rid == "d"
+            with pytest.raises(asyncio.CancelledError):
+                await waits["b"]
 
     run(scenario)
 
@@ -467,27 +471,23 @@ def test_a_submit_cancelled_before_its_turn_is_not_sent(redis_url: str, rconn: r
 
 
 def test_a_reply_popped_after_its_callers_gave_up_is_kept_for_the_next_wait(
-    redis_url: str, rconn: redis.Redis
+    redis_url: str,
 ) -> None:
     async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            observer = redis.asyncio.Redis.from_url(redis_url)
-            try:
-                gave_up = asyncio.create_task(client.wait("k", timeout_s=30))
-                await blocked_clients(observer, 1)  # its BLPOP on the wire, blocking for long
-                gave_up.cancel()
-                with pytest.raises(WaitTimeout):
-                    await client.wait("k", timeout_s=0.3)
-                # The reply comes while the first call's BLPOP still blocks, and is popped by it
-                await observer.rpush(keys.reply_key(PREFIX, "k"), a_reply("k"))
-                while await observer.llen(keys.reply_key(PREFIX, "k")):
-                    await asyncio.sleep(0.005)
-                polled = await client.poll("k")
-                assert polled is not None
-                assert polled.ok
-                assert (await client.wait("k", timeout_s=1.0)).rid == "k"
-            finally:
-                await observer.aclose()
+        async with client_and_observer(redis_url) as (client, observer):
+            gave_up = asyncio.create_task(client.wait("k", timeout_s=30))
+            await blocked_clients(observer, 1)  # its BLPOP on the wire, blocking for long
+            gave_up.cancel()
+            with pytest.raises(WaitTimeout):
+                await client.wait("k", timeout_s=0.3)
+            # The reply comes while the first call's BLPOP still blocks, and is popped by it
+            await observer.rpush(keys.reply_key(PREFIX, "k"), a_reply("k"))
+            while await observer.llen(keys.reply_key(PREFIX, "k")):
+                await asyncio.sleep(0.005)
+            polled = await client.poll("k")
+            assert polled is not None
+            assert polled.ok
+            assert (await client.wait("k", timeout_s=1.0)).rid == "k"
 
     run(scenario)
 
