@@ -187,7 +187,7 @@ def test_a_negative_signed_deadline_is_refused_as_the_full_path_refuses_it() -> 
     same(item, run(negative, MULTI, None))
 
 
-def test_data_spans_point_at_each_inputs_data() -> None:
+def test_body_spans_point_at_each_inputs_data() -> None:
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.full((1, 300), 7, dtype=np.int64)  # a bin of over 255 bytes: a 2-byte length
     body = codec.encode_request({"a": a, "b": b}, outputs=["total"], reply_ttl_s=5)
