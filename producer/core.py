@@ -64,6 +64,9 @@ MAX_BACKOFF_S = 0.2
 #: The longest single blocking command. redis-py's default socket timeout is 5 s, and a BLPOP that
 #: outlasts the socket timeout fails, so long waits are made of several short blocks.
 MAX_BLOCK_S = 2.0
+# Batches of submits go in one transaction (see pack_xadds).
+_MULTI = resp.command(b"MULTI")
+_EXEC = resp.command(b"EXEC")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,10 +234,22 @@ class Submission:
 
 
 def pack_xadds(stream: str, subs: Sequence[Submission]) -> resp.Packer:
-    """``XADD stream * rid R body B`` for each submission, for one round trip."""
+    """``XADD stream * rid R body B`` for each submission, for one round trip; two or more go
+    in one ``MULTI``/``EXEC``.
+
+    Redis serves a blocked ``XREADGROUP`` after each command it runs, so a plain pipeline of
+    XADDs wakes a waiting worker after its first entry and the rest come in later reads, each
+    with its own round trips and hand-over (docs/design.md). In a transaction the entries
+    appear together, and a batch is added whole or not at all.
+    """
     packer, key = resp.Packer(), stream.encode()
+    many = len(subs) > 1
+    if many:
+        packer.add_packed(_MULTI)
     for sub in subs:
         packer.add(b"XADD", key, b"*", b"rid", sub.rid.encode(), b"body", sub.body)
+    if many:
+        packer.add_packed(_EXEC)
     return packer
 
 

@@ -84,10 +84,14 @@ class Packer:
 
 def raise_first_error(replies: list[Any]) -> list[Any]:
     """``replies`` unchanged, unless one is an error: then the first error is raised (as a
-    pipeline's ``execute()`` does)."""
+    pipeline's ``execute()`` does). Errors inside an array (``EXEC``'s) count too."""
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+        if isinstance(reply, list):
+            for inner in reply:
+                if isinstance(inner, Exception):
+                    raise inner
     return replies
 
 

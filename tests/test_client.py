@@ -182,6 +182,50 @@ def test_submit_writes_contract_entry(client: Client, rconn: redis.Redis) -> Non
     np.testing.assert_array_equal(body.inputs["x"], xs(1))
 
 
+class BlockedReader:
+    """One ``XREADGROUP ... BLOCK`` of the group, on its own thread, as a waiting worker's."""
+
+    def __init__(self, url: str) -> None:
+        self._conn = redis.Redis.from_url(url)
+        ensure_group(self._conn)
+        self.got: list[bytes] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def __enter__(self) -> BlockedReader:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while int(self._conn.info("clients")["blocked_clients"]) < 1:  # its read is waiting
+            assert time.monotonic() < deadline, "the reader never blocked"
+            time.sleep(0.005)
+        return self
+
+    def _read(self) -> None:
+        got = self._conn.xreadgroup(
+            keys.CONSUMER_GROUP, "w", {STREAM: ">"}, count=100, block=10_000
+        )
+        self.got = [fields[b"rid"] for _stream, entries in got for _id, fields in entries]
+
+    def __exit__(self, *_: object) -> None:
+        self._thread.join(timeout=10)
+        self._conn.close()
+
+
+def test_a_batch_of_submits_reaches_a_waiting_worker_in_one_read(redis_url: str) -> None:
+    # Redis wakes a blocked reader after each command, so a plain pipeline of XADDs would be
+    # read as its first entry, then the rest; the client sends a batch as one transaction.
+    with Client(MODEL, redis_url) as client, BlockedReader(redis_url) as reader:
+        rids = client.submit_many([{"x": xs(1)} for _ in range(32)])
+    assert reader.got == [rid.encode() for rid in rids]
+
+    async def submit_async() -> list[str]:
+        async with AsyncClient(MODEL, redis_url) as aclient:
+            return await aclient.submit_many([{"x": xs(1)} for _ in range(32)])
+
+    with BlockedReader(redis_url) as reader:
+        rids = asyncio.run(submit_async())
+    assert reader.got == [rid.encode() for rid in rids]
+
+
 def test_default_rids_are_uuid4_hex(client: Client) -> None:
     rids = client.submit_many([{"x": xs(1)}, {"x": xs(1)}])
     assert len(set(rids)) == 2
