@@ -23,11 +23,13 @@ import redis.asyncio
 
 __all__ = [
     "BIG",
+    "InFlight",
     "Packer",
     "command",
     "raise_first_error",
     "round_trip",
     "round_trip_async",
+    "send",
     "supports",
 ]
 
@@ -102,22 +104,75 @@ def round_trip(client: redis.Redis, packer: Packer) -> list[Any]:
     A connection that failed part-way is dropped, not returned to the pool: replies still
     unread on it would answer the next caller's commands.
     """
+    return send(client, packer).receive()
+
+
+def send(client: redis.Redis, packer: Packer) -> InFlight:
+    """The first half of ``round_trip``: send now, read the replies later with ``receive()``,
+    so the caller can do other work while Redis answers."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
         conn.send_packed_command(packer.chunks())
-        replies: list[Any] = []
-        for _ in range(packer.count):
-            try:
-                replies.append(conn.read_response())
-            except redis.ResponseError as exc:
-                replies.append(exc)
-        return replies
     except BaseException:
         conn.disconnect()
-        raise
-    finally:
         pool.release(conn)
+        raise
+    return InFlight(pool, conn, packer.count)
+
+
+class InFlight:
+    """Commands sent on a pooled connection whose replies are still to be read; the connection
+    goes back to the pool once they are, or is dropped by ``abandon()`` (or a failed read)."""
+
+    def __init__(self, pool: Any, conn: Any, count: int) -> None:
+        self._pool, self._conn, self._count = pool, conn, count
+
+    def send(self, packer: Packer) -> None:
+        """Send more commands on the same connection; their replies follow those owed."""
+        if self._conn is None:
+            raise RuntimeError("these replies were already received or abandoned")
+        try:
+            # No health check: its PING would read a reply still owed here as its own.
+            self._conn.send_packed_command(packer.chunks(), check_health=False)
+        except BaseException:
+            self.abandon()
+            raise
+        self._count += packer.count
+
+    @property
+    def owed(self) -> int:
+        """Replies not yet read (0 once abandoned)."""
+        return self._count if self._conn is not None else 0
+
+    def receive(self, count: int | None = None) -> list[Any]:
+        """The next ``count`` replies (all that are owed when None) in order, errors in place."""
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("these replies were already received or abandoned")
+        count = self._count if count is None else min(count, self._count)
+        replies: list[Any] = []
+        try:
+            for _ in range(count):
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+                self._count -= 1
+        except BaseException:
+            self.abandon()
+            raise
+        if not self._count:
+            self._conn = None
+            self._pool.release(conn)
+        return replies
+
+    def abandon(self) -> None:
+        """Give the connection back unread: it is dropped, since its replies are still owed."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.disconnect()
+            self._pool.release(conn)
 
 
 async def round_trip_async(client: redis.asyncio.Redis, packer: Packer) -> list[Any]:

@@ -19,13 +19,14 @@ from producer.codec import decode_request
 from producer.errors import WireFormatError
 from producer.keys import is_valid_rid
 from worker import faults
+from worker.cancels import CancelCheck
 from worker.errors import Rejected
 from worker.layouts import Layouts
 from worker.leases import Leases
 from worker.reclaim import Reclaimer, Redelivery
-from worker.retry import Outage
+from worker.retry import Outage, is_transient
 from worker.schema import Schema, ValidRequest
-from worker.stream import RawEntry, RequestStream
+from worker.stream import CancelQuery, RawEntry, RequestStream
 
 __all__ = ["Intake", "WorkItem", "admit"]
 
@@ -48,6 +49,7 @@ class WorkItem:
     reply_ttl_s: int | None = None
     decode_ms: float = 0.0
     deliveries: int = 1
+    cancel: CancelCheck | None = None  # its read's cancel check, for requests that may run
 
     @property
     def alone(self) -> bool:
@@ -178,12 +180,15 @@ class Intake(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self.stop.is_set():
+            read_ahead: list[RawEntry] | None = None  # read behind the last cancel check
+            while not self.stop.is_set() or read_ahead:
                 self._check_interrupted()
-                if self._redeliver():
+                if self._redeliver():  # read_ahead, if any, waits for the next turn
                     continue
                 reclaiming = self.reclaimer is not None and self.reclaimer.busy
-                entries = self._read(0 if reclaiming else self.block_ms)
+                block_ms = 0 if reclaiming else self.block_ms
+                entries = self._read(block_ms) if read_ahead is None else read_ahead
+                read_ahead = None
                 if not entries:
                     if reclaiming:  # wait for the redelivered entry rather than spin on Redis
                         self.leases.wait_redelivered_done(_RECLAIM_WAIT_S)
@@ -191,10 +196,11 @@ class Intake(threading.Thread):
                         self.idle.set()
                     continue
                 self.idle.clear()
-                self.leases.hold(e.entry_id for e in entries)
                 if faults.ACTIVE:
                     faults.hit("after_read")
-                self._hand_over([self._admit(e) for e in entries])
+                items = [self._admit(e) for e in entries]
+                read_next = None if self.stop.is_set() else (self.read_count, block_ms)
+                read_ahead = self._hand_over(items, read_next)
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
@@ -231,32 +237,101 @@ class Intake(threading.Thread):
     def _admit(self, entry: RawEntry, deliveries: int = 1) -> WorkItem:
         return admit(entry, self.schema, self.max_request_bytes, deliveries, self.layouts)
 
-    def _hand_over(self, items: list[WorkItem]) -> None:
-        self._mark_cancelled(items)
-        # Entries already read are ours: hand every one over, even while stopping.
-        self.out.put(items)
-
-    def _mark_cancelled(self, items: list[WorkItem]) -> None:
-        """Reject requests whose cancel key exists: one MGET per read, off the main thread."""
-        runnable = [item for item in items if item.request is not None and item.rid is not None]
-        rids = [item.rid for item in runnable if item.rid is not None]
+    def _hand_over(
+        self, items: list[WorkItem], read_next: tuple[int, int] | None = None
+    ) -> list[RawEntry] | None:
+        """Ask for the read's cancel keys, hand the read over, then take the answer: the batch
+        gathers, and may run, while it comes (worker/cancels.py). With ``read_next`` (count,
+        block_ms) the next read goes out behind the check, on its connection, and its entries
+        are returned: one round trip a read instead of two. That read is sent only once the
+        queue has taken this one (so what the worker holds stays bounded) and not after a stop,
+        and its entries are held (their leases renewed) as soon as it comes back."""
+        rids = [item.rid for item in items if item.request is not None and item.rid is not None]
+        check = CancelCheck() if rids else None
+        for item in items:
+            if item.request is not None:
+                item.cancel = check
+        query = self._ask_cancelled(rids) if rids else None  # on the wire during the put
+        cancelled: set[str] = set()
         try:
-            cancelled = self._outage.call(lambda: self.stream.cancelled(rids))
+            # Entries already read are ours: hand every one over, even while stopping.
+            self.out.put(items)
+            if check is None:
+                return None
+            if self.stop.is_set():  # stopped while the put waited: read nothing more
+                read_next = None
+            if query is not None and read_next is not None:
+                query = self._read_behind(query, read_next)
+            answer = self._answer_of(query) if query is not None else None
+            if answer is None:  # not sent, or lost: asked again, now after the hand-over
+                query = None
+                answer = self._cancelled(rids)
+            cancelled = answer
+        finally:
+            if check is not None:  # always answered, so that no batch waits for it for good
+                check.answer(cancelled, asked_before_hand_over=query is not None)
+        return self._read_ahead(query, read_next)
+
+    def _ask_cancelled(self, rids: list[str]) -> CancelQuery | None:
+        """The check's MGET on the wire; None if it could not be sent (it is asked again)."""
+        try:
+            return self.stream.ask_cancelled(rids)
+        except Exception:
+            return None  # _cancelled asks again, through the outage's retries
+
+    def _read_behind(self, query: CancelQuery, read_next: tuple[int, int]) -> CancelQuery | None:
+        """Send the next read behind the check; None, with the check lost, if that failed."""
+        try:
+            query.read_behind(*read_next)
+            return query
+        except Exception:
+            self._outage.interrupted = True  # a read may have gone out: let reclaim look
+            return None  # _cancelled asks again; the loop reads as usual
+
+    def _read_ahead(
+        self, query: CancelQuery | None, read_next: tuple[int, int] | None
+    ) -> list[RawEntry] | None:
+        """The entries of the read sent behind the check; None when there is none to take
+        (the loop then reads as usual)."""
+        if query is None or read_next is None or not query.read_owed:
+            return None
+        try:
+            entries = query.entries()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._outage.interrupted = True  # entries may have been delivered: let reclaim look
+            return None
+        self.leases.hold(e.entry_id for e in entries)  # held at once, as _read holds its own
+        return entries
+
+    def _answer_of(self, query: CancelQuery) -> set[str] | None:
+        """The query's answer; None if it failed (the query is dropped, with the read behind
+        it, and the caller asks again)."""
+        try:
+            return query.receive()
+        except Exception:
+            query.abandon()
+            self._outage.interrupted = True  # a read may have gone out: let reclaim look
+            return None
+
+    def _cancelled(self, rids: list[str]) -> set[str]:
+        """The rids among ``rids`` whose cancel key exists, asked again through the outage's
+        retries (a transient error is retried, another one raised)."""
+        try:
+            return self._outage.call(lambda: self.stream.cancelled(rids))
         except Exception:
             if not self.stop.is_set():
                 raise
-            cancelled = set()  # stopping during an outage: run them rather than drop them
-        for item in runnable:
-            if item.rid in cancelled:
-                item.request = None
-                item.rejection = Rejected(
-                    "CANCELLED", "the request was cancelled (its cancel key was set)."
-                )
+            return set()  # stopping during an outage: run them rather than drop them
 
     def _read(self, block_ms: int) -> list[RawEntry]:
+        """Read and hold new entries: held, reclaim never takes them for lost ones."""
         try:
-            return self._outage.call(lambda: self.stream.read(self.read_count, block_ms))
+            entries = self._outage.call(lambda: self.stream.read(self.read_count, block_ms))
         except Exception:
             if self.stop.is_set():
                 return []
             raise
+        self.leases.hold(e.entry_id for e in entries)
+        return entries

@@ -21,6 +21,7 @@ from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
 from worker import faults
 from worker.assemble import FeedBuffers
 from worker.batcher import Batcher
+from worker.cancels import cancelled_error
 from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.errors import Rejected, WorkerError
@@ -142,7 +143,7 @@ class Worker:
         self._encoder = ReplyEncoder(self.model_ref, self.name)
         rows = max(cfg.batching.max_batch_size, self.schema.fixed_batch or 0)
         self.buffers = FeedBuffers(rows)  # main thread only: batches are assembled there
-        self._running_since: float | None = None  # monotonic start of the batch being run
+        self._running_since: float | None = None  # monotonic start of the run in progress
         self.served = {"requests": 0, "batches": 0}
         self.metrics.describe(prepared.record)
 
@@ -239,15 +240,12 @@ class Worker:
         writer, which finishes the batch in one round trip while the next one runs."""
         started_ms = time.time() * 1000.0
         runs: list[tuple[int, float]] = []
-        self._running_since = time.monotonic()
         try:
             finishes = self._answer(batch, started_ms, runs)
         except Exception:  # a bug here must not stop the worker or leave requests unanswered
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
-        finally:
-            self._running_since = None
         if faults.ACTIVE:
             faults.hit("after_inference")
         self.writer.submit(
@@ -279,29 +277,33 @@ class Worker:
         finishes: list[Finish] = []
         runnable: list[WorkItem] = []
         for item in batch:
-            error = item.rejection or _expired(item)
+            error = item.rejection or _cancelled_already(item) or _expired(item)
             if item.dead_reason is not None or error is not None:
                 finishes.append(self._failure(item, error, started_ms))
             else:
                 runnable.append(item)
         for group in _by_signature(runnable):
             live = []
-            for item in group:  # deadlines again, just before the run
-                error = _expired(item)
+            for item in group:  # cancels and deadlines again, just before the run
+                error = _cancelled_already(item) or _expired(item)
                 if error is not None:
                     finishes.append(self._failure(item, error, started_ms))
                 else:
                     live.append(item)
             if live:
-                outcomes = run_batch(
-                    self.model,
-                    self.schema,
-                    live,
-                    self._output_names(live),
-                    on_run=lambda rows, seconds: runs.append((rows, seconds)),
-                    buffers=self.buffers,
-                    pad_rows=self.model.padded_rows,
-                )
+                self._running_since = time.monotonic()
+                try:
+                    outcomes = run_batch(
+                        self.model,
+                        self.schema,
+                        live,
+                        self._output_names(live),
+                        on_run=lambda rows, seconds: runs.append((rows, seconds)),
+                        buffers=self.buffers,
+                        pad_rows=self.model.padded_rows,
+                    )
+                finally:
+                    self._running_since = None
                 finishes += self._finish_run(outcomes, started_ms)
         return finishes
 
@@ -315,6 +317,13 @@ class Worker:
         finishes = []
         runs: dict[tuple[int, float], list[Outcome]] = {}
         for outcome in outcomes:
+            item = outcome.item
+            if item.cancel is not None and item.rid is not None and item.cancel.confirmed(item.rid):
+                # its cancel check answered after the run started (worker/cancels.py)
+                finishes.append(
+                    self._failure(item, cancelled_error(), started_ms, outcome.inference_ms)
+                )
+                continue
             if outcome.error is None:
                 runs.setdefault((outcome.batch_rows, outcome.inference_ms), []).append(outcome)
                 continue
@@ -389,6 +398,13 @@ class Worker:
 def _queued_ms(item: WorkItem, started_ms: float) -> float:
     """From enqueue (the stream id's time) to the batch's start, as replies report it."""
     return round(max(started_ms - item.entry.id_ms, 0.0), 3)
+
+
+def _cancelled_already(item: WorkItem) -> Rejected | None:
+    """CANCELLED when the item's cancel check has answered that it was; never waits."""
+    if item.cancel is not None and item.rid is not None and item.cancel.known(item.rid):
+        return cancelled_error()
+    return None
 
 
 def _expired(item: WorkItem) -> Rejected | None:

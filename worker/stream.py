@@ -183,6 +183,47 @@ class Finish:
     code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
 
 
+class CancelQuery:
+    """A cancel check on the wire (its MGET sent, its answer not yet read), and maybe the next
+    read behind it."""
+
+    def __init__(
+        self, stream: RequestStream, rids: Sequence[str], in_flight: resp.InFlight
+    ) -> None:
+        self.stream = stream
+        self.rids = rids
+        self._in_flight = in_flight
+        self._answered = False
+
+    def read_behind(self, count: int, block_ms: int) -> None:
+        """Send ``RequestStream.read``'s XREADGROUP on the check's connection, behind it: one
+        round trip for both. ``entries()`` takes its reply."""
+        self._in_flight.send(self.stream.read_command(count, block_ms))
+
+    def receive(self) -> set[str]:
+        """The request ids whose cancel key existed."""
+        self._answered = True
+        [values] = resp.raise_first_error(self._in_flight.receive(1))
+        return {rid for rid, value in zip(self.rids, values, strict=True) if value is not None}
+
+    def entries(self) -> list[RawEntry]:
+        """The read sent behind the check, as ``RequestStream.read`` returns it; after
+        ``receive()``, whose reply comes first."""
+        if not self._answered:
+            raise RuntimeError("receive() the check's answer before the read behind it")
+        [reply] = self._in_flight.receive(1)
+        return self.stream.read_reply(reply)
+
+    @property
+    def read_owed(self) -> bool:
+        """True while the read sent behind the check is still to be taken."""
+        return self._in_flight.owed > 0
+
+    def abandon(self) -> None:
+        """Drop the connection with whatever it still owes."""
+        self._in_flight.abandon()
+
+
 class RequestStream:
     """The request stream of one model, seen by one consumer of the ``workers`` group."""
 
@@ -221,24 +262,54 @@ class RequestStream:
     def read(self, count: int, block_ms: int) -> list[RawEntry]:
         """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first (0: not
         at all; Redis reads BLOCK 0 as forever)."""
-        try:
-            reply: Any = self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.key: ">"}, count=count, block=block_ms or None
-            )
-        except redis.ResponseError as exc:
-            # NOGROUP: the group is gone; UNBLOCKED: the stream was deleted under a blocked read.
-            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
-                raise
-            log.warning(
-                "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
-                self.key,
-            )
-            self.ensure_group()
-            return []
+        [reply] = resp.round_trip(self.client, self.read_command(count, block_ms))
+        return self.read_reply(reply)
+
+    def read_command(self, count: int, block_ms: int) -> resp.Packer:
+        """``read``'s XREADGROUP, packed."""
+        block = (b"BLOCK", b"%d" % block_ms) if block_ms else ()
+        packer = resp.Packer()
+        packer.add(
+            b"XREADGROUP",
+            b"GROUP",
+            CONSUMER_GROUP.encode(),
+            self.consumer.encode(),
+            b"COUNT",
+            b"%d" % count,
+            *block,
+            b"STREAMS",
+            self.key.encode(),
+            b">",
+        )
+        return packer
+
+    def read_reply(self, reply: Any) -> list[RawEntry]:
+        """The entries of a raw XREADGROUP reply (RESP2 or RESP3), or of its error reply."""
+        if isinstance(reply, redis.ResponseError):
+            return self.group_gone(reply)
+        if isinstance(reply, Exception):
+            raise reply
         if not reply:
             return []
-        _, entries = reply[0]
-        return [RawEntry(eid, fields) for eid, fields in entries if fields is not None]
+        # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
+        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+        return [
+            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)))
+            for eid, flat in entries
+            if flat is not None
+        ]
+
+    def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
+        """A read's error: recreate the group if it is gone (NOGROUP), or the stream was deleted
+        under a blocked read (UNBLOCKED), and read nothing; raise any other."""
+        if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+            raise exc
+        log.warning(
+            "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
+            self.key,
+        )
+        self.ensure_group()
+        return []
 
     def stats(self) -> StreamStats:
         """Backlog, pending and lag of the group, and dead letters: one round trip."""
@@ -268,12 +339,14 @@ class RequestStream:
 
     def cancelled(self, rids: Sequence[str]) -> set[str]:
         """The request ids whose cancel key exists: one MGET for the whole batch."""
-        if not rids:
-            return set()
+        return self.ask_cancelled(rids).receive() if rids else set()
+
+    def ask_cancelled(self, rids: Sequence[str]) -> CancelQuery:
+        """Send ``cancelled``'s MGET now; the answer is read later from the returned query,
+        which can also send a read behind it (``CancelQuery.read_behind``)."""
         packer = resp.Packer()
         packer.add_packed(resp.command(b"MGET", *[self._cancel + rid.encode() for rid in rids]))
-        [values] = resp.raise_first_error(resp.round_trip(self.client, packer))
-        return {rid for rid, value in zip(rids, values, strict=True) if value is not None}
+        return CancelQuery(self, rids, resp.send(self.client, packer))
 
     def finish(self, items: Sequence[Finish]) -> int:
         """Stage the replies, then reply, dead-letter, ack and delete in one script: one round

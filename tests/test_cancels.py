@@ -1,0 +1,325 @@
+"""Cancel checks answered while the batch runs, and the read sent behind each check.
+
+Intake hands a read over before its cancel check's answer is in (worker/cancels.py): a request
+whose answer comes before its batch starts is left out of the run; one whose answer comes during
+the run is answered CANCELLED after it. Both cases are forced here by holding the answer back
+until a chosen moment, on a real worker and a real Redis.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+import redis
+from harness import PREFIX, running_worker, send, stream_is_empty, wait_reply, write_config
+
+from producer import keys, resp
+from worker import batcher as batcher_module
+from worker import service as service_module
+from worker import stream as stream_module
+from worker.cancels import CancelCheck
+from worker.config import load_config
+from worker.service import Worker, prepare
+from worker.stream import RequestStream
+
+MODEL = "multi_io"
+
+
+@pytest.fixture
+def config(tmp_path: Path, redis_url: str) -> Path:
+    return write_config(tmp_path, MODEL, redis_url)
+
+
+def _inputs() -> dict[str, np.ndarray]:
+    return {"a": np.ones((1, 3), np.float32), "b": np.zeros((1, 2), np.int64)}
+
+
+class HeldAnswers:
+    """Wraps ``CancelQuery.receive`` so that each answer waits for ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        receive = stream_module.CancelQuery.receive
+
+        def held(query: stream_module.CancelQuery) -> set[str]:
+            answer = receive(query)
+            assert self.release.wait(20), "the answer was never released"
+            return answer
+
+        monkeypatch.setattr(stream_module.CancelQuery, "receive", held)
+
+
+@pytest.fixture
+def run_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every run the worker makes."""
+    rows: list[int] = []
+    run_batch = service_module.run_batch
+
+    def counted(model, schema, items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows.append(sum(item.rows for item in items))
+        return run_batch(model, schema, items, *args, **kwargs)
+
+    monkeypatch.setattr(service_module, "run_batch", counted)
+    return rows
+
+
+def test_an_answer_that_comes_during_the_run_still_cancels(
+    config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch, run_rows: list[int]
+) -> None:
+    held = HeldAnswers(monkeypatch)
+    run_batch = service_module.run_batch
+
+    def release_then_run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        held.release.set()  # the answer arrives once the run has started
+        return run_batch(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "run_batch", release_then_run)
+    rconn.set(keys.cancel_key(PREFIX, "late"), 1, ex=60)
+    send(rconn, MODEL, "late", _inputs(), meta="m")
+    send(rconn, MODEL, "kept", _inputs())
+    with running_worker(config):
+        late = wait_reply(rconn, "late")
+        kept = wait_reply(rconn, "kept")
+    assert run_rows == [2]  # both ran: the answer was not in when the batch started
+    assert late.error is not None
+    assert late.error.code == "CANCELLED"
+    assert late.meta == "m"
+    assert kept.ok
+    assert kept.batch_rows == 2
+    assert stream_is_empty(rconn, MODEL)
+
+
+def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
+    config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch, run_rows: list[int]
+) -> None:
+    next_batch = batcher_module.Batcher.next_batch
+
+    def after_the_answers(self, timeout_s):  # type: ignore[no-untyped-def]
+        batch = next_batch(self, timeout_s)
+        for item in batch:
+            if item.cancel is not None:
+                item.cancel.confirmed("")  # waits for the answer
+        return batch
+
+    monkeypatch.setattr(batcher_module.Batcher, "next_batch", after_the_answers)
+    rconn.set(keys.cancel_key(PREFIX, "early"), 1, ex=60)
+    send(rconn, MODEL, "early", _inputs())
+    send(rconn, MODEL, "kept", _inputs())
+    with running_worker(config):
+        early = wait_reply(rconn, "early")
+        kept = wait_reply(rconn, "kept")
+    assert run_rows == [1]
+    assert early.error is not None
+    assert early.error.code == "CANCELLED"
+    assert kept.ok
+    assert kept.batch_rows == 1
+
+
+def _serve(worker: Worker) -> tuple[threading.Thread, list[BaseException]]:
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread, failure
+
+
+def _held_runs(monkeypatch: pytest.MonkeyPatch, hold_s: float) -> threading.Event:
+    """Each run waits until the returned event is set, or ``hold_s``."""
+    gate = threading.Event()
+    run_batch = service_module.run_batch
+
+    def held(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(hold_s)
+        return run_batch(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "run_batch", held)
+    return gate
+
+
+def test_no_read_goes_out_after_a_stop(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a backlog, and intake blocked handing a read to the full queue while a run is held
+    config = write_config(
+        tmp_path, MODEL, redis_url, batching="max_batch_size = 4\nmax_wait_ms = 1"
+    )
+    for i in range(200):
+        send(rconn, MODEL, f"r{i}", _inputs())
+    gate = _held_runs(monkeypatch, 30)
+    worker = Worker(prepare(load_config(config), "w1"), redis.Redis.from_url(redis_url))
+    blocked = threading.Event()
+    put = worker.queue.put
+
+    def put_when_full(items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if worker.queue.full():
+            blocked.set()
+        put(items, *args, **kwargs)
+
+    monkeypatch.setattr(worker.queue, "put", put_when_full)
+    thread, failure = _serve(worker)
+    assert blocked.wait(20)
+    read_before = _entries_read(rconn)
+    # When the worker is stopped, then the put goes through
+    worker.request_stop()
+    gate.set()
+    thread.join(30)
+    # Then nothing more was read, and everything read was answered
+    assert not thread.is_alive()
+    assert not failure
+    assert _entries_read(rconn) == read_before
+    assert rconn.xpending(keys.request_stream(PREFIX, MODEL), keys.CONSUMER_GROUP)["pending"] == 0
+
+
+def _entries_read(conn: redis.Redis) -> int:
+    return int(conn.xinfo_groups(keys.request_stream(PREFIX, MODEL))[0]["entries-read"])
+
+
+def test_a_health_check_between_the_check_and_the_read_behind_it_changes_nothing(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client that PINGs before a send once health_check_interval has passed: its PING must
+    # not read the cancel check's reply, still owed while intake waits on a full queue.
+    config = write_config(
+        tmp_path, MODEL, redis_url, batching="max_batch_size = 1\nmax_wait_ms = 1"
+    )
+    rids = [send(rconn, MODEL, f"r{i}", _inputs()) for i in range(5)]
+    _held_runs(monkeypatch, 1.5)
+    url = urlsplit(redis_url)
+    # redis.Redis() retries a failed command on a new connection (from_url does not)
+    client = redis.Redis(host=url.hostname or "", port=url.port or 6379, health_check_interval=1)
+    worker = Worker(prepare(load_config(config), "w1"), client)
+    thread, failure = _serve(worker)
+    replies = {rid: wait_reply(rconn, rid, 30) for rid in rids}
+    worker.request_stop()
+    thread.join(30)
+    assert not failure
+    assert {rid: reply.ok for rid, reply in replies.items()} == dict.fromkeys(rids, True)
+
+
+def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started(
+    config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a check whose first MGET cannot be sent, so it is asked again after the hand-over
+    ask = stream_module.RequestStream.ask_cancelled
+    asked: list[int] = []
+
+    def first_unsendable(self, rids):  # type: ignore[no-untyped-def]
+        asked.append(1)
+        if len(asked) == 1:
+            raise redis.ConnectionError("dropped")
+        return ask(self, rids)
+
+    monkeypatch.setattr(stream_module.RequestStream, "ask_cancelled", first_unsendable)
+    key_set = threading.Event()
+    cancelled = stream_module.RequestStream.cancelled
+
+    def after_the_key(self, rids):  # type: ignore[no-untyped-def]
+        assert key_set.wait(20)
+        return cancelled(self, rids)
+
+    monkeypatch.setattr(stream_module.RequestStream, "cancelled", after_the_key)
+    run_batch = service_module.run_batch
+
+    def cancel_during_the_run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # When the caller cancels only once the batch runs
+        rconn.set(keys.cancel_key(PREFIX, "ran"), 1, ex=60)
+        key_set.set()
+        return run_batch(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "run_batch", cancel_during_the_run)
+    send(rconn, MODEL, "ran", _inputs())
+    with running_worker(config):
+        reply = wait_reply(rconn, "ran")
+    # Then the late answer, which sees the key, does not turn the result into CANCELLED
+    assert reply.ok
+
+
+def test_a_check_is_answered_once() -> None:
+    check = CancelCheck()
+    assert not check.answered
+    assert not check.known("a")
+    check.answer({"a"})
+    check.answer(set())  # a second answer is ignored
+    assert check.known("a")
+    assert check.confirmed("a")
+    assert not check.confirmed("b")
+
+
+# ---------------------------------------------------------------------------------------------
+# The read sent behind a check
+
+
+def _stream(conn: redis.Redis) -> RequestStream:
+    stream = RequestStream(conn, PREFIX, MODEL, "me")
+    stream.ensure_group()
+    return stream
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_the_read_behind_a_check_returns_what_read_would(redis_url: str, protocol: int) -> None:
+    conn = redis.Redis.from_url(redis_url, protocol=protocol)
+    stream = _stream(conn)
+    conn.set(keys.cancel_key(PREFIX, "r1"), 1, ex=60)
+    sent = [send(conn, MODEL, f"r{i}", _inputs()) for i in range(3)]
+
+    query = stream.ask_cancelled(["r0", "r1"])
+    query.read_behind(2, 0)
+    assert query.receive() == {"r1"}
+    assert query.read_owed
+    entries = query.entries()
+    assert not query.read_owed
+    assert [e.fields[b"rid"] for e in entries] == [rid.encode() for rid in sent[:2]]
+    assert set(entries[0].fields) == {b"rid", b"body"}
+    # the same as a plain read gives: the third entry, then nothing
+    assert [e.fields[b"rid"] for e in stream.read(5, 0)] == [b"r2"]
+    blocked = stream.ask_cancelled(["r2"])
+    blocked.read_behind(5, 50)
+    assert blocked.receive() == set()
+    assert blocked.entries() == []
+    conn.close()
+
+
+def test_the_read_behind_a_check_recreates_a_lost_group(redis_url: str) -> None:
+    conn = redis.Redis.from_url(redis_url)
+    stream = _stream(conn)
+    conn.delete(keys.request_stream(PREFIX, MODEL))  # the group goes with the stream
+    query = stream.ask_cancelled(["r0"])
+    query.read_behind(5, 0)
+    assert query.receive() == set()
+    assert query.entries() == []
+    groups = conn.xinfo_groups(keys.request_stream(PREFIX, MODEL))
+    assert [g["name"] for g in groups] == [keys.CONSUMER_GROUP.encode()]
+    conn.close()
+
+
+def test_replies_received_in_parts_and_an_abandoned_connection(redis_url: str) -> None:
+    conn = redis.Redis.from_url(redis_url)
+    packer = resp.Packer()
+    for value in (b"1", b"2"):
+        packer.add(b"ECHO", value)
+    in_flight = resp.send(conn, packer)
+    assert in_flight.receive(1) == [b"1"]
+    more = resp.Packer()
+    more.add(b"ECHO", b"3")
+    more.add(b"BLPOP", b"nothing", b"5")  # a reply still owed when abandoned
+    in_flight.send(more)  # behind what is still owed
+    assert in_flight.owed == 3
+    assert in_flight.receive(2) == [b"2", b"3"]
+    assert in_flight.owed == 1
+    in_flight.abandon()
+    assert in_flight.owed == 0
+    with pytest.raises(RuntimeError, match="already received or abandoned"):
+        in_flight.receive()
+    # the connection with the owed BLPOP reply was dropped, not handed to the next caller
+    assert conn.echo(b"next") == b"next"
+    conn.close()
