@@ -59,6 +59,23 @@ runs = 1
     return config
 
 
+def serve_in_thread(
+    worker: Worker, name: str = "w1"
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``worker`` on a daemon thread; the list collects what stopped it, if anything."""
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name=f"worker-{name}", daemon=True)
+    thread.start()
+    return thread, failure
+
+
 @contextlib.contextmanager
 def running_worker(
     config_path: Path,
@@ -74,16 +91,7 @@ def running_worker(
         adjust(prepared)
     client = redis.Redis.from_url(config.redis.url)
     worker = Worker(prepared, client, metrics=metrics)
-    failure: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=serve, name=f"worker-{name}", daemon=True)
-    thread.start()
+    thread, failure = serve_in_thread(worker, name)
     while not worker.ready.wait(0.05):
         assert thread.is_alive(), f"worker failed to start: {failure}"
     try:

@@ -15,7 +15,15 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 import redis
-from harness import PREFIX, running_worker, send, stream_is_empty, wait_reply, write_config
+from harness import (
+    PREFIX,
+    running_worker,
+    send,
+    serve_in_thread,
+    stream_is_empty,
+    wait_reply,
+    write_config,
+)
 
 from producer import keys, resp
 from worker import batcher as batcher_module
@@ -119,20 +127,6 @@ def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
     assert kept.batch_rows == 1
 
 
-def _serve(worker: Worker) -> tuple[threading.Thread, list[BaseException]]:
-    failure: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    return thread, failure
-
-
 def _held_runs(monkeypatch: pytest.MonkeyPatch, hold_s: float) -> threading.Event:
     """Each run waits until the returned event is set, or ``hold_s``."""
     gate = threading.Event()
@@ -166,7 +160,7 @@ def test_no_read_goes_out_after_a_stop(
         put(items, *args, **kwargs)
 
     monkeypatch.setattr(worker.queue, "put", put_when_full)
-    thread, failure = _serve(worker)
+    thread, failure = serve_in_thread(worker)
     assert blocked.wait(20)
     read_before = _entries_read(rconn)
     # When the worker is stopped, then the put goes through
@@ -198,7 +192,7 @@ def test_a_health_check_between_the_check_and_the_read_behind_it_changes_nothing
     # redis.Redis() retries a failed command on a new connection (from_url does not)
     client = redis.Redis(host=url.hostname or "", port=url.port or 6379, health_check_interval=1)
     worker = Worker(prepare(load_config(config), "w1"), client)
-    thread, failure = _serve(worker)
+    thread, failure = serve_in_thread(worker)
     replies = {rid: wait_reply(rconn, rid, 30) for rid in rids}
     worker.request_stop()
     thread.join(30)
