@@ -137,6 +137,17 @@ def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, 
     assert int(frozen.group(1)) > 10_000
 
 
+def test_a_worker_on_resp3_serves(tmp_path: Path, redis_url: str, rconn) -> None:
+    # protocol=3 in the URL: Redis answers in RESP3 (maps where RESP2 has flat arrays)
+    config = write_config(tmp_path, "demo", f"{redis_url}?protocol=3")
+    x = np.zeros((1, 16), np.float32)
+    rids = _pipelined(rconn, "demo", 40, lambda i: {"features": x})
+    with running_worker(config):
+        replies = [wait_reply(rconn, rid) for rid in rids]
+    assert all(reply.ok for reply in replies)
+    assert stream_is_empty(rconn, "demo")
+
+
 def test_worker_survives_flushall_and_serves_again(tmp_path: Path, redis_url: str, rconn) -> None:
     config = write_config(tmp_path, "demo", redis_url)
     x = np.zeros((1, 16), np.float32)
