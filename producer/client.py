@@ -142,8 +142,8 @@ class Client:
 
     def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
-            packed = core.pack_xadds(self._settings.stream, subs)
-            resp.raise_first_error(resp.round_trip(self._redis, packed))
+            xadds = core.pack_xadds(self._settings.stream, subs)
+            core.check_xadds(xadds, resp.round_trip(self._redis, xadds.packer))
             return
         # A new pipeline per try: a failed execute() has already emptied the old one.
         pipe = self._redis.pipeline(transaction=False)

@@ -49,8 +49,10 @@ __all__ = [
     "build_submission",
     "build_submissions",
     "check_connection_kwargs",
+    "check_xadds",
     "describe_connection",
     "failed_result",
+    "pack_xadds",
     "parse_reply",
     "redact_url",
     "row_limit",
@@ -64,9 +66,12 @@ MAX_BACKOFF_S = 0.2
 #: The longest single blocking command. redis-py's default socket timeout is 5 s, and a BLPOP that
 #: outlasts the socket timeout fails, so long waits are made of several short blocks.
 MAX_BLOCK_S = 2.0
-# Batches of submits go in one transaction (see pack_xadds).
+# Batches of submits go in transactions of at most this many entries or bytes (pack_xadds).
 _MULTI = resp.command(b"MULTI")
 _EXEC = resp.command(b"EXEC")
+_TXN_ENTRIES = 256
+_TXN_BYTES = 1 << 20
+_WARNED: set[str] = set()  # warnings given once per process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,24 +238,77 @@ class Submission:
         return {"rid": self.rid, "body": self.body}
 
 
-def pack_xadds(stream: str, subs: Sequence[Submission]) -> resp.Packer:
+@dataclass(frozen=True, slots=True)
+class Xadds:
+    """``XADD``s packed for one round trip, and how their replies are laid out: ``blocks``
+    holds each run of entries sent together, with whether it is a ``MULTI``/``EXEC``."""
+
+    packer: resp.Packer
+    blocks: tuple[tuple[int, bool], ...]
+
+
+def pack_xadds(stream: str, subs: Sequence[Submission]) -> Xadds:
     """``XADD stream * rid R body B`` for each submission, for one round trip; two or more go
-    in one ``MULTI``/``EXEC``.
+    in ``MULTI``/``EXEC`` transactions of at most ``_TXN_ENTRIES`` entries or about
+    ``_TXN_BYTES`` of bodies.
 
     Redis serves a blocked ``XREADGROUP`` after each command it runs, so a plain pipeline of
     XADDs wakes a waiting worker after its first entry and the rest come in later reads, each
     with its own round trips and hand-over (docs/design.md). In a transaction the entries
-    appear together, and a batch is added whole or not at all.
+    appear together, and are added whole or not at all. The cap keeps one transaction from
+    holding Redis (and every worker's reads and finishes) for long.
     """
     packer, key = resp.Packer(), stream.encode()
-    many = len(subs) > 1
-    if many:
-        packer.add_packed(_MULTI)
-    for sub in subs:
-        packer.add(b"XADD", key, b"*", b"rid", sub.rid.encode(), b"body", sub.body)
-    if many:
-        packer.add_packed(_EXEC)
-    return packer
+    blocks: list[tuple[int, bool]] = []
+    i = 0
+    while i < len(subs):
+        j, size = i, 0
+        while j < len(subs) and j - i < _TXN_ENTRIES and (j == i or size < _TXN_BYTES):
+            size += len(subs[j].body)
+            j += 1
+        txn = j - i > 1
+        if txn:
+            packer.add_packed(_MULTI)
+        for sub in subs[i:j]:
+            packer.add(b"XADD", key, b"*", b"rid", sub.rid.encode(), b"body", sub.body)
+        if txn:
+            packer.add_packed(_EXEC)
+        blocks.append((j - i, txn))
+        i = j
+    return Xadds(packer, tuple(blocks))
+
+
+def check_xadds(xadds: Xadds, replies: Sequence[Any]) -> None:
+    """Raise the first error among the replies of ``xadds``, as ``resp.raise_first_error``.
+
+    A ``MULTI`` refused (a producer ACL without ``+multi``, from before transactions) does not
+    start a transaction: Redis runs that block's XADDs one by one and refuses its ``EXEC``. The
+    entries are then in the stream, so that is not an error; it is logged once.
+    """
+    at = 0
+    for count, txn in xadds.blocks:
+        if not txn:
+            resp.raise_first_error([replies[at]])
+            at += 1
+            continue
+        opened, added, done = replies[at], replies[at + 1 : at + 1 + count], replies[at + 1 + count]
+        at += count + 2
+        if isinstance(opened, Exception):
+            _warn_no_multi(opened)
+            resp.raise_first_error(list(added))
+            continue
+        resp.raise_first_error([*added, done])
+
+
+def _warn_no_multi(exc: Exception) -> None:
+    if "no multi" not in _WARNED:
+        _WARNED.add("no multi")
+        log.warning(
+            "Redis refused MULTI (%s); submits are sent without transactions, so a waiting "
+            "worker may read a batch in parts. Grant the producer user +multi +exec +discard "
+            "(docs/security.md).",
+            exc,
+        )
 
 
 def pack_lpops(keys: Sequence[bytes]) -> resp.Packer:

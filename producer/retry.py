@@ -77,6 +77,8 @@ REDIS_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ResponseError)
 # READONLY is left out: it means the URL reaches a replica, and retrying on the same pooled
 # connection keeps reaching it; following a failover is a Sentinel or Cluster client's job.
 _TRANSIENT_REFUSALS = (rex.OutOfMemoryError, rex.TryAgainError, rex.ClusterDownError)
+# The same refusals as the codes that start an EXECABORT's reason (nothing of it ran).
+_TRANSIENT_CODES = frozenset({"OOM", "TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING"})
 # Errors of an unreachable or misconfigured server that no retry fixes.
 _NOT_TRANSIENT = (rex.AuthenticationError, rex.AuthorizationError)
 
@@ -87,6 +89,9 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, *_TRANSIENT_REFUSALS)):
         return True  # BusyLoadingError (LOADING) is a ConnectionError
+    if isinstance(exc, rex.ExecAbortError):  # a transaction discarded whole, for its reason
+        reason = str(exc).partition("because of: ")[2]
+        return reason.split(" ", 1)[0] in _TRANSIENT_CODES
     return isinstance(exc, rex.ResponseError) and _error_code(exc) == "BUSY"
 
 

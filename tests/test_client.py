@@ -20,7 +20,7 @@ import redis
 
 import producer
 from producer import client as client_module
-from producer import codec, core, keys, window
+from producer import codec, core, keys, resp, window
 from producer.aio import AsyncClient
 from producer.client import Client
 from producer.codec import ErrorInfo, ModelRef, Reply
@@ -224,6 +224,22 @@ def test_a_batch_of_submits_reaches_a_waiting_worker_in_one_read(redis_url: str)
     with BlockedReader(redis_url) as reader:
         rids = asyncio.run(submit_async())
     assert reader.got == [rid.encode() for rid in rids]
+
+
+def test_big_batches_of_submits_go_in_several_capped_transactions(
+    client: Client, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core, "_TXN_ENTRIES", 4)
+    monkeypatch.setattr(core, "_TXN_BYTES", 1000)
+    small = [core.Submission(f"s{i}", b"x" * 10) for i in range(9)]
+    big = [core.Submission(f"b{i}", b"x" * 600) for i in range(3)]
+    assert core.pack_xadds(STREAM, small).blocks == ((4, True), (4, True), (1, False))
+    assert core.pack_xadds(STREAM, big).blocks == ((2, True), (1, False))
+    rids = client.submit_many([{"x": xs(1)} for _ in range(10)])
+    assert [f[b"rid"] for _, f in rconn.xrange(STREAM)] == [rid.encode() for rid in rids]
+    xadds = core.pack_xadds(STREAM, small + big)
+    core.check_xadds(xadds, resp.round_trip(rconn, xadds.packer))
+    assert rconn.xlen(STREAM) == 10 + 12
 
 
 def test_default_rids_are_uuid4_hex(client: Client) -> None:

@@ -258,6 +258,8 @@ def test_async_budget_runs_out_with_redis_unavailable(
         (rex.TryAgainError("TRYAGAIN Multiple keys request during rehashing"), True),
         (rex.ResponseError("BUSYGROUP Consumer Group name already exists"), False),
         (rex.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"), False),
+        (rex.ExecAbortError("Transaction discarded because of: OOM command not allowed"), True),
+        (rex.ExecAbortError("Transaction discarded because of previous errors."), False),
         (rex.ReadOnlyError("You can't write against a read only replica."), False),
         (rex.AuthenticationError("invalid username-password pair"), False),
         (rex.NoPermissionError("NOPERM this user has no permissions"), False),

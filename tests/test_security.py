@@ -6,6 +6,7 @@ doc grants that should be refused) fails here.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import redis
 import trustme
 from harness import direct_run, running_worker, send, wait_reply, write_config
 
-from producer import Client
+from producer import AsyncClient, Client, core
 from producer.errors import ConnectionFailed
 from producer.keys import cancel_key, dead_key, reply_key, request_stream, worker_key, workers_key
 from producer.status import gather_status
@@ -116,6 +117,7 @@ def test_producer_and_worker_users_serve_requests_end_to_end(
             admin.rpush(reply_key("redbatch", rid), popped[1])  # put it back for poll
             polled = client.poll(rid)
             chunks = list(client.map({"features": np.repeat(X, 5, axis=0)}, timeout_s=20))
+            batch = list(client.wait_many(client.submit_many([{"features": X}] * 3), 20))
             workers = [w["name"] for w in client.workers()]
             backlog = client.backlog()
     # Then every call works, and the answers are the model's
@@ -127,6 +129,7 @@ def test_producer_and_worker_users_serve_requests_end_to_end(
     assert polled.ok
     assert all(c.error is None for c in chunks)
     assert sum(len(c.outputs["label"]) for c in chunks if c.outputs) == 5
+    assert [r.ok for r in batch] == [True] * 3  # a batch of submits: one MULTI/EXEC
     assert workers == ["w-acl"]
     assert backlog == 0
 
@@ -146,6 +149,39 @@ def test_worker_user_writes_dead_letters_through_its_script(
     assert [fields[b"rid"] for _, fields in dead] == [b"not a rid!"]
     assert b"does not match" in dead[0][1][b"reason"]
     assert admin.xlen(STREAM) == 0
+
+
+def test_a_producer_without_multi_still_adds_its_batches_once(
+    server: LocalRedis,
+    admin: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(core, "_WARNED", set())  # the warning is given once per process
+    # Given a producer user from before transactions: the doc's rules less +multi +exec +discard
+    rules = re.search(r"^user redbatch-producer on >\S+ (.*)$", ACL, flags=re.MULTILINE)
+    assert rules is not None
+    old_rules = rules.group(1).replace("+multi +exec +discard ", "")
+    admin.execute_command(
+        "ACL", "SETUSER", "old-producer", "on", ">old-producer", *old_rules.split()
+    )
+    old_url = server.url_for("old-producer", "old-producer")
+    # When it submits batches, sync and async
+    with Client(MODEL, old_url) as client:
+        rids = client.submit_many([{"features": X}] * 3)
+        rids += client.submit_many([{"features": X}] * 2)
+
+    async def submit_async() -> list[str]:
+        async with AsyncClient(MODEL, old_url) as aclient:
+            return await aclient.submit_many([{"features": X}] * 3)
+
+    rids += asyncio.run(submit_async())
+    # Then each request is in the stream once, and one warning says what to grant
+    added = [fields[b"rid"].decode() for _, fields in admin.xrange(STREAM)]
+    assert added == rids
+    warnings = [r.getMessage() for r in caplog.records if "refused MULTI" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "+multi +exec +discard" in warnings[0]
 
 
 RECLAIM_SOON = "[delivery]\nclaim_idle_ms = 200"

@@ -130,8 +130,8 @@ class Sender:
         """Send the queued requests in one round trip (packed by hand, as ``Client`` does)."""
         subs, self._queued = self._queued, []
         if subs:
-            packed = core.pack_xadds(self.stream, subs)
-            resp.raise_first_error(resp.round_trip(self.conn, packed))
+            xadds = core.pack_xadds(self.stream, subs)
+            core.check_xadds(xadds, resp.round_trip(self.conn, xadds.packer))
 
 
 class Replies:
