@@ -4,11 +4,12 @@ Intake sends one ``MGET`` of a read's cancel keys and hands the read over at onc
 waiting for the answer first: that round trip (about 0.35 ms on a busy 2-core machine) sat
 between every read and its batch. The main thread leaves out of the run the requests whose
 answer is in and says cancelled, and answers ``CANCELLED`` after the run those whose answer came
-later: they ran for nothing, which costs a rare cancel some compute. The MGET runs in Redis
-before the hand-over, so the keys it sees existed before the batch was formed, as the contract
-has it. Only when that round trip fails is it asked again after the hand-over; that answer
-cannot tell whether a key was set before or after a batch already started, so it only keeps
-requests out of runs not yet started: a cancel may then be missed, never invented. With a
+later: they ran for nothing, which costs a rare cancel some compute. The MGET is sent before
+the hand-over and Redis runs it one network delay later, so the keys it sees existed when the
+batch was formed, as the contract has it, give or take that delay (a key set within it may
+still count). Only when that round trip fails is it asked again after the hand-over; that
+answer cannot tell whether a key was set before or after a batch already started, so it only
+keeps requests out of runs not yet started: a cancel may then be missed. With a
 backlog, where cancels matter (callers give up on requests that wait long), reads wait in the
 queue and their answers are in before their batch starts.
 """
