@@ -31,6 +31,7 @@ from worker import service as service_module
 from worker import stream as stream_module
 from worker.cancels import CancelCheck
 from worker.config import load_config
+from worker.metrics import Metrics
 from worker.service import Worker, prepare
 from worker.stream import RequestStream
 
@@ -89,10 +90,12 @@ def test_an_answer_that_comes_during_the_run_still_cancels(
     rconn.set(keys.cancel_key(PREFIX, "late"), 1, ex=60)
     send(rconn, MODEL, "late", _inputs(), meta="m")
     send(rconn, MODEL, "kept", _inputs())
-    with running_worker(config):
+    metrics = Metrics()
+    with running_worker(config, metrics=metrics):
         late = wait_reply(rconn, "late")
         kept = wait_reply(rconn, "kept")
     assert run_rows == [2]  # both ran: the answer was not in when the batch started
+    assert metrics.registry.get_sample_value("redbatch_cancelled_after_run_total") == 1
     assert late.error is not None
     assert late.error.code == "CANCELLED"
     assert late.meta == "m"
@@ -117,10 +120,12 @@ def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
     rconn.set(keys.cancel_key(PREFIX, "early"), 1, ex=60)
     send(rconn, MODEL, "early", _inputs())
     send(rconn, MODEL, "kept", _inputs())
-    with running_worker(config):
+    metrics = Metrics()
+    with running_worker(config, metrics=metrics):
         early = wait_reply(rconn, "early")
         kept = wait_reply(rconn, "kept")
     assert run_rows == [1]
+    assert metrics.registry.get_sample_value("redbatch_cancelled_after_run_total") == 0
     assert early.error is not None
     assert early.error.code == "CANCELLED"
     assert kept.ok

@@ -160,6 +160,12 @@ class Metrics:
             "Idle consumers with nothing pending removed from the group.",
             registry=r,
         )
+        self.cancelled_runs = Counter(
+            "redbatch_cancelled_after_run",
+            "Requests answered CANCELLED after running: their cancel check's answer came "
+            "during the run (compute spent for nothing).",
+            registry=r,
+        )
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
@@ -209,6 +215,9 @@ class Metrics:
 
     def consumers_forgotten(self, count: int) -> None:
         self.consumers_removed.inc(count)
+
+    def cancelled_after_run(self) -> None:
+        self.cancelled_runs.inc()
 
     def batch_done(
         self,

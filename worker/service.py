@@ -320,6 +320,7 @@ class Worker:
             item = outcome.item
             if item.cancel is not None and item.rid is not None and item.cancel.confirmed(item.rid):
                 # its cancel check answered after the run started (worker/cancels.py)
+                self.metrics.cancelled_after_run()
                 finishes.append(
                     self._failure(item, cancelled_error(), started_ms, outcome.inference_ms)
                 )
