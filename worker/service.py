@@ -318,7 +318,7 @@ class Worker:
         runs: dict[tuple[int, float], list[Outcome]] = {}
         for outcome in outcomes:
             item = outcome.item
-            if item.cancel is not None and item.rid is not None and item.cancel.confirmed(item.rid):
+            if _cancelled_during_run(item):
                 # its cancel check answered after the run started (worker/cancels.py)
                 self.metrics.cancelled_after_run()
                 finishes.append(
@@ -406,6 +406,11 @@ def _cancelled_already(item: WorkItem) -> Rejected | None:
     if item.cancel is not None and item.rid is not None and item.cancel.known(item.rid):
         return cancelled_error()
     return None
+
+
+def _cancelled_during_run(item: WorkItem) -> bool:
+    """After its run: whether the item's cancel check, answered late, cancels it (waits)."""
+    return item.cancel is not None and item.rid is not None and item.cancel.confirmed(item.rid)
 
 
 def _expired(item: WorkItem) -> Rejected | None:
