@@ -43,6 +43,7 @@ __all__ = ["Prepared", "Worker", "prepare"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often an idle loop looks at the stop flag
+_WRITE_WEIGHT = 0.25  # weight of the newest write in the moving average of write times
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,7 @@ class Worker:
         rows = max(cfg.batching.max_batch_size, self.schema.fixed_batch or 0)
         self.buffers = FeedBuffers(rows)  # main thread only: batches are assembled there
         self._running_since: float | None = None  # monotonic start of the run in progress
+        self._write_s = 0.0  # moving average of a batch's write; 0 writes on the writer first
         self.served = {"requests": 0, "batches": 0}
         self.metrics.describe(prepared.record)
 
@@ -237,7 +239,8 @@ class Worker:
 
     def process(self, batch: Sequence[WorkItem]) -> None:
         """Answer every item of the batch: run the valid ones, then hand all replies to the
-        writer, which finishes the batch in one round trip while the next one runs."""
+        writer, which finishes the batch in one round trip while the next one runs (or here,
+        when no next one waits)."""
         started_ms = time.time() * 1000.0
         runs: list[tuple[int, float]] = []
         try:
@@ -254,12 +257,22 @@ class Worker:
                 queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
                 decode_s=[item.decode_ms / 1000.0 for item in batch],
                 runs=runs,
-            )
+            ),
+            here=self._write_here(runs),
         )
 
+    def _write_here(self, runs: Sequence[tuple[int, float]]) -> bool:
+        """Write on this thread (worker/writer.py) when no read waits to be batched and the
+        batch ran for less than a typical write: its path is then mostly Redis and thread
+        hand-offs, and the hand-off to the writer costs more than overlapping the write saves.
+        A longer run means the model is the bottleneck, and no batch may wait on a write."""
+        ran_s = sum(seconds for _, seconds in runs)
+        return ran_s < self._write_s and self.queue.empty() and not self.batcher.holding
+
     def _written(self, batch: Batch, write_s: float) -> None:
-        """Called on the writer's thread once a batch is in Redis."""
+        """Called once a batch is in Redis, on the thread that wrote it (one at a time)."""
         self.leases.release(f.entry_id for f in batch.finishes)
+        self._write_s += _WRITE_WEIGHT * (write_s - self._write_s)
         self.metrics.batch_done(
             codes=[f.code for f in batch.finishes],
             queued_s=batch.queued_s,

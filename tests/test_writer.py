@@ -1,0 +1,182 @@
+"""Where a batch's replies are written: on the writer thread while another batch waits to run,
+on the serving thread when nothing does (worker/writer.py)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from harness import send, serve_in_thread, wait_reply, write_config
+
+from worker.config import load_config
+from worker.errors import WorkerError
+from worker.service import Worker, prepare
+from worker.stream import Finish, RequestStream
+from worker.writer import Batch, ReplyWriter
+
+STREAM = "redbatch:{demo}:requests"
+
+
+def _read_batch(rconn: redis.Redis, stream: RequestStream, rid: str) -> Batch:
+    """One entry added and read by this consumer, as a batch answering it with ``rid``."""
+    rconn.xadd(STREAM, {"rid": rid, "body": b"b"})
+    got = rconn.xreadgroup("workers", stream.consumer, {STREAM: ">"}, count=1)
+    entry_id = got[0][1][0][0]
+    return Batch([Finish(entry_id, rid, rid.encode())])
+
+
+class _Recorder:
+    """on_written for a ReplyWriter: notes each batch's writing thread; can hold the first."""
+
+    def __init__(self, hold_first: bool = False) -> None:
+        self.threads: list[str] = []
+        self.first_written = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+
+    def __call__(self, batch: Batch, seconds: float) -> None:
+        self.threads.append(threading.current_thread().name)
+        self.first_written.set()
+        assert self.release.wait(10)
+
+
+@pytest.fixture
+def stream(rconn: redis.Redis) -> RequestStream:
+    stream = RequestStream(rconn, "redbatch", "demo", "me")
+    stream.ensure_group()
+    return stream
+
+
+def _writer(stream: RequestStream, recorder: _Recorder) -> tuple[ReplyWriter, threading.Event]:
+    stopped = threading.Event()
+    writer = ReplyWriter(stream, threading.Event(), recorder, stopped.set)
+    writer.start()
+    return writer, stopped
+
+
+def test_with_nothing_queued_a_batch_is_written_before_submit_returns(rconn, stream) -> None:
+    recorder = _Recorder()
+    writer, _ = _writer(stream, recorder)
+    writer.submit(_read_batch(rconn, stream, "r0"), here=True)
+    # written on this thread, by the time submit returned
+    assert recorder.threads == [threading.current_thread().name]
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
+    writer.submit(_read_batch(rconn, stream, "r1"))  # without here: the writer's thread
+    writer.close()
+    assert recorder.threads[1] == "redbatch-writer"
+    assert rconn.xpending(STREAM, "workers")["pending"] == 0
+
+
+def test_a_batch_submitted_while_another_is_being_written_waits_on_the_writer(
+    rconn, stream
+) -> None:
+    # Given the writer's thread busy with a first batch
+    recorder = _Recorder(hold_first=True)
+    writer, _ = _writer(stream, recorder)
+    writer.submit(_read_batch(rconn, stream, "r0"))
+    assert recorder.first_written.wait(10)
+    # When a second is submitted to be written here, it queues behind the first instead
+    writer.submit(_read_batch(rconn, stream, "r1"), here=True)
+    assert recorder.threads == ["redbatch-writer"]
+    assert not rconn.exists("redbatch:reply:r1")
+    recorder.release.set()
+    writer.close()
+    assert recorder.threads == ["redbatch-writer", "redbatch-writer"]
+    assert rconn.xpending(STREAM, "workers")["pending"] == 0
+
+
+def test_a_write_here_that_fails_is_raised_and_stops_the_writer(rconn, stream) -> None:
+    # Given a key of another type where the request stream should be (no retry can fix that)
+    writer, stopped = _writer(stream, _Recorder())
+    batch = _read_batch(rconn, stream, "r0")
+    rconn.delete(STREAM)
+    rconn.set(STREAM, "not a stream")
+    with pytest.raises(WorkerError, match="WRONGTYPE"):
+        writer.submit(batch, here=True)
+    # the service is told to stop, and every later batch is refused as it would be on the thread
+    assert stopped.is_set()
+    with pytest.raises(WorkerError, match="reply writer stopped"):
+        writer.submit(batch)
+    writer.join(timeout=10)  # and its thread has ended
+    assert not writer.is_alive()
+
+
+def _serve_two_reads(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, write_s: float
+) -> list[str]:
+    """Two reads of four, each a batch: the first is held until the second is handed over (so
+    a read waits behind it), the second until the first is written (so none does). Returns the
+    thread that wrote each batch, given a typical write of ``write_s``."""
+    path = write_config(tmp_path, "tiny", redis_url, batching="max_batch_size = 4")
+    x = np.ones((1, 128), np.float32)
+    rids = [send(rconn, "tiny", f"w-{i}", {"x": x}) for i in range(8)]
+    client = redis.Redis.from_url(redis_url)
+    worker = Worker(prepare(load_config(path), "w1"), client)
+    handed_over: list[int] = []
+    second_read, first_written = threading.Event(), threading.Event()
+    turns = [second_read, first_written]
+
+    put = worker.queue.put
+
+    def put_and_count(items, *args, **kwargs) -> None:
+        put(items, *args, **kwargs)
+        handed_over.append(len(items))
+        if len(handed_over) == 2:
+            second_read.set()
+
+    process = worker.process
+
+    def process_in_turn(batch) -> None:
+        assert turns.pop(0).wait(10), "the worker never got to this batch's turn"
+        worker._write_s = write_s  # as if writes had taken this long so far
+        process(batch)
+
+    threads: list[str] = []
+    written = worker.writer.on_written
+
+    def note_thread(batch: Batch, seconds: float) -> None:
+        threads.append(threading.current_thread().name)
+        written(batch, seconds)
+
+    done = worker.writer._queue.task_done
+
+    def done_and_note() -> None:  # the writer is idle again once its batch is marked done
+        done()
+        first_written.set()
+
+    worker.queue.put = put_and_count  # type: ignore[method-assign]
+    worker.process = process_in_turn  # type: ignore[method-assign]
+    worker.writer.on_written = note_thread
+    worker.writer._queue.task_done = done_and_note  # type: ignore[method-assign]
+    thread, failure = serve_in_thread(worker, "w1")
+    try:
+        replies = [wait_reply(rconn, rid) for rid in rids]
+    finally:
+        worker.request_stop()
+        thread.join(timeout=30)
+        client.close()
+    assert not failure, failure
+    assert all(r.ok for r in replies)
+    assert handed_over == [4, 4]
+    return threads
+
+
+def test_a_batch_that_ran_shorter_than_a_write_is_written_here_unless_a_read_waits(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    # the first batch's read waits behind it, so the writer takes it; nothing waits behind
+    # the second, and its run (well under a second) was shorter than a write: written here
+    threads = _serve_two_reads(tmp_path, redis_url, rconn, write_s=1.0)
+    assert threads == ["redbatch-writer", "worker-w1"]
+
+
+def test_a_batch_that_ran_longer_than_a_write_is_left_to_the_writer(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    # the model is the bottleneck: no batch may wait on a write, so the writer takes both
+    threads = _serve_two_reads(tmp_path, redis_url, rconn, write_s=0.0)
+    assert threads == ["redbatch-writer", "redbatch-writer"]
