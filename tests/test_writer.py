@@ -1,5 +1,6 @@
-"""Where a batch's replies are written: on the writer thread while another batch waits to run,
-on the serving thread when nothing does (worker/writer.py)."""
+"""Where a batch's replies are written: on the writer thread while another batch waits to run or
+when the model is the bottleneck (its run took longer than a typical write), otherwise on the
+serving thread (worker/writer.py)."""
 
 from __future__ import annotations
 
@@ -105,53 +106,90 @@ def test_a_write_here_that_fails_is_raised_and_stops_the_writer(rconn, stream) -
     assert not writer.is_alive()
 
 
+def test_the_typical_write_is_learnt_from_writes_that_needed_no_retry(
+    rconn, stream, monkeypatch
+) -> None:
+    writer, _ = _writer(stream, _Recorder())
+    assert writer.typical_s == 0.0  # nothing is written here until a write was timed
+    writer.submit(_read_batch(rconn, stream, "r0"), here=True)
+    learnt = writer.typical_s
+    assert 0.0 < learnt < 1.0
+    # A write that went through an outage says nothing about how long writes take
+    finish = stream.finish
+    failed = []
+
+    def fail_once(finishes):
+        if not failed:
+            failed.append(True)
+            raise redis.ConnectionError("Connection refused")
+        return finish(finishes)
+
+    monkeypatch.setattr(stream, "finish", fail_once)
+    writer.submit(_read_batch(rconn, stream, "r2"), here=True)
+    assert failed
+    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
+    assert writer.typical_s == learnt
+    writer.close()
+
+
+class _Watched:
+    """Hooks on a worker: ``second_read`` is set once intake handed over two reads (their sizes
+    in ``handed_over``), ``first_written`` once the writer is idle again after its first batch,
+    and ``threads`` names the thread that wrote each batch."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.handed_over: list[int] = []
+        self.threads: list[str] = []
+        self.second_read, self.first_written = threading.Event(), threading.Event()
+        put, written = worker.queue.put, worker.writer.on_written
+        done = worker.writer._queue.task_done
+
+        def put_and_count(items, *args, **kwargs) -> None:
+            put(items, *args, **kwargs)
+            self.handed_over.append(len(items))
+            if len(self.handed_over) == 2:
+                self.second_read.set()
+
+        def note_thread(batch: Batch, seconds: float) -> None:
+            self.threads.append(threading.current_thread().name)
+            written(batch, seconds)
+
+        def done_and_note() -> None:  # the writer is idle again once its batch is marked done
+            done()
+            self.first_written.set()
+
+        worker.queue.put = put_and_count  # type: ignore[method-assign]
+        worker.writer.on_written = note_thread
+        worker.writer._queue.task_done = done_and_note  # type: ignore[method-assign]
+
+
+def _tiny_worker(tmp_path: Path, redis_url: str) -> tuple[Worker, redis.Redis]:
+    path = write_config(tmp_path, "tiny", redis_url, batching="max_batch_size = 4")
+    client = redis.Redis.from_url(redis_url)
+    return Worker(prepare(load_config(path), "w1"), client), client
+
+
+_X = np.ones((1, 128), np.float32)
+
+
 def _serve_two_reads(
     tmp_path: Path, redis_url: str, rconn: redis.Redis, write_s: float
 ) -> list[str]:
     """Two reads of four, each a batch: the first is held until the second is handed over (so
     a read waits behind it), the second until the first is written (so none does). Returns the
     thread that wrote each batch, given a typical write of ``write_s``."""
-    path = write_config(tmp_path, "tiny", redis_url, batching="max_batch_size = 4")
-    x = np.ones((1, 128), np.float32)
-    rids = [send(rconn, "tiny", f"w-{i}", {"x": x}) for i in range(8)]
-    client = redis.Redis.from_url(redis_url)
-    worker = Worker(prepare(load_config(path), "w1"), client)
-    handed_over: list[int] = []
-    second_read, first_written = threading.Event(), threading.Event()
-    turns = [second_read, first_written]
-
-    put = worker.queue.put
-
-    def put_and_count(items, *args, **kwargs) -> None:
-        put(items, *args, **kwargs)
-        handed_over.append(len(items))
-        if len(handed_over) == 2:
-            second_read.set()
-
+    rids = [send(rconn, "tiny", f"w-{i}", {"x": _X}) for i in range(8)]
+    worker, client = _tiny_worker(tmp_path, redis_url)
+    watched = _Watched(worker)
+    turns = [watched.second_read, watched.first_written]
     process = worker.process
 
     def process_in_turn(batch) -> None:
         assert turns.pop(0).wait(10), "the worker never got to this batch's turn"
-        worker._write_s = write_s  # as if writes had taken this long so far
+        worker.writer.typical_s = write_s  # as if writes had taken this long so far
         process(batch)
 
-    threads: list[str] = []
-    written = worker.writer.on_written
-
-    def note_thread(batch: Batch, seconds: float) -> None:
-        threads.append(threading.current_thread().name)
-        written(batch, seconds)
-
-    done = worker.writer._queue.task_done
-
-    def done_and_note() -> None:  # the writer is idle again once its batch is marked done
-        done()
-        first_written.set()
-
-    worker.queue.put = put_and_count  # type: ignore[method-assign]
     worker.process = process_in_turn  # type: ignore[method-assign]
-    worker.writer.on_written = note_thread
-    worker.writer._queue.task_done = done_and_note  # type: ignore[method-assign]
     thread, failure = serve_in_thread(worker, "w1")
     try:
         replies = [wait_reply(rconn, rid) for rid in rids]
@@ -161,8 +199,8 @@ def _serve_two_reads(
         client.close()
     assert not failure, failure
     assert all(r.ok for r in replies)
-    assert handed_over == [4, 4]
-    return threads
+    assert watched.handed_over == [4, 4]
+    return watched.threads
 
 
 def test_a_batch_that_ran_shorter_than_a_write_is_written_here_unless_a_read_waits(
@@ -180,3 +218,53 @@ def test_a_batch_that_ran_longer_than_a_write_is_left_to_the_writer(
     # the model is the bottleneck: no batch may wait on a write, so the writer takes both
     threads = _serve_two_reads(tmp_path, redis_url, rconn, write_s=0.0)
     assert threads == ["redbatch-writer", "redbatch-writer"]
+
+
+def test_a_write_that_fails_here_while_draining_stops_the_lease_keeper(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    """The second batch is written during the shutdown drain, on the serving thread, and Redis
+    refuses it: the worker stops with the error and stops renewing, so that other workers can
+    claim the entries it leaves pending."""
+    for i in range(4):
+        send(rconn, "tiny", f"a-{i}", {"x": _X})
+    worker, client = _tiny_worker(tmp_path, redis_url)
+    watched = _Watched(worker)
+    first_running, go = threading.Event(), threading.Event()
+    turns = [(first_running, go), (threading.Event(), watched.first_written)]
+    run, finish = worker.model.run, worker.stream.finish
+
+    def run_in_turn(feeds, names):
+        started, wait_for = turns.pop(0)
+        started.set()
+        assert wait_for.wait(10), "the worker never got to this batch's turn"
+        return run(feeds, names)
+
+    def refused_off_the_writer(finishes):
+        if threading.current_thread().name != "redbatch-writer":
+            raise redis.ResponseError("NOPERM this user has no permissions to run 'evalsha'")
+        return finish(finishes)
+
+    worker.model.run = run_in_turn  # type: ignore[method-assign]
+    worker.stream.finish = refused_off_the_writer  # type: ignore[method-assign]
+    worker.writer.typical_s = 10.0  # every run is shorter than a write: written here
+    thread, failure = serve_in_thread(worker, "w1")
+    try:
+        assert first_running.wait(10)
+        pipe = rconn.pipeline(transaction=True)  # one transaction: one read of four
+        for i in range(4):
+            send(pipe, "tiny", f"b-{i}", {"x": _X})
+        pipe.execute()
+        assert watched.second_read.wait(10)
+        worker.request_stop()  # the first batch is running: the second is answered draining
+        go.set()
+        thread.join(timeout=30)
+    finally:
+        client.close()
+    assert not thread.is_alive()
+    assert len(failure) == 1
+    assert "NOPERM" in str(failure[0])
+    assert not worker.keeper.is_alive()
+    assert wait_reply(rconn, "a-0").ok  # the first batch went to the writer and was answered
+    assert watched.handed_over == [4, 4]
+    assert rconn.xpending("redbatch:{tiny}:requests", "workers")["pending"] == 4

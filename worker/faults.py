@@ -6,7 +6,7 @@ matters, and a test run chooses what happens there, without a special build:
 ``REDBATCH_FAULTS``
     Comma-separated ``point=action`` pairs. Points: ``after_read`` (entries read, not yet
     decoded), ``after_inference`` (batch run, replies not yet handed to the writer),
-    ``before_finish`` (on the writer, just before the reply/ack/delete script),
+    ``before_finish`` (where the batch is written, just before the reply/ack/delete script),
     ``after_finish`` (just after it). Actions: ``kill`` (SIGKILL this process) or
     ``kill:P`` (SIGKILL with probability P per hit, seeded by ``REDBATCH_FAULTS_SEED`` and
     the pid). The special pair ``crash_value=X`` SIGKILLs the process inside inference when

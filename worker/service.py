@@ -43,7 +43,6 @@ __all__ = ["Prepared", "Worker", "prepare"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often an idle loop looks at the stop flag
-_WRITE_WEIGHT = 0.25  # weight of the newest write in the moving average of write times
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +144,6 @@ class Worker:
         rows = max(cfg.batching.max_batch_size, self.schema.fixed_batch or 0)
         self.buffers = FeedBuffers(rows)  # main thread only: batches are assembled there
         self._running_since: float | None = None  # monotonic start of the run in progress
-        self._write_s = 0.0  # moving average of a batch's write; 0 writes on the writer first
         self.served = {"requests": 0, "batches": 0}
         self.metrics.describe(prepared.record)
 
@@ -211,14 +209,17 @@ class Worker:
         """Stop reading, then batch, run and answer every entry already read."""
         self.stop.set()
         self.registry.update(state="draining")
-        while self.writer.failure is None and (
-            self.intake.is_alive() or not self.queue.empty() or self.batcher.holding
-        ):
-            batch = self.batcher.next_batch(0.05)
-            if batch:
-                self.process(batch)
+        try:
+            while self.writer.failure is None and (
+                self.intake.is_alive() or not self.queue.empty() or self.batcher.holding
+            ):
+                batch = self.batcher.next_batch(0.05)
+                if batch:
+                    self.process(batch)  # raises if the write failed on this thread
+        finally:
+            if self.writer.failure is not None:
+                self.keeper.close()  # stop renewing, so that other workers can claim the rest
         if self.writer.failure is not None:
-            self.keeper.close()  # stop renewing, so that other workers can claim what is left
             return  # what is left stays pending in Redis; run() raises the writer's error
         self.writer.close()
         self.keeper.close()
@@ -267,12 +268,11 @@ class Worker:
         hand-offs, and the hand-off to the writer costs more than overlapping the write saves.
         A longer run means the model is the bottleneck, and no batch may wait on a write."""
         ran_s = sum(seconds for _, seconds in runs)
-        return ran_s < self._write_s and self.queue.empty() and not self.batcher.holding
+        return ran_s < self.writer.typical_s and self.queue.empty() and not self.batcher.holding
 
     def _written(self, batch: Batch, write_s: float) -> None:
         """Called once a batch is in Redis, on the thread that wrote it (one at a time)."""
         self.leases.release(f.entry_id for f in batch.finishes)
-        self._write_s += _WRITE_WEIGHT * (write_s - self._write_s)
         self.metrics.batch_done(
             codes=[f.code for f in batch.finishes],
             queued_s=batch.queued_s,

@@ -28,6 +28,8 @@ __all__ = ["Batch", "ReplyWriter"]
 
 log = logging.getLogger(__name__)
 
+_TYPICAL_WEIGHT = 0.25  # weight of the newest write in ``typical_s``
+
 
 @dataclass(slots=True)
 class Batch:
@@ -58,6 +60,9 @@ class ReplyWriter(threading.Thread):
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
         self._outage = Outage("writing replies", give_up=give_up, on_down=on_outage)
         self.failure: BaseException | None = None
+        # Moving average of a write's seconds, over writes that needed no retry (an outage
+        # says nothing about how long writes take); 0 until the first.
+        self.typical_s = 0.0
 
     def submit(self, batch: Batch, *, here: bool = False) -> None:
         """Queue a batch for writing; blocks while two batches already wait. With ``here`` and
@@ -115,10 +120,14 @@ class ReplyWriter(threading.Thread):
         started = time.perf_counter()
         if faults.ACTIVE:
             faults.hit("before_finish")
+        self._outage.interrupted = False
         self._outage.call(functools.partial(self.stream.finish, batch.finishes))
+        elapsed = time.perf_counter() - started
+        if not self._outage.interrupted:
+            self.typical_s += _TYPICAL_WEIGHT * (elapsed - self.typical_s)
         if faults.ACTIVE:
             faults.hit("after_finish")
-        self.on_written(batch, time.perf_counter() - started)
+        self.on_written(batch, elapsed)
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
