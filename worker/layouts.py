@@ -61,7 +61,11 @@ class _Layout:
     deadline: tuple[int, int, bool] | None  # (offset, width, signed) of deadline_ms's value
 
     def matches(self, body: bytes) -> bool:
-        return all(body.startswith(part, offset) for offset, part in self.fixed)
+        # A loop, not all() over a generator: half the time, once per request (hot path).
+        for offset, part in self.fixed:  # noqa: SIM110
+            if not body.startswith(part, offset):
+                return False
+        return True
 
     def deadline_ms(self, body: bytes) -> int | None:
         """The body's deadline_ms (None: it has none); -1 when it is negative, which the full
