@@ -172,6 +172,31 @@ def _tiny_worker(tmp_path: Path, redis_url: str) -> tuple[Worker, redis.Redis]:
 _X = np.ones((1, 128), np.float32)
 
 
+def test_writes_on_the_writer_thread_teach_the_typical_write_too(rconn, stream) -> None:
+    # a worker's first writes go to the writer thread (nothing is known yet): they must teach
+    # the average, or no write would ever be made on the serving thread
+    writer, _ = _writer(stream, _Recorder())
+    writer.submit(_read_batch(rconn, stream, "r0"))
+    writer.close()
+    assert 0.0 < writer.typical_s < 1.0
+
+
+def test_the_rule_for_writing_here(tmp_path: Path, redis_url: str) -> None:
+    worker, client = _tiny_worker(tmp_path, redis_url)
+    try:
+        worker.writer.typical_s = 0.010
+        short, long = [(4, 0.001)], [(4, 0.001), (4, 0.010)]  # a batch may have several runs
+        assert worker._write_here(short)
+        assert not worker._write_here(long)  # the model is the bottleneck: keep it fed
+        worker.batcher._buffer.append(object())  # type: ignore[arg-type]
+        assert not worker._write_here(short)  # items taken from intake wait for a batch
+        worker.batcher._buffer.clear()
+        worker.queue.put_nowait([])
+        assert not worker._write_here(short)  # a read waits to be batched
+    finally:
+        client.close()
+
+
 def _serve_two_reads(
     tmp_path: Path, redis_url: str, rconn: redis.Redis, write_s: float
 ) -> list[str]:

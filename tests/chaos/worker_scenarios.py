@@ -131,9 +131,11 @@ def fault_storm(
     (under its old name) until ``kills`` deaths, then clean: kills at random points in the code.
 
     A healthy request that happens to be in hand at three of its workers' deaths is poisoned,
-    as max_deliveries 3 says it must be (the full tier saw it once in five runs: 30 of 2,000
-    requests were run twice in that run). The oracle wants every healthy request answered,
-    so this storm allows five deliveries; the crash pill scenario tests poisoning itself."""
+    as max_deliveries 3 says it must be. That is likelier than it looks: a worker restarted
+    under its name claims its oldest pending entry first and runs it alone, so the deaths of an
+    armed worker fall again and again on the same entry. The full tier saw one healthy request
+    poisoned in five runs (its logs were not kept). The oracle wants every healthy request
+    answered, so this storm allows five deliveries; the crash pill scenario tests poisoning."""
     s = Settings(claim_idle_ms=800, max_wait_ms=20, work_depth=4, max_deliveries=5)
     with Run("fault-storm", workdir, seed, s) as run:
         armed = ",".join(f"{p}=kill:{probability}" for p in POINTS)
