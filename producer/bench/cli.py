@@ -45,6 +45,7 @@ Without --scenario it runs a custom load: --model with --concurrency (closed loo
 examples:
   redbatch bench --scenario all --json docs/bench.json --plot docs/latency-throughput.png
   redbatch bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
+  redbatch bench --scenario tiny-closed,heavy-closed --rounds 5   # ratios robust to drift
   redbatch bench --scenario heavy-closed --duration-s 5
   redbatch bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
   redbatch bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
@@ -177,6 +178,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-ceilings", action="store_true", help="skip the bare and protocol ceilings")
     add(
+        "--rounds",
+        type=argtypes.positive_int,
+        default=0,
+        metavar="N",
+        help="then measure each ratio target of tiny-closed and heavy-closed N more times, its "
+        "ceiling and its phase back to back, and judge it by the median ratio: on a machine "
+        "whose speed drifts, a ceiling measured minutes before its phase can be off by a third",
+    )
+    add(
         "--quiet-s",
         type=float,
         default=0.0,
@@ -223,6 +233,14 @@ def _options(args: argparse.Namespace) -> Options:
         raise UsageError(f"--binding {args.binding} is a CUDA setting: add cuda to --providers.")
     if args.max_wait_ms < 0:
         raise UsageError("--max-wait-ms must not be negative.")
+    if args.rounds:
+        paired = [name for name in scenarios if SCENARIOS[name].paired]
+        if not paired or args.no_ceilings:
+            with_pairs = ", ".join(name for name, s in SCENARIOS.items() if s.paired)
+            raise UsageError(
+                f"--rounds measures ceilings again: give --scenario with {with_pairs} "
+                "(or all), without --no-ceilings."
+            )
     return Options(
         scenarios=scenarios,
         duration_s=args.duration_s,
@@ -245,6 +263,7 @@ def _options(args: argparse.Namespace) -> Options:
         quiet_s=max(args.quiet_s, 0.0),
         providers=args.providers,
         binding=args.binding,
+        rounds=args.rounds,
     )
 
 

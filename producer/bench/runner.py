@@ -1,7 +1,8 @@
 """One bench run: its settings, the ceilings it measures, its phases, and the report it keeps.
 
 ``Bench.run`` is the table of contents: measure the ceilings the chosen scenarios (or the
-custom load) are compared with, then run each phase. A phase is one load against one worker
+custom load) are compared with, then run each phase, then (``--rounds``) measure each ratio
+target's ceiling and phase again, back to back. A phase is one load against one worker
 configuration: ``warmup_s`` of load, then ``duration_s`` measured, with the worker's /metrics
 and every process's CPU sampled at the window's edges. ``Workers`` keeps a started worker while
 the next phase wants the same setup, since starting one takes seconds.
@@ -41,7 +42,7 @@ from producer.bench.processes import (
     worker_records,
 )
 from producer.bench.report import say, targets
-from producer.bench.scenarios import SCENARIOS
+from producer.bench.scenarios import SCENARIOS, Paired
 
 __all__ = ["Bench", "Options", "Workers"]
 
@@ -74,6 +75,7 @@ class Options:
     quiet_s: float = 0.0
     providers: tuple[str, ...] = ("cpu",)  # the workers' and the bare and asyncio ceilings'
     binding: str = "off"  # the workers' [model.cuda] io_binding / cuda_graph; ceilings unbound
+    rounds: int = 0  # times each ratio target's ceiling and phase are measured again, paired
 
 
 class Workers:
@@ -119,6 +121,7 @@ class Bench:
         self._models: dict[str, Path] = {}
         self.workers = Workers(url, workdir, self.model_file, options.providers, options.binding)
         self.max_throughput: dict[WorkerSetup, float] = {}
+        self._loads: dict[str, tuple[WorkerSetup, dict[str, Any]]] = {}  # phase id: its setup
         settings = asdict(options)
         settings["redis"] = core.redact_url(url)
         self.report: dict[str, Any] = {
@@ -131,6 +134,7 @@ class Bench:
             "ceilings": {"bare": {}, "protocol": {}, "asyncio": {}},
             "phases": [],
             "drain": None,
+            "rounds": {},
             "targets": [],
         }
 
@@ -148,7 +152,10 @@ class Bench:
     def _ceiling_s(self) -> float:
         return max(self.o.duration_s / 2, 0.5)
 
-    def bare(self, model: str, sizes: Sequence[int], model_file: Path | None = None) -> None:
+    def bare(
+        self, model: str, sizes: Sequence[int], model_file: Path | None = None, keep: bool = True
+    ) -> dict[str, Any]:
+        """Bare ``session.run`` at ``sizes``; ``keep``: as the run's ceiling, in the report."""
         say(f"ceiling: bare session.run, {model}, batch {', '.join(map(str, sizes))}")
         path = model_file or self.model_file(model)
         argv = flags(
@@ -159,12 +166,17 @@ class Bench:
         )
         result = self._ceiling("bare", *argv, timeout_s=120 + 4 * self._ceiling_s * len(sizes))
         _say_fallback("bare session.run", self.o.providers, result["providers"])
+        if not keep:
+            return result
         known = self.report["ceilings"]["bare"].setdefault(model, result)
         known["batch"].update(result["batch"])
         self.report["machine"].setdefault("onnxruntime", result["onnxruntime"])
         self.report["machine"].setdefault("providers", result["providers"])
+        return result
 
-    def protocol(self, model: str, source: tuple[str, str], max_batch_size: int) -> None:
+    def protocol(
+        self, model: str, source: tuple[str, str], max_batch_size: int, keep: bool = True
+    ) -> dict[str, Any]:
         """The Redis protocol alone, with ``model``'s request and reply sizes; ``source`` is
         ``("--model-file", PATH)`` or ``("--specs", JSON_PATH)``."""
         say(f"ceiling: Redis protocol alone, {model}-sized requests, {CALLERS} in flight")
@@ -178,9 +190,11 @@ class Bench:
         )
         timeout_s = 180 + self.o.duration_s + self.o.timeout_s
         result = self._ceiling("protocol", *source, *argv, timeout_s=timeout_s)
-        self.report["ceilings"]["protocol"][model] = result
+        if keep:
+            self.report["ceilings"]["protocol"][model] = result
+        return result
 
-    def asyncio_batcher(self, model: str) -> None:
+    def asyncio_batcher(self, model: str, keep: bool = True) -> dict[str, Any]:
         say(f"ceiling: in-process asyncio batcher, {model}, {CALLERS} callers")
         argv = flags(
             model_file=self.model_file(model),
@@ -192,7 +206,9 @@ class Bench:
             providers=",".join(self.o.providers),
         )
         result = self._ceiling("asyncio", *argv, timeout_s=120 + self.o.duration_s)
-        self.report["ceilings"]["asyncio"][model] = result
+        if keep:
+            self.report["ceilings"]["asyncio"][model] = result
+        return result
 
     def _ceiling(self, *args: str, timeout_s: float) -> dict[str, Any]:
         """A ``benchkit`` measurement, with the cores it, Redis and anything else used."""
@@ -237,14 +253,19 @@ class Bench:
         setup: WorkerSetup,
         load: dict[str, Any],
         series: str | None = None,
+        keep: bool = True,
     ) -> dict[str, Any]:
-        """Run ``load`` against a started worker serving ``setup``; returns the phase."""
+        """Run ``load`` against a started worker serving ``setup``; returns the phase.
+        ``keep``: as one of the run's phases, in the report."""
         worker = self.workers.get(setup)
         self.report["machine"].setdefault("onnxruntime", worker.record["runtime"]["onnxruntime"])
         spec = self.load_spec(PREFIX, setup.served, worker.record["inputs"], load)
         urls = [worker.metrics_url]
-        phase = self._measure(phase_id, spec, setup.model, worker.record, urls, [worker.pid])
+        phase = self._measure(phase_id, spec, setup.model, worker.record, urls, [worker.pid], keep)
+        if not keep:
+            return phase
         phase["series"] = series
+        self._loads[phase_id] = setup, load
         if spec.mode == "closed" and spec.concurrency >= CALLERS:
             self.max_throughput[setup] = phase["throughput_per_s"]
         return phase
@@ -270,6 +291,7 @@ class Bench:
         record: dict[str, Any],
         metrics_urls: Sequence[str],
         worker_pids: Sequence[int] = (),
+        keep: bool = True,
     ) -> dict[str, Any]:
         self.wait_for_quiet()
         say(f"{phase_id}: {spec.label()} for {spec.warmup_s:g} + {spec.duration_s:g} s")
@@ -314,7 +336,8 @@ class Bench:
         phase["cpu_budget"] = self._cpu_budget(phase)
         if phase["worker_side"] is not None:
             phase["worker_side"]["outside_ms"] = outside_ms(phase)
-        self.report["phases"].append(phase)
+        if keep:
+            self.report["phases"].append(phase)
         lat = phase["latency_ms"]
         say(
             f"{phase_id}: {phase['throughput_per_s']:,.0f} req/s, p50 {lat.get('p50', 0):.1f} ms, "
@@ -408,6 +431,29 @@ class Bench:
                 self.asyncio_batcher(model)
         for scenario in chosen:
             scenario.run(self)
+        self.rounds([paired for scenario in chosen for paired in scenario.paired])
+
+    def rounds(self, pairs: Sequence[Paired]) -> None:
+        """``--rounds N``: measure each target's ceiling and then its phase again, N times, and
+        keep every round's ratio; ``report.targets`` judges by their median. The run's own
+        ceilings are measured minutes before its phases, on machines whose speed drifts by a
+        third within that (shared/FACTS.md); a ceiling and a phase back to back drift alike."""
+        by_phase: dict[str, list[Paired]] = {}
+        for paired in pairs:
+            by_phase.setdefault(paired.phase, []).append(paired)
+        for n in range(1, self.o.rounds + 1):
+            for phase_id, paired_here in by_phase.items():
+                setup, load = self._loads[phase_id]
+                self.workers.stop()  # the ceiling gets the machine to itself, as at the start
+                references = [(p.target, p.ceiling(self)) for p in paired_here]
+                got = self.phase(f"{phase_id} (round {n})", setup, load, keep=False)
+                measured = got["throughput_per_s"]
+                for target, reference in references:
+                    ratio = measured / reference if reference else 0.0
+                    say(f"round {n}: {target} {measured:,.0f} / {reference:,.0f} = {ratio:.2f}")
+                    self.report["rounds"].setdefault(target, []).append(
+                        {"round": n, "measured": measured, "reference": reference, "ratio": ratio}
+                    )
 
     def _custom_phases(self) -> Iterator[tuple[str, dict[str, Any], str]]:
         o = self.o

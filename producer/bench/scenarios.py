@@ -4,6 +4,10 @@ Each preset is fixed, so runs on different days or commits compare. ``redbatch b
 --scenario NAME`` runs one; ``Bench`` first measures the union of the chosen presets' ceilings
 (bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio batcher),
 then calls each preset's ``run`` with itself. The drain preset lives in ``drain.py``.
+
+A preset whose targets set a phase against a ceiling names them as ``Paired``: with
+``--rounds N`` the bench measures each such ceiling and its phase again N times, back to back,
+and judges the target by the median ratio (``runner.Bench.rounds``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,17 @@ from producer.bench.processes import WorkerSetup
 if TYPE_CHECKING:
     from producer.bench.runner import Bench
 
-__all__ = ["SCENARIOS", "Scenario"]
+__all__ = ["SCENARIOS", "Paired", "Scenario"]
+
+
+@dataclass(frozen=True, slots=True)
+class Paired:
+    """A target that sets a phase's throughput against a ceiling measured in the same run:
+    ``ceiling(bench)`` measures that ceiling again, without keeping it in the report."""
+
+    target: str
+    phase: str
+    ceiling: Callable[[Bench], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +45,7 @@ class Scenario:
     bare: tuple[tuple[str, tuple[int, ...]], ...] = ()
     protocol: tuple[str, ...] = ()
     asyncio: tuple[str, ...] = ()
+    paired: tuple[Paired, ...] = ()
 
 
 def _closed(callers: int) -> dict[str, Any]:
@@ -70,12 +85,26 @@ def _sweep(b: Bench) -> None:
         b.phase(f"sweep/poisson-{share:g}", setup, load, series="heavy Poisson")
 
 
+def _protocol_again(b: Bench) -> float:
+    source = ("--model-file", str(b.model_file("tiny")))
+    return float(b.protocol("tiny", source, 32, keep=False)["throughput_per_s"])
+
+
+def _bare_again(b: Bench) -> float:
+    return float(b.bare("heavy", [32], keep=False)["batch"]["32"]["rows_per_s"])
+
+
+def _asyncio_again(b: Bench) -> float:
+    return float(b.asyncio_batcher("heavy", keep=False)["throughput_per_s"])
+
+
 SCENARIOS: dict[str, Scenario] = {
     "tiny-closed": Scenario(
         _tiny_closed,
         f"tiny model, {CALLERS} closed-loop callers, vs the Redis-protocol-only ceiling",
         bare=(("tiny", (1, 32)),),
         protocol=("tiny",),
+        paired=(Paired("tiny-vs-protocol", "tiny-closed", _protocol_again),),
     ),
     "single-caller": Scenario(
         _single_caller,
@@ -88,6 +117,10 @@ SCENARIOS: dict[str, Scenario] = {
         "vs bare session.run and an in-process asyncio batcher",
         bare=(("heavy", (1, 32)),),
         asyncio=("heavy",),
+        paired=(
+            Paired("heavy-vs-bare", "heavy-closed/mbs32", _bare_again),
+            Paired("heavy-vs-asyncio", "heavy-closed/mbs32", _asyncio_again),
+        ),
     ),
     "poisson-half": Scenario(
         _poisson_half,
