@@ -6,6 +6,7 @@ machine it runs on. These tests check that a run produces a complete, self-consi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -369,3 +370,27 @@ def test_drain_reports_rate_and_memory(redis_url: str, tmp_path: Path) -> None:
     assert rss["drain_peak"] >= rss["drain_end"] > 0
     target = next(t for t in json.loads(path.read_text())["targets"] if t["id"] == "drain-memory")
     assert target["ratio"] == pytest.approx(rss["drain_peak"] / rss["idle"])
+
+
+# -- docs/benchmarks.md -----------------------------------------------------------------------
+
+
+def test_the_documented_tables_are_the_documented_report() -> None:
+    # The tables of docs/benchmarks.md are scripts/bench_markdown.py's rendering of
+    # docs/bench.json: a rerun of the bench whose tables were not pasted in fails here.
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "bench_markdown", root / "scripts" / "bench_markdown.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rendered = module.render(json.loads((root / "docs" / "bench.json").read_text()))
+    doc = (root / "docs" / "benchmarks.md").read_text()
+    rows = [line for line in rendered.splitlines() if line.startswith("| ")]
+    assert len(rows) > 40
+    missing = [row for row in rows if row not in doc]
+    assert not missing, "paste `python scripts/bench_markdown.py docs/bench.json`:\n" + "\n".join(
+        missing[:5]
+    )
