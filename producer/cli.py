@@ -41,7 +41,7 @@ __all__ = [
     "main",
 ]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -75,6 +75,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     write_outputs(output_path, summary.outputs)
     write_errors(errors_path, summary.failures)
     print(format_summary(summary, output_path=str(output_path), errors_path=str(errors_path)))
+    if summary.interrupted:
+        _fail("interrupted; the rows answered so far are written, the rest listed NOT_ANSWERED")
+        return EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILED
 
 
@@ -185,9 +188,12 @@ percentiles, batch sizes, the workers and model versions that served).
 An .npy is the model's single input, named by --input-name or by a live worker's record; an
 .npz holds one array per input, named as the model names them. Rows of failed requests are NaN
 (float outputs) or 0 in the output and are listed, one JSON line per request, in the errors file.
-When a reply does not come within --timeout-s of its request, the run stops there and the rows
-not yet answered are listed with the client-side code WAIT_TIMEOUT.
-Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run.
+When a reply does not come within --timeout-s of its request, the run stops there (the requests
+still in flight are cancelled) and that request's rows and all after it are listed with the
+client-side code WAIT_TIMEOUT. Ctrl-C stops it too, writing the rows answered so far and
+listing the rest as NOT_ANSWERED.
+Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
+130 when interrupted.
 
 examples:
   redbatch run --model demo --input x.npy --output y.npz
@@ -366,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         _fail("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _fail(message: str) -> None:

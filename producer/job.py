@@ -25,7 +25,8 @@ import numpy as np
 
 from producer.codec import DTYPES, ErrorInfo
 from producer.core import Chunk
-from producer.errors import RedbatchError, WaitTimeout
+from producer.errors import RedbatchError
+from producer.window import WAIT_TIMEOUT
 
 __all__ = [
     "FailedRequest",
@@ -82,6 +83,7 @@ class RunSummary:
     error_codes: Counter[str] = field(default_factory=Counter)
     failures: list[FailedRequest] = field(default_factory=list)
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    interrupted: bool = False  # stopped by Ctrl-C: what came back is kept, the rest listed
 
     def fail(self, failure: FailedRequest) -> None:
         """Count a failed request and list it."""
@@ -136,9 +138,13 @@ def run_job(
     """Send every row of ``arrays`` through ``client.map`` and stack the replies in input order.
 
     Rows of failed requests are NaN in float outputs and zero otherwise, and are listed in
-    ``failures``. When no reply comes within ``timeout_s``, map() stops; the rows not yet
-    answered become one failure with code ``WAIT_TIMEOUT`` (a client-side code, no rid).
-    ``on_rows(n)`` is called as rows come back (a progress bar's ``update``).
+    ``failures``. When a reply does not come within ``timeout_s``, the job stops there: that
+    request and the rows after it are failures with code ``WAIT_TIMEOUT`` (a client-side code),
+    and the requests still in flight are cancelled. A job where no worker answers thus ends
+    after one timeout, not one per window of requests. Ctrl-C (KeyboardInterrupt) also stops
+    it, with the rows not yet answered listed as ``NOT_ANSWERED`` and ``interrupted`` set, so
+    that the caller can still write what came back. ``on_rows(n)`` is called as rows come
+    back (a progress bar's ``update``).
     """
     n_rows = leading_rows(arrays)
     summary = RunSummary(rows=n_rows, rows_per_request=rows_per_request)
@@ -155,6 +161,9 @@ def run_job(
     try:
         for chunk in chunks:
             summary.requests += 1
+            if chunk.error is not None and chunk.error.code == WAIT_TIMEOUT:
+                _stop_at(summary, chunk, timeout_s)
+                break
             _record_reply(summary, chunk)
             error = chunk.error
             if chunk.ok:
@@ -168,13 +177,31 @@ def run_job(
             done = chunk.stop
             if on_rows is not None:
                 on_rows(chunk.stop - chunk.start)
-    except WaitTimeout as exc:
-        summary.fail(FailedRequest(done, n_rows, None, "WAIT_TIMEOUT", one_line(exc)))
     except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
         summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", one_line(exc)))
+    except KeyboardInterrupt:
+        summary.interrupted = True
+        message = "the run was interrupted (Ctrl-C) before these rows were answered."
+        summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", message))
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:  # Client.map's generator: cancel what is still in flight
+            close()
     summary.wall_s = time.monotonic() - started
     summary.outputs = stacker.arrays
     return summary
+
+
+def _stop_at(summary: RunSummary, chunk: Chunk, timeout_s: float) -> None:
+    """List the late request, and every row after it, as WAIT_TIMEOUT."""
+    message = chunk.error.message if chunk.error is not None else ""
+    summary.fail(FailedRequest(chunk.start, chunk.stop, chunk.rid, WAIT_TIMEOUT, message))
+    if chunk.stop < summary.rows:
+        rest = (
+            f"not answered: the run stopped at rows {chunk.start}:{chunk.stop}, whose reply did "
+            f"not come within {timeout_s:g} s (is a worker serving this model?)."
+        )
+        summary.fail(FailedRequest(chunk.stop, summary.rows, None, WAIT_TIMEOUT, rest))
 
 
 def _record_reply(summary: RunSummary, chunk: Chunk) -> None:
@@ -252,7 +279,7 @@ def format_summary(
         size = f" of up to {s.rows_per_request} rows"
     lines = [
         f"rows        {s.rows_ok} ok, {s.rows_failed} failed, {s.rows} total, "
-        f"in {s.requests} requests{size}",
+        f"in {s.requests} requests{size}" + (" (interrupted)" if s.interrupted else ""),
         f"wall        {s.wall_s:.2f} s, throughput {s.rows_per_s:,.0f} rows/s "
         f"({s.requests / s.wall_s if s.wall_s else 0:,.0f} requests/s)",
     ]

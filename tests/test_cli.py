@@ -18,7 +18,6 @@ from producer import codec, keys
 from producer.cli import main
 from producer.codec import ErrorInfo, ModelRef
 from producer.core import Chunk, Result
-from producer.errors import WaitTimeout
 from producer.job import RunSummary, format_summary, run_job, write_outputs
 from worker.localredis import free_port
 
@@ -250,25 +249,46 @@ def test_run_refuses_inputs_a_live_worker_says_will_fail(
 
 
 class ScriptedClient:
-    """Answers map() from a list of (batch_rows, latency_ms, error code or None), then times out."""
+    """Answers map() from a list of (batch_rows, latency_ms, error code or None); then, like
+    Client.map, yields a WAIT_TIMEOUT chunk for each row left, or raises ``interrupt``."""
 
-    def __init__(self, script: list[tuple[int, float, str | None]], timeout_after: bool) -> None:
+    def __init__(
+        self,
+        script: list[tuple[int, float, str | None]],
+        timeout_after: bool,
+        interrupt: BaseException | None = None,
+    ) -> None:
         self.script = script
         self.timeout_after = timeout_after
+        self.interrupt = interrupt
+        self.closed = False
+        self.late_yielded = 0
 
     def map(self, arrays: dict[str, np.ndarray], **_: object) -> Iterator[Chunk]:
         x = arrays["x"]
-        for i, (batch_rows, latency_ms, code) in enumerate(self.script):
-            error = ErrorInfo(code, f"row {i} is bad.") if code else None
-            outputs = None if code else {"y": x[i : i + 1] * 2}
-            result = Result(
-                rid=f"r{i}", ok=code is None, outputs=outputs, error=error, meta=None,
-                model=ModelRef(MODEL, "3", SHA), worker=f"w{i % 2}", batch_rows=batch_rows,
-                timings_ms={"queued": 1.0, "inference": 1.0},
-            )  # fmt: skip
-            yield Chunk(i, i + 1, f"r{i}", outputs, error, result, latency_ms)
-        if self.timeout_after:
-            raise WaitTimeout("No reply within 1 s for 2 request(s).")
+        try:
+            for i, (batch_rows, latency_ms, code) in enumerate(self.script):
+                yield self.chunk(x, i, batch_rows, latency_ms, code)
+            if self.interrupt is not None:
+                raise self.interrupt
+            for i in range(len(self.script), len(x) if self.timeout_after else 0):
+                self.late_yielded += 1
+                yield self.chunk(x, i, 0, 1000.0, "WAIT_TIMEOUT")
+        finally:
+            self.closed = True
+
+    @staticmethod
+    def chunk(x: np.ndarray, i: int, batch_rows: int, latency_ms: float, code: str | None) -> Chunk:
+        error = ErrorInfo(code, f"row {i} is bad.") if code else None
+        outputs = None if code else {"y": x[i : i + 1] * 2}
+        late = code == "WAIT_TIMEOUT"  # as Client.map: no reply, so no worker or model
+        result = Result(
+            rid=f"r{i}", ok=code is None, outputs=outputs, error=error, meta=None,
+            model=ModelRef("", "", "") if late else ModelRef(MODEL, "3", SHA),
+            worker="" if late else f"w{i % 2}", batch_rows=None if late else batch_rows,
+            timings_ms={} if late else {"queued": 1.0, "inference": 1.0},
+        )  # fmt: skip
+        return Chunk(i, i + 1, f"r{i}", outputs, error, result, latency_ms)
 
 
 def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
@@ -279,21 +299,109 @@ def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
 
     np.testing.assert_array_equal(summary.outputs["y"][[0, 1, 3]], x[[0, 1, 3]] * 2)
     assert np.isnan(summary.outputs["y"][[2, 4, 5]]).all()
-    assert (summary.rows_ok, summary.rows_failed, summary.requests) == (3, 3, 4)
-    assert [(f.start, f.stop, f.code) for f in summary.failures] == [
-        (2, 3, "INVALID_INPUT"),
-        (4, 6, "WAIT_TIMEOUT"),
+    assert (summary.rows_ok, summary.rows_failed, summary.requests) == (3, 3, 5)
+    assert [(f.start, f.stop, f.rid, f.code) for f in summary.failures] == [
+        (2, 3, "r2", "INVALID_INPUT"),
+        (4, 5, "r4", "WAIT_TIMEOUT"),  # the late request itself
+        (5, 6, None, "WAIT_TIMEOUT"),  # and every row after it: the run stopped there
     ]
     assert summary.batch_rows == [1, 4, 16]
-    assert summary.latency_percentiles_ms()["p50"] == pytest.approx(25.0)
+    assert summary.latency_percentiles_ms()["p50"] == pytest.approx(25.0)  # answered ones only
     text = format_summary(summary, output_path="y.npz", errors_path="y.npz.errors.jsonl")
-    assert "3 ok, 3 failed, 6 total, in 4 requests" in text
+    assert "3 ok, 3 failed, 6 total, in 5 requests" in text
     assert re.search(r"latency +p50 25\.0 ms +p90 37\.0 ms +p99 39\.7 ms +max 40\.0 ms", text)
     assert "batch rows  mean 7.0" in text
     assert re.search(r"^ +4 +1 +#+$", text, re.MULTILINE)
     assert "served by   w0: model demo version 3 (sha256 abababababab), 2 requests" in text
-    assert "failed      INVALID_INPUT 1, WAIT_TIMEOUT 1; listed in y.npz.errors.jsonl" in text
+    assert "served by   :" not in text  # no line for the request nobody answered
+    assert "failed      WAIT_TIMEOUT 2, INVALID_INPUT 1; listed in y.npz.errors.jsonl" in text
     assert "output      y.npz: y float32 [6, 1]" in text
+
+
+def test_run_job_stops_at_the_first_late_reply_and_cancels_the_rest() -> None:
+    # Given a client whose requests after the first one all time out (no worker is left)
+    client = ScriptedClient([(1, 10.0, None)], timeout_after=True)
+    x = np.arange(100, dtype=np.float32).reshape(100, 1)
+
+    summary = run_job(client, {"x": x})
+
+    # Then the job stops at the first late request instead of waiting out each one, and
+    # closes map() (which cancels what is in flight); every row left is listed.
+    assert client.late_yielded == 1
+    assert client.closed
+    assert [(f.start, f.stop, f.code) for f in summary.failures] == [
+        (1, 2, "WAIT_TIMEOUT"),
+        (2, 100, "WAIT_TIMEOUT"),
+    ]
+    assert "is a worker serving this model?" in summary.failures[1].message
+    assert summary.rows_ok == 1
+
+
+def test_run_job_interrupted_keeps_what_came_back() -> None:
+    client = ScriptedClient(
+        [(2, 10.0, None), (2, 10.0, None)], timeout_after=False, interrupt=KeyboardInterrupt()
+    )
+    x = np.arange(5, dtype=np.float32).reshape(5, 1)
+
+    summary = run_job(client, {"x": x})
+
+    assert summary.interrupted
+    assert client.closed
+    np.testing.assert_array_equal(summary.outputs["y"][:2], x[:2] * 2)
+    assert [(f.start, f.stop, f.code) for f in summary.failures] == [(2, 5, "NOT_ANSWERED")]
+    assert "(interrupted)" in format_summary(summary)
+
+
+def test_run_interrupted_writes_the_rows_answered_and_exits_130(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run that Ctrl-C stops after 2 of 5 rows came back
+    np.save(tmp_path / "x.npy", np.arange(5, dtype=np.float32).reshape(5, 1))
+    script = [(2, 10.0, None), (2, 10.0, None)]
+    client = ScriptedClient(script, timeout_after=False, interrupt=KeyboardInterrupt())
+    monkeypatch.setattr(
+        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+    )
+    out = tmp_path / "y.npz"
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+
+    code = main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"])
+
+    # Then the two answered rows are written, and the rest listed as not answered
+    assert code == 130
+    with np.load(out) as written:
+        np.testing.assert_array_equal(written["y"][:2], [[0.0], [2.0]])
+        assert np.isnan(written["y"][2:]).all()
+    lines = [
+        json.loads(line) for line in (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
+    ]
+    assert [(e["start"], e["stop"], e["code"]) for e in lines] == [(2, 5, "NOT_ANSWERED")]
+
+
+def test_run_with_no_worker_stops_after_one_timeout(
+    redis_url: str, rconn: redis.Redis, tmp_path: Path
+) -> None:
+    # Given 400 rows, 8 in flight, and no worker: before, every window of 8 waited out its
+    # own timeout (50 of them); now the run stops after the first.
+    np.save(tmp_path / "x.npy", make_inputs(400, []))
+    out = tmp_path / "y.npz"
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv += ["--input-name", "x", "--output", str(out), "--concurrency", "8", "--timeout-s", "0.5"]
+
+    assert main([*argv, "--no-progress"]) == 1
+
+    stream = keys.request_stream(PREFIX, MODEL)
+    entries = rconn.xrange(stream)
+    assert 8 <= len(entries) <= 16  # the first window, and the one sent as it timed out
+    rids = [fields[b"rid"].decode() for _, fields in entries]
+    assert all(rconn.exists(keys.cancel_key(PREFIX, rid)) for rid in rids)  # and cancelled
+    lines = [
+        json.loads(line) for line in (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
+    ]
+    assert [(e["start"], e["stop"], e["code"]) for e in lines] == [
+        (0, 1, "WAIT_TIMEOUT"),
+        (1, 400, "WAIT_TIMEOUT"),
+    ]
 
 
 def test_summary_of_a_job_where_nothing_succeeded_says_so() -> None:
