@@ -43,6 +43,7 @@ def _parse(model_dir: Path, **tables: dict) -> object:
         ({"delivery": {"max_deliveries": 0}}, ["'delivery.max_deliveries'"]),
         ({"delivery": {"reply_ttl_s": 10**17}}, ["'delivery.reply_ttl_s'", "315360000"]),
         ({"metrics": {"port": 70000}}, ["'metrics.port'", "65535"]),
+        ({"metrics": {"host": " "}}, ["'metrics.host'", "127.0.0.1"]),
         ({"redis": {"url": "http://x"}}, ["'redis.url'", "redis://"]),
         ({"redis": {"prefix": "a{b}"}}, ["'redis.prefix'", "braces"]),
         ({"model_extra": {"providers": ["gpu"]}}, ["'model.providers'", "cuda"]),
@@ -63,6 +64,11 @@ def test_bad_config_names_the_key_and_the_fix(model_dir: Path, tables: dict, wor
         _parse(model_dir, **tables)
     for word in words:
         assert word in str(info.value)
+
+
+def test_metrics_listen_on_every_interface_unless_told(model_dir: Path) -> None:
+    assert _parse(model_dir).metrics.host == "0.0.0.0"
+    assert _parse(model_dir, metrics={"host": "127.0.0.1"}).metrics.host == "127.0.0.1"
 
 
 def test_redis_url_from_environment_overrides_the_file(model_dir: Path) -> None:

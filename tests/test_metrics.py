@@ -118,3 +118,13 @@ def test_batch_histograms_expose_what_prometheus_clients_own_would() -> None:
     assert lines(ours) == lines(theirs)
     assert histogram.count == 10
     assert _value(generate_latest(ours).decode(), 'x_seconds_bucket{le="0.0005"}') == 2
+
+
+def test_metrics_server_listens_where_it_is_told() -> None:
+    server = MetricsServer(Metrics(), lambda: True, 0, host="127.0.0.1")
+    server.start()
+    try:
+        assert server.address[0] == "127.0.0.1"
+        assert _get(server.port, "/healthz") == (200, "ok\n")
+    finally:
+        server.close()

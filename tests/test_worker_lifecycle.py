@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
+
+from worker.localredis import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,3 +180,48 @@ def test_worker_rides_out_a_redis_restart(tmp_path: Path, redis_server, redis_ur
         after.close()
         assert worker.intake.is_alive()
         assert worker.writer.is_alive()
+
+
+def test_a_stop_while_redis_is_unreachable_at_start_exits_zero(tmp_path: Path) -> None:
+    # Given a worker whose Redis is not there yet (nothing listens on its port)
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    config = write_config(tmp_path, "demo", url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", "early"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "REDIS_URL": url},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # when it says it is retrying, an operator gives up on it
+            if "Redis unreachable during starting up" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+
+    # Then it exits 0 with one line saying why, not an error
+    assert proc.returncode == 0, stderr
+    assert "stopped before Redis could be reached" in stderr
+
+
+def test_a_metrics_port_in_use_is_a_config_error(tmp_path: Path, redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, "demo", redis_url, extra=f"[metrics]\nport = {port}")
+        result = subprocess.run(
+            [sys.executable, "-m", "worker", "--config", str(config)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"[metrics] 0.0.0.0:{port} cannot be opened" in result.stderr
+    assert "Traceback" not in result.stderr

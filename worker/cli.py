@@ -97,12 +97,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     if config.metrics.port and not args.check:
         # Up before warmup, so /healthz answers and /readyz says "not ready" while warming.
-        server = MetricsServer(
-            metrics,
-            lambda: bool(serving) and serving[0].ready.is_set() and serving[0].healthy(),
-            config.metrics.port,
-            is_healthy=lambda: not serving or serving[0].healthy(),
-        )
+        try:
+            server = MetricsServer(
+                metrics,
+                lambda: bool(serving) and serving[0].ready.is_set() and serving[0].healthy(),
+                config.metrics.port,
+                is_healthy=lambda: not serving or serving[0].healthy(),
+                host=config.metrics.host,
+            )
+        except OSError as exc:
+            log.error(
+                "[metrics] %s:%d cannot be opened (%s); is another worker on this host using "
+                "the port? Give each worker its own port, or 0 to turn the endpoint off",
+                config.metrics.host,
+                config.metrics.port,
+                exc.strerror or exc,
+            )
+            return 2
         server.start()
     try:
         return _serve(args, config, name, metrics, serving)

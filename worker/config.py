@@ -114,6 +114,7 @@ class WarmupConfig:
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
     port: int = 0
+    host: str = "0.0.0.0"  # every interface, so that probes and Prometheus reach a container
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,8 +327,14 @@ def _warmup(t: _Table) -> WarmupConfig:
 
 
 def _metrics(t: _Table) -> MetricsConfig:
-    t.check_keys({"port"})
-    return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535))
+    t.check_keys({"port", "host"})
+    host = t.get_str("host", "0.0.0.0")
+    if not host.strip():
+        raise ConfigError(
+            f"Config '{t.where('host')}' is empty. Use an address to listen on, e.g. 0.0.0.0 "
+            "(every interface) or 127.0.0.1."
+        )
+    return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535), host=host)
 
 
 def _inputs(t: _Table) -> dict[str, InputConfig]:

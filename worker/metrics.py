@@ -254,15 +254,15 @@ class MetricsServer(threading.Thread):
         is_ready: Callable[[], bool],
         port: int,
         is_healthy: Callable[[], bool] = lambda: True,
+        host: str = "0.0.0.0",
     ) -> None:
         super().__init__(name="redbatch-metrics", daemon=True)
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._is_ready = is_ready
         self._is_healthy = is_healthy
-        self._server: WSGIServer = make_server(
-            "0.0.0.0", port, self._app, handler_class=_QuietHandler
-        )
+        self._server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
         self.port = self._server.server_port
+        self.address = (str(self._server.server_address[0]), self.port)
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")

@@ -171,9 +171,16 @@ class Worker:
     def run(self) -> None:
         """Serve until stopped (or, in burst mode, until the stream is drained)."""
         starting = Outage("starting up", give_up=self.stop, on_down=self.metrics.redis_down)
-        starting.call(self.stream.ensure_group)
-        starting.call(self.registry.beat)
-        starting.call(self._sample_stream)
+        try:
+            starting.call(self.stream.ensure_group)
+            starting.call(self.registry.beat)
+            starting.call(self._sample_stream)
+        except (redis.RedisError, OSError):
+            if not self.stop.is_set():
+                raise
+            # Stopped while waiting for Redis: nothing was read, so nothing is left to answer.
+            log.info("stopped before Redis could be reached; nothing was read")
+            return
         self.registry.start()
         self.keeper.start()
         self.writer.start()
