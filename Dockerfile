@@ -1,6 +1,11 @@
-# One image for worker and producer. GPU hosts: the onnxruntime-gpu wheel is installed on
-# linux/x86_64; run with the NVIDIA container toolkit (see compose.yaml's gpu profile).
+# One image for worker and producer. On linux/x86_64 it installs onnxruntime-gpu, but not the
+# CUDA and cuDNN libraries it needs: a plain build serves on the CPU everywhere. For GPU hosts,
+# build with --build-arg ORT_EXTRAS=cuda,cudnn (about 3 GB more: CUDA and cuDNN as nvidia-* pip
+# packages, which the worker preloads) and run with the NVIDIA container toolkit; compose.yaml's
+# gpu profile does both.
 FROM python:3.11-slim
+
+ARG ORT_EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
@@ -9,6 +14,7 @@ COPY producer ./producer
 COPY worker ./worker
 COPY configs ./configs
 RUN pip install ".[demo]" \
+ && if [ -n "$ORT_EXTRAS" ]; then pip install "onnxruntime-gpu[$ORT_EXTRAS]"; fi \
  && python -c "from worker.synthetic import save; save('demo', 'models/demo.onnx')"
 
 USER 65534:65534

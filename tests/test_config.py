@@ -158,3 +158,50 @@ def test_unreachable_redis_is_not_a_config_error() -> None:
     # Guard for the test above: port 1 really refuses connections.
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=1, socket_connect_timeout=0.5).ping()
+
+
+class _FakeOrt:
+    """Stands in for onnxruntime's module where only ``preload_dlls`` matters."""
+
+    def __init__(self, prints: str = "", raises: Exception | None = None) -> None:
+        self.calls = 0
+        self.prints = prints
+        self.raises = raises
+
+    def preload_dlls(self) -> None:
+        self.calls += 1
+        if self.prints:
+            print(self.prints)
+        if self.raises is not None:
+            raise self.raises
+
+
+def test_cuda_libraries_from_nvidia_packages_are_preloaded_when_installed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys
+) -> None:
+    import importlib.util
+
+    from worker import model
+
+    real_find_spec = importlib.util.find_spec
+    installed = {"nvidia": False}
+
+    def find_spec(name: str, *args: object):
+        if name == "nvidia":
+            return object() if installed["nvidia"] else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(model.importlib.util, "find_spec", find_spec)
+    ort = _FakeOrt(prints="Failed to load libcudnn.so.9: not found")
+    assert not model.preload_cuda_libraries(ort)  # no nvidia packages: CUDA from the system
+    assert ort.calls == 0
+
+    installed["nvidia"] = True
+    with caplog.at_level(logging.WARNING):
+        assert model.preload_cuda_libraries(ort)
+    assert ort.calls == 1
+    assert capsys.readouterr().out == ""  # what onnxruntime printed went to the log
+    assert any("libcudnn.so.9" in r.getMessage() for r in caplog.records)
+
+    broken = _FakeOrt(raises=OSError("bad ELF"))
+    assert model.preload_cuda_libraries(broken)  # logged, never raised

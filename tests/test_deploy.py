@@ -313,6 +313,13 @@ def test_compose_services_profiles_and_health_checks() -> None:
     assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0][
         "capabilities"
     ] == ["gpu"]
+    # The GPU worker's image carries CUDA and cuDNN; the Dockerfile installs them on that arg.
+    gpu_build = services["worker-gpu"]["build"]
+    assert gpu_build["args"] == {"ORT_EXTRAS": "cuda,cudnn"}
+    assert services["worker-gpu"]["image"] != services["worker"]["image"]
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    assert 'ARG ORT_EXTRAS=""' in dockerfile
+    assert 'pip install "onnxruntime-gpu[$ORT_EXTRAS]"' in dockerfile
 
     # Every port published on the host is on loopback only.
     for service in services.values():

@@ -1,9 +1,9 @@
 """Dynamic batching: gather admitted requests until the batch is full or its window closes.
 
-The window is kept on this process's monotonic clock, not on Redis blocking timeouts, which have a
-100 ms floor (FACTS.md). It opens when the oldest gathered request was enqueued (its stream id
-time), so a request that already waited in the stream does not wait again; with a backlog the
-batch fills at once and never waits.
+The window is kept on this process's monotonic clock, not on Redis blocking timeouts, which have
+a 100 ms floor (shared/FACTS.md). It opens when the oldest gathered request was enqueued (its
+stream id time), so a request that already waited in the stream does not wait again; with a
+backlog the batch fills at once and never waits.
 
 Waiting is adaptive, in two ways:
 

@@ -6,7 +6,10 @@ isolation can be tested without a session; ``OnnxModel`` is the real one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
+import io
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +23,15 @@ from worker.errors import ConfigError, ModelError
 if TYPE_CHECKING:
     from worker.binding import BoundRunner
 
-__all__ = ["Model", "ModelFile", "OnnxModel", "TensorSpec", "check_sha256", "read_model_file"]
+__all__ = [
+    "Model",
+    "ModelFile",
+    "OnnxModel",
+    "TensorSpec",
+    "check_sha256",
+    "preload_cuda_libraries",
+    "read_model_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +96,31 @@ class ModelFile:
     producer: str
 
 
+def preload_cuda_libraries(ort: Any) -> bool:
+    """Load CUDA and cuDNN from the ``nvidia-*`` pip packages, when they are installed; returns
+    whether it tried.
+
+    ``pip install "onnxruntime-gpu[cuda,cudnn]"`` puts those libraries in site-packages, where
+    the dynamic loader does not look, so without this the CUDA provider fails to start and the
+    worker falls back to the CPU. onnxruntime's ``preload_dlls`` (1.21 and later) loads them;
+    it reports failures by printing, which goes to the log here instead of stdout. Without the
+    packages nothing is done: CUDA then comes from the system (a CUDA base image, say).
+    """
+    if importlib.util.find_spec("nvidia") is None or not hasattr(ort, "preload_dlls"):
+        return False
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            ort.preload_dlls()
+    except Exception as exc:  # a broken install must not stop a worker that may fall back
+        log.warning("could not preload CUDA libraries from the nvidia packages: %s", exc)
+        return True
+    text = " ".join(printed.getvalue().split())
+    if text:
+        log.warning("preloading CUDA libraries from the nvidia packages: %s", text)
+    return True
+
+
 class OnnxModel:
     """An ONNX Runtime session built from a ModelConfig.
 
@@ -102,6 +138,8 @@ class OnnxModel:
         # errors (and its per-node warnings) would only bury that line.
         ort.set_default_logger_severity(4)
         self.requested = [p.name for p in config.providers]
+        if {"cuda", "tensorrt"} & set(self.requested):
+            preload_cuda_libraries(ort)
         options = _session_options(ort, config)
         chosen = self._available(config.providers)
         try:
@@ -230,7 +268,8 @@ def _session_options(ort: Any, config: ModelConfig) -> Any:
     options.log_severity_level = 3
     options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = config.inter_op_threads
-    # Idle spinning threads cost about 15 CPU ms per request at low load on 2 cores (FACTS.md).
+    # Idle spinning threads cost about 15 CPU ms per request at low load on 2 cores
+    # (shared/FACTS.md).
     spin = "1" if config.allow_spinning else "0"
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
