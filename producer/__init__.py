@@ -7,6 +7,8 @@ error derives from ``RedbatchError``.
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from producer.aio import AsyncClient
 from producer.client import Client
 from producer.codec import ErrorInfo, ModelRef
@@ -29,6 +31,11 @@ from producer.errors import (
     WaitTimeout,
     WireFormatError,
 )
+
+try:
+    __version__ = metadata.version("redbatch")
+except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "AsyncClient",
@@ -53,4 +60,5 @@ __all__ = [
     "TooLarge",
     "WaitTimeout",
     "WireFormatError",
+    "__version__",
 ]

@@ -9,6 +9,7 @@ command could not run as asked (bad option, missing file, Redis unreachable).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-from producer import argtypes, bench, core, keys, replay, status, watch
+from producer import __version__, argtypes, bench, core, keys, replay, status, watch
 from producer.errors import ConnectionFailed, RedbatchError
 from producer.job import (
     UsageError,
@@ -128,12 +129,36 @@ def _check_against_workers(
             f"input arrays {sorted(arrays)} do not match model {args.model!r} inputs "
             f"{sorted(map(str, expected))}."
         )
+    _check_dtypes(args.model, arrays, record)
+    outputs = {o.get("name") for o in record.get("outputs") or [] if isinstance(o, dict)}
+    unknown = sorted(set(args.outputs or ()) - outputs) if outputs else []
+    if unknown:
+        raise UsageError(
+            f"--outputs {', '.join(unknown)}: model {args.model!r} has no such output; it has "
+            f"{', '.join(sorted(map(str, outputs)))}."
+        )
     limit = (record.get("batching") or {}).get("max_batch_size")
     if isinstance(limit, int) and args.rows_per_request and args.rows_per_request > limit:
         raise UsageError(
             f"--rows-per-request {args.rows_per_request} is over the workers' "
             f"max_batch_size={limit}; use {limit} or less."
         )
+
+
+def _check_dtypes(model: str, arrays: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
+    """A dtype the model does not take fails every request, one by one: say so before sending
+    (the workers never convert types; the file is the caller's to cast)."""
+    for spec in record.get("inputs") or []:
+        if not isinstance(spec, dict) or spec.get("name") not in arrays:
+            continue
+        want, got = spec.get("dtype"), arrays[spec["name"]].dtype.newbyteorder("=")
+        with contextlib.suppress(TypeError):  # a dtype numpy does not know: let the worker judge
+            if isinstance(want, str) and want and got != np.dtype(want):
+                raise UsageError(
+                    f"input {spec['name']!r} is {got}, but model {model!r} takes {want}: every "
+                    f"request would be refused. Cast the array first, e.g. "
+                    f"np.save(path, x.astype(np.{want}))."
+                )
 
 
 def _progress_bar(total: int, *, disable: bool) -> Any:
@@ -272,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redbatch", description=_TOP_HELP, formatter_class=formatter
     )
+    parser.add_argument("--version", action="version", version=f"redbatch {__version__}")
     _add_connection_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 

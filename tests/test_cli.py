@@ -243,6 +243,18 @@ def test_run_refuses_inputs_a_live_worker_says_will_fail(
     assert main([*base, "--input", str(tmp_path / "x.npy"), "--rows-per-request", "33"]) == 2
     assert "max_batch_size=32" in capsys.readouterr().err
 
+    assert main([*base, "--input", str(tmp_path / "x.npy"), "--outputs", "y,probs"]) == 2
+    assert "--outputs probs: model 'demo' has no such output; it has y." in (
+        capsys.readouterr().err
+    )
+
+    np.save(tmp_path / "x64.npy", make_inputs(4, []).astype(np.float64))
+    assert main([*base, "--input", str(tmp_path / "x64.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "input 'x' is float64, but model 'demo' takes float32" in err
+    assert "x.astype(np.float32)" in err
+    assert not rconn.exists(keys.request_stream(PREFIX, MODEL))  # nothing was sent
+
 
 # ---------------------------------------------------------------------------------------------
 # run_job and the summary, with a stand-in for Client.map
@@ -548,3 +560,16 @@ def test_answer_with_other_outputs_is_a_failure_not_a_gap() -> None:
     assert [(f.start, f.code) for f in summary.failures] == [(1, "OUTPUT_MISMATCH")]
     assert "earlier rows had ['y']" in summary.failures[0].message
     assert np.isnan(summary.outputs["y"][1]).all()
+
+
+def test_both_commands_say_their_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib import metadata
+
+    from worker.cli import main as worker_main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"redbatch {metadata.version('redbatch')}"
+    with pytest.raises(SystemExit) as info:
+        worker_main(["--version"])  # no --config needed to ask
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"redbatch-worker {metadata.version('redbatch')}"

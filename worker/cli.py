@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from producer import __version__
 from producer.keys import is_valid_name
 from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"redbatch-worker {__version__}")
     parser.add_argument("--config", required=True, help="path to the worker's TOML config file")
     parser.add_argument(
         "--name",
