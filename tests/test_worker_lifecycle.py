@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -225,3 +226,28 @@ def test_a_metrics_port_in_use_is_a_config_error(tmp_path: Path, redis_url: str)
     assert result.returncode == 2, result.stderr
     assert f"[metrics] 0.0.0.0:{port} cannot be opened" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_name_another_live_worker_holds_is_warned_about(
+    tmp_path: Path, redis_url: str, rconn, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a live record under the name, written by another process
+    other = {"name": "twin", "host": "elsewhere", "pid": 4242, "heartbeat_at": "just now"}
+    rconn.set("redbatch:{demo}:worker:twin", json.dumps(other), ex=15)
+    config = write_config(tmp_path, "demo", redis_url)
+    with caplog.at_level(logging.WARNING), running_worker(config, name="twin"):
+        pass
+    warned = [
+        r.getMessage() for r in caplog.records if "registered under this name" in r.getMessage()
+    ]
+    assert len(warned) == 1
+    assert "host elsewhere, pid 4242" in warned[0]
+
+
+def test_a_free_name_is_not_warned_about(
+    tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = write_config(tmp_path, "demo", redis_url)
+    with caplog.at_level(logging.WARNING), running_worker(config, name="solo"):
+        pass
+    assert not [r for r in caplog.records if "registered under this name" in r.getMessage()]

@@ -135,6 +135,22 @@ class Registry(threading.Thread):
                 else:
                     self.record[key] = value
 
+    def other_holder(self) -> dict[str, Any] | None:
+        """The live record under this worker's name when another process wrote it: two workers
+        under one name would share one consumer of the group (its pending entries, and its
+        record, which each would overwrite)."""
+        raw = self.client.get(self.key)
+        if raw is None:
+            return None
+        try:
+            other = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(other, dict):
+            return None
+        mine = (self.record.get("host"), self.record.get("pid"))
+        return None if (other.get("host"), other.get("pid")) == mine else other
+
     def beat(self) -> None:
         """Publish the record now, with a TTL of three heartbeats."""
         with self._lock:

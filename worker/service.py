@@ -173,6 +173,7 @@ class Worker:
         starting = Outage("starting up", give_up=self.stop, on_down=self.metrics.redis_down)
         try:
             starting.call(self.stream.ensure_group)
+            starting.call(self._warn_if_name_taken)
             starting.call(self.registry.beat)
             starting.call(self._sample_stream)
         except (redis.RedisError, OSError):
@@ -203,6 +204,19 @@ class Worker:
         for part, failure in ((name, thread.failure) for name, thread in parts):
             if failure is not None:
                 raise WorkerError(f"{part} failed: {failure}") from failure
+
+    def _warn_if_name_taken(self) -> None:
+        other = self.registry.other_holder()
+        if other is not None:
+            log.warning(
+                "another worker is registered under this name (host %s, pid %s, heartbeat %s): "
+                "two live workers must not share a name, as they would share one consumer; "
+                "give each its own --name (ignore this if it was this worker's previous run)",
+                other.get("host"),
+                other.get("pid"),
+                other.get("heartbeat_at"),
+                extra={"fields": {"worker": self.name}},
+            )
 
     def _drained(self) -> bool:
         return (
