@@ -60,5 +60,4 @@ __all__ = [
     "TooLarge",
     "WaitTimeout",
     "WireFormatError",
-    "__version__",
 ]

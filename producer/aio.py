@@ -249,6 +249,7 @@ class AsyncClient:
         concurrency: int = 64,
         outputs: Sequence[str] | None = None,
         timeout_s: float = 60.0,
+        stop_on_timeout: bool = False,
     ) -> AsyncIterator[Chunk]:
         """Run arrays through the model in requests of at most ``rows_per_request`` rows.
 
@@ -262,6 +263,7 @@ class AsyncClient:
             concurrency=concurrency,
             outputs=outputs,
             timeout_s=timeout_s,
+            stop_on_timeout=stop_on_timeout,
         )
         return self._run_map(plan)
 
@@ -281,9 +283,12 @@ class AsyncClient:
                     await self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
         finally:
-            if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
+            # The caller stopped early, or Redis failed: run nothing more (late requests too,
+            # when the stop came between giving up on them and cancelling them).
+            unanswered = [*plan.in_flight, *plan.waiter.late]
+            if unanswered:
                 with contextlib.suppress(RedbatchError):
-                    await self._cancel_many(plan.in_flight, retry=self._retry.once())
+                    await self._cancel_many(unanswered, retry=self._retry.once())
 
     # -- control and status ----------------------------------------------------------------
 

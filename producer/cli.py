@@ -3,7 +3,8 @@
 This module is argparse and the two commands; the work is done in ``producer.job`` (``run``:
 load the inputs, run the job, write the outputs and the errors file, print the summary) and in
 ``producer.status`` (``status``). Exit codes: 0 every row succeeded, 1 some rows failed, 2 the
-command could not run as asked (bad option, missing file, Redis unreachable).
+command could not run as asked (bad option, missing file, Redis unreachable), 130 interrupted
+(Ctrl-C; ``run`` still writes the rows answered by then).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -73,13 +76,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
         finally:
             progress.close()
-    write_outputs(output_path, summary.outputs)
-    write_errors(errors_path, summary.failures)
-    print(format_summary(summary, output_path=str(output_path), errors_path=str(errors_path)))
-    if summary.interrupted:
+    with _sigint_deferred() as deferred:
+        write_errors(errors_path, summary.failures)  # first: it says what the outputs lack
+        kept = summary.interrupted and not summary.rows_ok
+        if not kept:
+            write_outputs(output_path, summary.outputs)
+    shown = None if kept else str(output_path)
+    print(format_summary(summary, output_path=shown, errors_path=str(errors_path)))
+    if kept:
+        print(f"output      {output_path}: not written (interrupted before any row was answered)")
+    if summary.interrupted or deferred:
         _fail("interrupted; the rows answered so far are written, the rest listed NOT_ANSWERED")
         return EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILED
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[list[int]]:
+    """Hold Ctrl-C while the results are written, so that a second one cannot leave the output
+    and errors files of two different runs side by side; yields the signals that came."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_run_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:

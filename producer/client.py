@@ -236,6 +236,7 @@ class Client:
         concurrency: int = 64,
         outputs: Sequence[str] | None = None,
         timeout_s: float = 60.0,
+        stop_on_timeout: bool = False,
     ) -> Iterator[Chunk]:
         """Run arrays through the model in requests of at most ``rows_per_request`` rows.
 
@@ -243,9 +244,12 @@ class Client:
         ``error`` set. ``rows_per_request`` defaults to the smallest ``max_batch_size`` of the
         live workers (NoWorkerInfo when none is registered). ``timeout_s`` bounds the wait for
         each request's reply, counted from when it was sent: a late request is yielded as a
-        failed Chunk (code WAIT_TIMEOUT) and cancelled, and the others carry on. Stopping the
-        iteration early cancels the requests still in flight. Each refill of the window is one
-        pipelined submit, with the same backlog check as ``submit_many``.
+        failed Chunk (code WAIT_TIMEOUT) and cancelled, and the others carry on; with
+        ``stop_on_timeout`` the first late reply stops the sending instead, and the iteration
+        ends once the requests already in flight are yielded (its last chunk then stops short
+        of the input's end). Stopping the iteration early cancels the requests still in
+        flight. Each refill of the window is one pipelined submit, with the same backlog check
+        as ``submit_many``.
         """
         plan = window.MapPlan(
             self._settings,
@@ -254,6 +258,7 @@ class Client:
             concurrency=concurrency,
             outputs=outputs,
             timeout_s=timeout_s,
+            stop_on_timeout=stop_on_timeout,
         )
         if plan.needs_row_limit:
             plan.use_row_limit(core.row_limit(self.workers(), self._settings))
@@ -272,9 +277,12 @@ class Client:
                     self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
         finally:
-            if not plan.finished:  # the caller stopped early, or Redis failed: run nothing more
+            # The caller stopped early, or Redis failed: run nothing more (late requests too,
+            # when the stop came between giving up on them and cancelling them).
+            unanswered = [*plan.in_flight, *plan.waiter.late]
+            if unanswered:
                 with contextlib.suppress(RedbatchError):
-                    self._cancel_many(plan.in_flight, retry=self._retry.once())
+                    self._cancel_many(unanswered, retry=self._retry.once())
 
     # -- control and status ----------------------------------------------------------------
 

@@ -53,8 +53,9 @@ class UsageError(RedbatchError):
 
 @dataclass(frozen=True, slots=True)
 class FailedRequest:
-    """Rows ``start:stop`` that failed: a request answered ok = false, or (code WAIT_TIMEOUT,
-    no rid) the rows left when a reply did not come in time."""
+    """Rows ``start:stop`` that failed: a request answered ok = false or late (WAIT_TIMEOUT,
+    with its rid), or, with no rid, rows never answered: those after a late reply stopped the
+    run (WAIT_TIMEOUT) or left when Redis failed or Ctrl-C came (NOT_ANSWERED)."""
 
     start: int
     stop: int
@@ -122,6 +123,7 @@ class Mapper(Protocol):
         concurrency: int,
         outputs: Sequence[str] | None,
         timeout_s: float,
+        stop_on_timeout: bool,
     ) -> Iterable[Chunk]: ...
 
 
@@ -138,13 +140,13 @@ def run_job(
     """Send every row of ``arrays`` through ``client.map`` and stack the replies in input order.
 
     Rows of failed requests are NaN in float outputs and zero otherwise, and are listed in
-    ``failures``. When a reply does not come within ``timeout_s``, the job stops there: that
-    request and the rows after it are failures with code ``WAIT_TIMEOUT`` (a client-side code),
-    and the requests still in flight are cancelled. A job where no worker answers thus ends
-    after one timeout, not one per window of requests. Ctrl-C (KeyboardInterrupt) also stops
-    it, with the rows not yet answered listed as ``NOT_ANSWERED`` and ``interrupted`` set, so
-    that the caller can still write what came back. ``on_rows(n)`` is called as rows come
-    back (a progress bar's ``update``).
+    ``failures``. When a reply does not come within ``timeout_s``, the job sends nothing more:
+    the requests already in flight are still awaited (each within its own timeout), and the rows
+    never sent are one failure with code ``WAIT_TIMEOUT`` (a client-side code). A job whose
+    workers are gone thus ends after one timeout, not one per window of requests. Ctrl-C
+    (KeyboardInterrupt) stops it too, with the rows not yet answered listed as ``NOT_ANSWERED``
+    and ``interrupted`` set, so that the caller can still write what came back. ``on_rows(n)``
+    is called as rows come back (a progress bar's ``update``).
     """
     n_rows = leading_rows(arrays)
     summary = RunSummary(rows=n_rows, rows_per_request=rows_per_request)
@@ -157,14 +159,16 @@ def run_job(
         concurrency=concurrency,
         outputs=list(outputs) if outputs is not None else None,
         timeout_s=timeout_s,
+        stop_on_timeout=True,
     )
+    late: Chunk | None = None  # the first request whose reply did not come in time
     try:
         for chunk in chunks:
             summary.requests += 1
             if chunk.error is not None and chunk.error.code == WAIT_TIMEOUT:
-                _stop_at(summary, chunk, timeout_s)
-                break
-            _record_reply(summary, chunk)
+                late = late or chunk
+            else:
+                _record_reply(summary, chunk)
             error = chunk.error
             if chunk.ok:
                 error = stacker.put(chunk.start, chunk.stop, chunk.outputs or {})
@@ -177,6 +181,8 @@ def run_job(
             done = chunk.stop
             if on_rows is not None:
                 on_rows(chunk.stop - chunk.start)
+        if done < n_rows:  # map() stopped sending at a late reply
+            summary.fail(_not_sent(done, n_rows, late, timeout_s))
     except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
         summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", one_line(exc)))
     except KeyboardInterrupt:
@@ -184,24 +190,33 @@ def run_job(
         message = "the run was interrupted (Ctrl-C) before these rows were answered."
         summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", message))
     finally:
-        close = getattr(chunks, "close", None)
-        if close is not None:  # Client.map's generator: cancel what is still in flight
-            close()
+        _close(chunks, summary)
     summary.wall_s = time.monotonic() - started
     summary.outputs = stacker.arrays
     return summary
 
 
-def _stop_at(summary: RunSummary, chunk: Chunk, timeout_s: float) -> None:
-    """List the late request, and every row after it, as WAIT_TIMEOUT."""
-    message = chunk.error.message if chunk.error is not None else ""
-    summary.fail(FailedRequest(chunk.start, chunk.stop, chunk.rid, WAIT_TIMEOUT, message))
-    if chunk.stop < summary.rows:
-        rest = (
-            f"not answered: the run stopped at rows {chunk.start}:{chunk.stop}, whose reply did "
-            f"not come within {timeout_s:g} s (is a worker serving this model?)."
-        )
-        summary.fail(FailedRequest(chunk.stop, summary.rows, None, WAIT_TIMEOUT, rest))
+def _not_sent(start: int, stop: int, late: Chunk | None, timeout_s: float) -> FailedRequest:
+    if late is None:  # a Mapper that ended early on its own
+        message = "not answered: the client ended before these rows were sent."
+        return FailedRequest(start, stop, None, "NOT_ANSWERED", message)
+    message = (
+        f"not sent: the run stopped sending at rows {late.start}:{late.stop}, whose reply did "
+        f"not come within {timeout_s:g} s (is a worker serving this model?)."
+    )
+    return FailedRequest(start, stop, None, WAIT_TIMEOUT, message)
+
+
+def _close(chunks: Iterable[Chunk], summary: RunSummary) -> None:
+    """Close map()'s generator, which cancels what is still in flight; a Ctrl-C meanwhile
+    only marks the run interrupted, so that what came back is still written."""
+    close = getattr(chunks, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except KeyboardInterrupt:
+        summary.interrupted = True
 
 
 def _record_reply(summary: RunSummary, chunk: Chunk) -> None:

@@ -138,6 +138,10 @@ class MapPlan:
     between being sent and being yielded, so a slow first request cannot make the plan buffer
     the whole input. The shell loops: ``take()`` and send, ``sent()``, yield ``ready()``, then
     wait on ``waiter`` and hand its Results to ``answered()``, until ``finished``.
+
+    With ``stop_on_timeout``, the first late reply stops the sending: the requests already in
+    flight are still awaited and yielded, and then the plan is finished with the rows after
+    them never sent (a job whose workers are gone ends after one timeout, not one per window).
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class MapPlan:
         concurrency: int,
         outputs: Sequence[str] | None,
         timeout_s: float,
+        stop_on_timeout: bool = False,
     ) -> None:
         if type(concurrency) is not int or concurrency < 1:
             raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}.")
@@ -162,6 +167,8 @@ class MapPlan:
         self._answered: dict[int, Chunk] = {}  # start -> chunk
         self._next_yield = 0  # start of the next chunk to yield
         self._held = 0  # requests sent and not yet yielded
+        self._stop_on_timeout = stop_on_timeout
+        self.stopped = False  # a reply came late under stop_on_timeout: nothing more is sent
         self.waiter = ReplyWaiter(settings, timeout_s, late_fails=True)
         if rows_per_request is not None:
             self.use_row_limit(rows_per_request)
@@ -186,13 +193,18 @@ class MapPlan:
 
     @property
     def finished(self) -> bool:
-        """True once every row has been yielded (at once for zero rows)."""
+        """True once every row has been yielded (at once for zero rows), or once a stopped
+        plan has yielded every request it sent."""
+        if self.stopped:
+            return not self._in_flight and not self._answered
         return self._next_yield >= self.rows
 
     def take(self, now_s: float) -> list[Submission]:
         """The requests to send now to fill the window; ``now_s`` is the Unix time."""
         if self.needs_row_limit:
             raise RuntimeError("MapPlan.use_row_limit() must be called before take().")
+        if self.stopped:
+            return []
         room = min(self._concurrency - len(self._in_flight), 2 * self._concurrency - self._held)
         subs = []
         while room > 0 and self._next_start < self.rows:
@@ -218,6 +230,8 @@ class MapPlan:
         for result in results:
             start, stop = self._in_flight.pop(result.rid)
             latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
+            late = result.error is not None and result.error.code == WAIT_TIMEOUT
+            self.stopped = self.stopped or (late and self._stop_on_timeout)
             self._answered[start] = Chunk(
                 start, stop, result.rid, result.outputs, result.error, result, latency_ms
             )

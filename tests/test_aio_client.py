@@ -211,6 +211,26 @@ def test_map_yields_chunks_in_order_with_the_failed_one(redis_url: str) -> None:
     run(scenario)
 
 
+def test_map_with_stop_on_timeout_sends_nothing_after_a_late_reply(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client:
+            plan = client.map(
+                {"x": xs(50)},
+                rows_per_request=2,
+                concurrency=4,
+                timeout_s=0.3,
+                stop_on_timeout=True,
+            )
+            chunks = [c async for c in plan]
+        assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+        assert all(c.error is not None and c.error.code == "WAIT_TIMEOUT" for c in chunks)
+
+    run(scenario)
+    assert rconn.xlen(STREAM) == 4
+
+
 def test_map_row_limit_comes_from_the_live_workers(redis_url: str, rconn: redis.Redis) -> None:
     async def without_worker() -> None:
         async with AsyncClient(MODEL, redis_url) as client:

@@ -261,31 +261,25 @@ def test_run_refuses_inputs_a_live_worker_says_will_fail(
 
 
 class ScriptedClient:
-    """Answers map() from a list of (batch_rows, latency_ms, error code or None); then, like
-    Client.map, yields a WAIT_TIMEOUT chunk for each row left, or raises ``interrupt``."""
+    """Answers map() from a list of (batch_rows, latency_ms, error code or None), one row each,
+    then ends, as a map() stopped at a late reply ends (or raises ``interrupt`` first)."""
 
     def __init__(
-        self,
-        script: list[tuple[int, float, str | None]],
-        timeout_after: bool,
-        interrupt: BaseException | None = None,
+        self, script: list[tuple[int, float, str | None]], interrupt: BaseException | None = None
     ) -> None:
         self.script = script
-        self.timeout_after = timeout_after
         self.interrupt = interrupt
         self.closed = False
-        self.late_yielded = 0
+        self.kwargs: dict[str, object] = {}
 
-    def map(self, arrays: dict[str, np.ndarray], **_: object) -> Iterator[Chunk]:
+    def map(self, arrays: dict[str, np.ndarray], **kwargs: object) -> Iterator[Chunk]:
+        self.kwargs = kwargs
         x = arrays["x"]
         try:
             for i, (batch_rows, latency_ms, code) in enumerate(self.script):
                 yield self.chunk(x, i, batch_rows, latency_ms, code)
             if self.interrupt is not None:
                 raise self.interrupt
-            for i in range(len(self.script), len(x) if self.timeout_after else 0):
-                self.late_yielded += 1
-                yield self.chunk(x, i, 0, 1000.0, "WAIT_TIMEOUT")
         finally:
             self.closed = True
 
@@ -305,9 +299,10 @@ class ScriptedClient:
 
 def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
     script = [(1, 10.0, None), (4, 20.0, None), (4, 30.0, "INVALID_INPUT"), (16, 40.0, None)]
+    script.append((0, 1000.0, "WAIT_TIMEOUT"))  # row 4 is late; row 5 is never sent
     x = np.arange(6, dtype=np.float32).reshape(6, 1)
 
-    summary = run_job(ScriptedClient(script, timeout_after=True), {"x": x})
+    summary = run_job(ScriptedClient(script), {"x": x})
 
     np.testing.assert_array_equal(summary.outputs["y"][[0, 1, 3]], x[[0, 1, 3]] * 2)
     assert np.isnan(summary.outputs["y"][[2, 4, 5]]).all()
@@ -330,29 +325,29 @@ def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
     assert "output      y.npz: y float32 [6, 1]" in text
 
 
-def test_run_job_stops_at_the_first_late_reply_and_cancels_the_rest() -> None:
-    # Given a client whose requests after the first one all time out (no worker is left)
-    client = ScriptedClient([(1, 10.0, None)], timeout_after=True)
+def test_run_job_stops_sending_at_the_first_late_reply_and_keeps_what_came_back() -> None:
+    # Given a map() that, as asked, stopped sending at a late reply (row 1), after which the
+    # request already in flight (row 2) was still answered
+    client = ScriptedClient([(1, 10.0, None), (0, 1000.0, "WAIT_TIMEOUT"), (1, 10.0, None)])
     x = np.arange(100, dtype=np.float32).reshape(100, 1)
 
     summary = run_job(client, {"x": x})
 
-    # Then the job stops at the first late request instead of waiting out each one, and
-    # closes map() (which cancels what is in flight); every row left is listed.
-    assert client.late_yielded == 1
+    # Then row 2's answer is kept, the late request is listed with its rid, the rows never
+    # sent are one failure, and map() was asked to stop and was closed
+    assert client.kwargs["stop_on_timeout"] is True
     assert client.closed
-    assert [(f.start, f.stop, f.code) for f in summary.failures] == [
-        (1, 2, "WAIT_TIMEOUT"),
-        (2, 100, "WAIT_TIMEOUT"),
+    np.testing.assert_array_equal(summary.outputs["y"][[0, 2]], x[[0, 2]] * 2)
+    assert [(f.start, f.stop, f.rid, f.code) for f in summary.failures] == [
+        (1, 2, "r1", "WAIT_TIMEOUT"),
+        (3, 100, None, "WAIT_TIMEOUT"),
     ]
     assert "is a worker serving this model?" in summary.failures[1].message
-    assert summary.rows_ok == 1
+    assert summary.rows_ok == 2
 
 
 def test_run_job_interrupted_keeps_what_came_back() -> None:
-    client = ScriptedClient(
-        [(2, 10.0, None), (2, 10.0, None)], timeout_after=False, interrupt=KeyboardInterrupt()
-    )
+    client = ScriptedClient([(2, 10.0, None), (2, 10.0, None)], interrupt=KeyboardInterrupt())
     x = np.arange(5, dtype=np.float32).reshape(5, 1)
 
     summary = run_job(client, {"x": x})
@@ -370,7 +365,7 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
     # Given a run that Ctrl-C stops after 2 of 5 rows came back
     np.save(tmp_path / "x.npy", np.arange(5, dtype=np.float32).reshape(5, 1))
     script = [(2, 10.0, None), (2, 10.0, None)]
-    client = ScriptedClient(script, timeout_after=False, interrupt=KeyboardInterrupt())
+    client = ScriptedClient(script, interrupt=KeyboardInterrupt())
     monkeypatch.setattr(
         "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
@@ -390,11 +385,48 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
     assert [(e["start"], e["stop"], e["code"]) for e in lines] == [(2, 5, "NOT_ANSWERED")]
 
 
+def test_run_interrupted_before_any_answer_keeps_the_previous_output(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    np.save(tmp_path / "x.npy", np.arange(3, dtype=np.float32).reshape(3, 1))
+    out = tmp_path / "y.npz"
+    np.savez(out, y=np.ones((3, 1), np.float32))  # an earlier run's results
+    client = ScriptedClient([], interrupt=KeyboardInterrupt())
+    monkeypatch.setattr(
+        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+    )
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+
+    assert main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"]) == 130
+
+    with np.load(out) as kept:
+        np.testing.assert_array_equal(kept["y"], np.ones((3, 1), np.float32))
+
+
+def test_run_job_interrupted_while_handling_a_reply_keeps_it() -> None:
+    # Ctrl-C inside the loop body (here: in the progress callback) rather than in map()
+    client = ScriptedClient([(1, 10.0, None), (1, 10.0, None), (1, 10.0, None)])
+    x = np.arange(3, dtype=np.float32).reshape(3, 1)
+    calls = []
+
+    def progress(rows: int) -> None:
+        calls.append(rows)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    summary = run_job(client, {"x": x}, on_rows=progress)
+
+    assert summary.interrupted
+    assert client.closed
+    np.testing.assert_array_equal(summary.outputs["y"][:2], x[:2] * 2)
+    assert [(f.start, f.stop, f.code) for f in summary.failures] == [(2, 3, "NOT_ANSWERED")]
+
+
 def test_run_with_no_worker_stops_after_one_timeout(
     redis_url: str, rconn: redis.Redis, tmp_path: Path
 ) -> None:
     # Given 400 rows, 8 in flight, and no worker: before, every window of 8 waited out its
-    # own timeout (50 of them); now the run stops after the first.
+    # own timeout (50 of them); now the run stops sending at the first late reply.
     np.save(tmp_path / "x.npy", make_inputs(400, []))
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
@@ -404,16 +436,15 @@ def test_run_with_no_worker_stops_after_one_timeout(
 
     stream = keys.request_stream(PREFIX, MODEL)
     entries = rconn.xrange(stream)
-    assert 8 <= len(entries) <= 16  # the first window, and the one sent as it timed out
+    assert len(entries) == 8  # only the first window was ever sent
     rids = [fields[b"rid"].decode() for _, fields in entries]
     assert all(rconn.exists(keys.cancel_key(PREFIX, rid)) for rid in rids)  # and cancelled
     lines = [
         json.loads(line) for line in (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
     ]
-    assert [(e["start"], e["stop"], e["code"]) for e in lines] == [
-        (0, 1, "WAIT_TIMEOUT"),
-        (1, 400, "WAIT_TIMEOUT"),
-    ]
+    late = [(i, i + 1, "WAIT_TIMEOUT") for i in range(8)]  # each in-flight request, by rid
+    assert [(e["start"], e["stop"], e["code"]) for e in lines] == [*late, (8, 400, "WAIT_TIMEOUT")]
+    assert lines[-1]["message"].startswith("not sent: the run stopped sending at rows 0:1")
 
 
 def test_summary_of_a_job_where_nothing_succeeded_says_so() -> None:

@@ -390,6 +390,22 @@ def test_map_keeps_at_most_concurrency_requests_in_flight(
     assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 10
 
 
+def test_map_with_stop_on_timeout_sends_nothing_after_a_late_reply(
+    client: Client, rconn: redis.Redis
+) -> None:
+    # With no replier and stop_on_timeout, the first window times out and no other is sent:
+    # the iteration ends after the window's chunks, short of the input's end
+    chunks = list(
+        client.map(
+            {"x": xs(100)}, rows_per_request=3, concurrency=5, timeout_s=0.3, stop_on_timeout=True
+        )
+    )
+    assert [(c.start, c.stop) for c in chunks] == [(i, i + 3) for i in range(0, 15, 3)]
+    assert all(c.error is not None and c.error.code == "WAIT_TIMEOUT" for c in chunks)
+    assert rconn.xlen(STREAM) == 5
+    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 5
+
+
 def test_map_late_request_does_not_lose_the_answers_behind_it(
     client: Client, rconn: redis.Redis
 ) -> None:

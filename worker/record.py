@@ -135,28 +135,26 @@ class Registry(threading.Thread):
                 else:
                     self.record[key] = value
 
-    def other_holder(self) -> dict[str, Any] | None:
-        """The live record under this worker's name when another process wrote it: two workers
-        under one name would share one consumer of the group (its pending entries, and its
-        record, which each would overwrite)."""
-        raw = self.client.get(self.key)
-        if raw is None:
-            return None
-        try:
-            other = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(other, dict):
-            return None
-        mine = (self.record.get("host"), self.record.get("pid"))
-        return None if (other.get("host"), other.get("pid")) == mine else other
+    def beat_first(self) -> bool:
+        """Publish the record for the first time; False when a live record already held this
+        worker's name. Two workers under one name would share one consumer of the group and
+        overwrite each other's record. ``SET NX`` tells without reading the key, which the
+        worker's ACL user may not do (docs/security.md)."""
+        payload, ttl_s = self._payload()
+        created = self.client.set(self.key, payload, ex=ttl_s, nx=True)
+        self.beat()
+        return bool(created)
 
-    def beat(self) -> None:
-        """Publish the record now, with a TTL of three heartbeats."""
+    def _payload(self) -> tuple[str, int]:
+        """The record as published now, and its TTL: three heartbeats."""
         with self._lock:
             self.record["heartbeat_at"] = utc_now()
             payload = json.dumps(self.record)
-        ttl_s = max(int(self.interval_s * 3), 1)
+        return payload, max(int(self.interval_s * 3), 1)
+
+    def beat(self) -> None:
+        """Publish the record now, with a TTL of three heartbeats."""
+        payload, ttl_s = self._payload()
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key, payload, ex=ttl_s)
         pipe.sadd(self.set_key, self.record["name"])

@@ -173,8 +173,8 @@ class Worker:
         starting = Outage("starting up", give_up=self.stop, on_down=self.metrics.redis_down)
         try:
             starting.call(self.stream.ensure_group)
-            starting.call(self._warn_if_name_taken)
-            starting.call(self.registry.beat)
+            if not starting.call(self.registry.beat_first):
+                self._warn_name_taken()
             starting.call(self._sample_stream)
         except (redis.RedisError, OSError):
             if not self.stop.is_set():
@@ -205,18 +205,15 @@ class Worker:
             if failure is not None:
                 raise WorkerError(f"{part} failed: {failure}") from failure
 
-    def _warn_if_name_taken(self) -> None:
-        other = self.registry.other_holder()
-        if other is not None:
-            log.warning(
-                "another worker is registered under this name (host %s, pid %s, heartbeat %s): "
-                "two live workers must not share a name, as they would share one consumer; "
-                "give each its own --name (ignore this if it was this worker's previous run)",
-                other.get("host"),
-                other.get("pid"),
-                other.get("heartbeat_at"),
-                extra={"fields": {"worker": self.name}},
-            )
+    def _warn_name_taken(self) -> None:
+        log.warning(
+            "a live worker record already held the name %r: another worker under this name, or "
+            "this worker's previous run within the last %.0f s. Two live workers must not share "
+            "a name, as they would share one consumer of the group; give each its own --name",
+            self.name,
+            self.registry.interval_s * 3,
+            extra={"fields": {"worker": self.name}},
+        )
 
     def _drained(self) -> bool:
         return (
