@@ -32,6 +32,7 @@ def _n(value: float | None, digits: int = 0) -> str:
 
 
 def ceilings(report: dict[str, Any]) -> list[str]:
+    """What every ratio is set against: bare runs, the protocol alone, the asyncio batcher."""
     c = report["ceilings"]
     rows = []
     for model, bare in sorted(c["bare"].items()):
@@ -55,6 +56,7 @@ def ceilings(report: dict[str, Any]) -> list[str]:
 
 
 def phases(report: dict[str, Any]) -> list[str]:
+    """Each phase's throughput, its ratios to the ceilings, and its latency percentiles."""
     rows = []
     for p in report["phases"]:
         lat, vs = p["latency_ms"], p["vs_ceiling"]
@@ -76,6 +78,7 @@ def phases(report: dict[str, Any]) -> list[str]:
 
 
 def stages(report: dict[str, Any]) -> list[str]:
+    """The worker's own timings of each stage, beside the cores each process kept busy."""
     rows = []
     for p in report["phases"]:
         side, cores = p.get("worker_side"), p.get("cpu_cores") or {}
@@ -99,6 +102,7 @@ def stages(report: dict[str, Any]) -> list[str]:
 
 
 def cpu(report: dict[str, Any]) -> list[str]:
+    """Core-ms per request by process, and the throughput every core busy would give."""
     rows = []
     for p in report["phases"]:
         b = p.get("cpu_budget")
@@ -121,6 +125,7 @@ def cpu(report: dict[str, Any]) -> list[str]:
 
 
 def redis_time(report: dict[str, Any]) -> list[str]:
+    """Redis's own time per request by command: what bounds scaling out to more workers."""
     rows = []
     for p in report["phases"]:
         cmds, cores = p.get("redis_commands") or {}, p.get("cpu_cores") or {}
@@ -141,6 +146,7 @@ def redis_time(report: dict[str, Any]) -> list[str]:
 
 
 def drain(report: dict[str, Any]) -> list[str]:
+    """The backlog drain as one paragraph: its rate, and the worker's memory idle and peak."""
     d = report.get("drain")
     if not d:
         return []
@@ -161,6 +167,7 @@ def drain(report: dict[str, Any]) -> list[str]:
 
 
 def targets(report: dict[str, Any]) -> list[str]:
+    """Each target of the performance issue, met or missed, with its rounds when it had any."""
     rows = []
     for t in report["targets"]:
         ms = "ms" in t["what"].split(":")[1]
@@ -194,6 +201,7 @@ SECTIONS = {
 
 
 def render(report: dict[str, Any]) -> str:
+    """Every section the report has figures for, each under its heading."""
     out = []
     for title, section in SECTIONS.items():
         lines = section(report)

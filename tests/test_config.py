@@ -44,6 +44,7 @@ def _parse(model_dir: Path, **tables: dict) -> object:
         ({"delivery": {"reply_ttl_s": 10**17}}, ["'delivery.reply_ttl_s'", "315360000"]),
         ({"metrics": {"port": 70000}}, ["'metrics.port'", "65535"]),
         ({"metrics": {"host": " "}}, ["'metrics.host'", "127.0.0.1"]),
+        ({"metrics": {"host": "::"}}, ["'metrics.host'", "IPv4"]),
         ({"redis": {"url": "http://x"}}, ["'redis.url'", "redis://"]),
         ({"redis": {"prefix": "a{b}"}}, ["'redis.prefix'", "braces"]),
         ({"model_extra": {"providers": ["gpu"]}}, ["'model.providers'", "cuda"]),
@@ -205,3 +206,18 @@ def test_cuda_libraries_from_nvidia_packages_are_preloaded_when_installed(
 
     broken = _FakeOrt(raises=OSError("bad ELF"))
     assert model.preload_cuda_libraries(broken)  # logged, never raised
+
+
+def test_cuda_libraries_are_preloaded_only_when_cuda_is_asked_for(
+    tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker import model
+
+    calls: list[object] = []
+    monkeypatch.setattr(model, "preload_cuda_libraries", calls.append)
+    config = write_config(tmp_path, "demo", redis_url)
+    prepare(load_config(config, environ={}), "w")
+    assert calls == []  # a CPU worker never touches CUDA libraries
+    config.write_text(config.read_text().replace('["cpu"]', '["cuda", "cpu"]'))
+    prepare(load_config(config, environ={}), "w")
+    assert len(calls) == 1

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -194,15 +195,30 @@ def test_a_stop_while_redis_is_unreachable_at_start_exits_zero(tmp_path: Path) -
         text=True,
         env={**os.environ, "REDIS_URL": url},
     )
-    try:
+    lines: list[str] = []
+    retrying = threading.Event()
+
+    def read_stderr() -> None:
         assert proc.stderr is not None
-        for line in proc.stderr:  # when it says it is retrying, an operator gives up on it
+        for line in proc.stderr:
+            lines.append(line)
             if "Redis unreachable during starting up" in line:
-                break
+                retrying.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        # When it says it is retrying, an operator gives up on it
+        assert retrying.wait(60), "".join(lines)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
     finally:
         proc.kill()
+        proc.wait(timeout=10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    stderr = "".join(lines)
 
     # Then it exits 0 with one line saying why, not an error
     assert proc.returncode == 0, stderr
@@ -225,6 +241,7 @@ def test_a_metrics_port_in_use_is_a_config_error(tmp_path: Path, redis_url: str)
         )
     assert result.returncode == 2, result.stderr
     assert f"[metrics] 0.0.0.0:{port} cannot be opened" in result.stderr
+    assert "another worker on this host" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import logging
@@ -108,12 +109,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 host=config.metrics.host,
             )
         except OSError as exc:
+            hint = (
+                "; is another worker on this host using the port? Give each worker its own "
+                "port, or 0 to turn the endpoint off"
+                if exc.errno == errno.EADDRINUSE
+                else ""
+            )
             log.error(
-                "[metrics] %s:%d cannot be opened (%s); is another worker on this host using "
-                "the port? Give each worker its own port, or 0 to turn the endpoint off",
+                "[metrics] %s:%d cannot be opened (%s)%s",
                 config.metrics.host,
                 config.metrics.port,
                 exc.strerror or exc,
+                hint,
             )
             return 2
         server.start()

@@ -6,6 +6,7 @@ would be valid, before anything touches Redis or the model.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -329,11 +330,13 @@ def _warmup(t: _Table) -> WarmupConfig:
 def _metrics(t: _Table) -> MetricsConfig:
     t.check_keys({"port", "host"})
     host = t.get_str("host", "0.0.0.0")
-    if not host.strip():
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
         raise ConfigError(
-            f"Config '{t.where('host')}' is empty. Use an address to listen on, e.g. 0.0.0.0 "
-            "(every interface) or 127.0.0.1."
-        )
+            f"Config '{t.where('host')}' has value {host!r}. Use the IPv4 address to listen on: "
+            "0.0.0.0 (every interface) or one of this host's, such as 127.0.0.1."
+        ) from None
     return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535), host=host)
 
 

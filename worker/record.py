@@ -125,6 +125,7 @@ class Registry(threading.Thread):
         self.set_key = workers_key(prefix, model)
         self._lock = threading.Lock()
         self._down = False
+        self.published = False  # the record has reached Redis at least once
 
     def update(self, **changes: Any) -> None:
         """Change fields of the record (thread-safe); the next heartbeat publishes them."""
@@ -159,6 +160,7 @@ class Registry(threading.Thread):
         pipe.set(self.key, payload, ex=ttl_s)
         pipe.sadd(self.set_key, self.record["name"])
         pipe.execute()
+        self.published = True
 
     def run(self) -> None:
         while not self.stop.wait(self.interval_s):

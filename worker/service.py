@@ -32,7 +32,7 @@ from worker.metrics import Metrics
 from worker.model import OnnxModel, check_sha256, read_model_file
 from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
-from worker.retry import Outage
+from worker.retry import Outage, is_transient
 from worker.schema import Schema
 from worker.stream import Finish, RequestStream
 from worker.warmup import warm_up
@@ -176,10 +176,12 @@ class Worker:
             if not starting.call(self.registry.beat_first):
                 self._warn_name_taken()
             starting.call(self._sample_stream)
-        except (redis.RedisError, OSError):
-            if not self.stop.is_set():
-                raise
+        except (redis.RedisError, OSError) as exc:
+            if not (self.stop.is_set() and is_transient(exc)):
+                raise  # a refusal (a wrong password, a missing permission) is not an outage
             # Stopped while waiting for Redis: nothing was read, so nothing is left to answer.
+            if self.registry.published:  # it went out before Redis went away
+                self.registry.remove()
             log.info("stopped before Redis could be reached; nothing was read")
             return
         self.registry.start()
