@@ -114,6 +114,11 @@ def _check_run_paths(input_path: Path, output_path: Path, errors_path: Path) -> 
             raise UsageError(f"directory {str(path.parent)!r} for {str(path)!r} does not exist.")
     if output_path.resolve() == input_path.resolve():
         raise UsageError("--output must not be the --input file.")
+    if output_path.suffix != ".npz":
+        raise UsageError(
+            f"--output {str(output_path)!r}: outputs are written as an .npz (one array per "
+            "model output); give a name that ends in .npz."
+        )
 
 
 def _single_input_name(args: argparse.Namespace, records: list[dict[str, Any]]) -> str:

@@ -369,6 +369,9 @@ def load_inputs(path: Path, input_name: Callable[[], str]) -> dict[str, np.ndarr
         else:
             raise UsageError(f"input file {str(path)!r} must end in .npy or .npz.")
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        if "allow_pickle" in str(exc):  # numpy's word for bytes that are not an array's
+            detail = f"it is not a {path.suffix} of numeric arrays (or holds Python objects)"
+            raise UsageError(f"cannot read {str(path)!r}: {detail}.") from exc
         raise UsageError(f"cannot read {str(path)!r}: {exc}") from exc
     for name, array in arrays.items():
         if (array.dtype.kind, array.dtype.itemsize) not in _SENDABLE:

@@ -212,6 +212,8 @@ def test_run_npy_without_worker_or_input_name_is_a_usage_error(
         (["--input", "x.npy", "--output", "nodir/y.npz"], "does not exist"),
         (["--input", "x.npy", "--output", "y.npz", "--rows-per-request", "0"], "positive"),
         (["--input", "x.npy"], "--output"),
+        (["--input", "x.npy", "--output", "y.csv"], "give a name that ends in .npz"),
+        (["--input", "junk.npy", "--output", "y.npz"], "it is not a .npy of numeric arrays"),
     ],
 )
 def test_run_bad_arguments_exit_2(
@@ -224,7 +226,8 @@ def test_run_bad_arguments_exit_2(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     np.save(tmp_path / "x.npy", make_inputs(4, []))
-    code = main(["--redis-url", redis_url, "run", "--model", MODEL, *args])
+    (tmp_path / "junk.npy").write_bytes(b"this is not an array")
+    code = main(["--redis-url", redis_url, "run", "--model", MODEL, "--input-name", "x", *args])
     assert code == 2
     assert message in capsys.readouterr().err
 
