@@ -10,6 +10,7 @@ results atomically.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -427,9 +428,12 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
 
 
 def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
-    """Write through a temporary file in the same directory, then rename over ``path``."""
+    """Write through a temporary file in the same directory, then rename over ``path``. The
+    file gets the permissions a plain ``open`` would give (0666 less the umask), not the
+    temporary file's 0600."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if binary else "w") as fh:
             write(fh)
             fh.flush()
@@ -438,6 +442,18 @@ def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask: from /proc on Linux; elsewhere reading it means setting it, so it
+    is set straight back (a moment in which another thread's new files would get 0o022)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from producer import codec, keys
 from producer.cli import main
 from producer.codec import ErrorInfo, ModelRef
 from producer.core import Chunk, Result
-from producer.job import RunSummary, format_summary, run_job, write_outputs
+from producer.job import RunSummary, format_summary, run_job, write_errors, write_outputs
 from worker.localredis import free_port
 
 MODEL = "demo"
@@ -574,6 +575,17 @@ def test_outputs_named_like_savez_arguments_are_written(tmp_path: Path) -> None:
         assert sorted(got.files) == ["allow_pickle", "file"]
         np.testing.assert_array_equal(got["file"], outputs["file"])
         np.testing.assert_array_equal(got["allow_pickle"], outputs["allow_pickle"])
+
+
+def test_written_files_get_the_umask_permissions_not_the_temporary_files(tmp_path: Path) -> None:
+    previous = os.umask(0o027)
+    try:
+        write_outputs(tmp_path / "y.npz", {"y": np.arange(3)})
+        write_errors(tmp_path / "e.jsonl", [])
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "y.npz").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "e.jsonl").stat().st_mode & 0o777 == 0o640
 
 
 class TwoVersionsClient:
