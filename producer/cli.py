@@ -27,6 +27,7 @@ import redis
 from producer import __version__, argtypes, bench, core, keys, replay, status, watch
 from producer.errors import ConnectionFailed, RedbatchError
 from producer.job import (
+    RunSummary,
     UsageError,
     format_summary,
     leading_rows,
@@ -59,47 +60,70 @@ def _cmd_run(args: argparse.Namespace) -> int:
     input_path, output_path = Path(args.input), Path(args.output)
     errors_path = Path(args.errors) if args.errors else Path(f"{output_path}.errors.jsonl")
     _check_run_paths(input_path, output_path, errors_path)
-    with Client(args.model, args.redis_url, prefix=args.prefix, retry_s=args.retry_s) as client:
-        records = [r for r in client.workers() if isinstance(r, dict)]
-        arrays = load_inputs(input_path, lambda: _single_input_name(args, records))
-        _check_against_workers(args, arrays, records)
-        progress = _progress_bar(leading_rows(arrays), disable=args.no_progress)
-        try:
-            summary = run_job(
-                client,
-                arrays,
-                rows_per_request=args.rows_per_request,
-                concurrency=args.concurrency,
-                outputs=args.outputs,
-                timeout_s=args.timeout_s,
-                on_rows=progress.update,
-            )
-        finally:
-            progress.close()
+    summary = None
+    try:
+        with Client(args.model, args.redis_url, prefix=args.prefix, retry_s=args.retry_s) as c:
+            records = [r for r in c.workers() if isinstance(r, dict)]
+            arrays = load_inputs(input_path, lambda: _single_input_name(args, records))
+            _check_against_workers(args, arrays, records)
+            progress = _progress_bar(leading_rows(arrays), disable=args.no_progress)
+            try:
+                summary = run_job(
+                    c,
+                    arrays,
+                    rows_per_request=args.rows_per_request,
+                    concurrency=args.concurrency,
+                    outputs=args.outputs,
+                    timeout_s=args.timeout_s,
+                    on_rows=progress.update,
+                )
+            finally:
+                progress.close()
+    except KeyboardInterrupt:
+        if summary is None:
+            raise
+        summary.interrupted = True  # came after the job, while closing: the results stand
+    return _finish_run(summary, output_path, errors_path)
+
+
+def _finish_run(summary: RunSummary, output_path: Path, errors_path: Path) -> int:
+    """Write the errors file, then the outputs (Ctrl-C held meanwhile), print the summary, and
+    say how the run ended. Interrupted before any reply came, an earlier output is kept."""
     with _sigint_deferred() as deferred:
         write_errors(errors_path, summary.failures)  # first: it says what the outputs lack
-        kept = summary.interrupted and not summary.rows_ok
+        kept = summary.interrupted and not summary.latencies_ms
         if not kept:
             write_outputs(output_path, summary.outputs)
     shown = None if kept else str(output_path)
     print(format_summary(summary, output_path=shown, errors_path=str(errors_path)))
     if kept:
-        print(f"output      {output_path}: not written (interrupted before any row was answered)")
-    if summary.interrupted or deferred:
-        _fail("interrupted; the rows answered so far are written, the rest listed NOT_ANSWERED")
+        print(f"output      {output_path}: not written (interrupted before any reply came)")
+    if summary.interrupted:
+        written = "nothing answered was lost" if kept else "the rows answered so far are written"
+        _fail(f"interrupted; {written}, the rest listed NOT_ANSWERED in {errors_path}")
+        return EXIT_INTERRUPTED
+    if deferred:
+        _fail("interrupted while the results were written; they were written in full")
         return EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILED
 
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[list[int]]:
-    """Hold Ctrl-C while the results are written, so that a second one cannot leave the output
-    and errors files of two different runs side by side; yields the signals that came."""
+    """Hold Ctrl-C while the results are written, so that it cannot leave the output and errors
+    files of two different runs side by side; a second Ctrl-C goes through (a write that hangs
+    can still be stopped). Yields the signals held."""
     came: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield came
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))
+
+    def hold(signum: int, _frame: object) -> None:
+        if came:
+            raise KeyboardInterrupt
+        came.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield came
     finally:

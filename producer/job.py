@@ -429,11 +429,11 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
 
 def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
     """Write through a temporary file in the same directory, then rename over ``path``. The
-    file gets the permissions a plain ``open`` would give (0666 less the umask), not the
-    temporary file's 0600."""
+    file keeps the permissions of the one it replaces, or gets those a plain ``open`` would
+    give a new one (0666 less the umask), never the temporary file's 0600."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        _set_mode(fd, path)
         with os.fdopen(fd, "wb" if binary else "w") as fh:
             write(fh)
             fh.flush()
@@ -442,6 +442,15 @@ def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _set_mode(fd: int, path: Path) -> None:
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:
+        mode = 0o666 & ~_umask()
+    with contextlib.suppress(OSError, AttributeError):  # a file system without chmod, say
+        os.fchmod(fd, mode)
 
 
 def _umask() -> int:

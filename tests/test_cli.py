@@ -619,3 +619,51 @@ def test_both_commands_say_their_version(capsys: pytest.CaptureFixture[str]) -> 
         worker_main(["--version"])  # no --config needed to ask
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"redbatch-worker {metadata.version('redbatch')}"
+
+
+def test_rewriting_an_output_keeps_its_permissions(tmp_path: Path) -> None:
+    path = tmp_path / "y.npz"
+    write_outputs(path, {"y": np.arange(3)})
+    path.chmod(0o600)  # the user made it private
+    write_outputs(path, {"y": np.arange(4)})
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_ctrl_c_while_results_are_written_is_held_and_a_second_goes_through() -> None:
+    import signal as signals
+
+    from producer.cli import _sigint_deferred
+
+    with _sigint_deferred() as held:
+        os.kill(os.getpid(), signals.SIGINT)
+        assert held == [signals.SIGINT]  # held, not raised
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signals.SIGINT)
+    assert signals.getsignal(signals.SIGINT) is signals.default_int_handler
+
+
+def test_a_ctrl_c_after_the_job_still_writes_everything(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # Given a job whose every row came back, and a Ctrl-C while its progress bar closes
+    np.save(tmp_path / "x.npy", np.arange(2, dtype=np.float32).reshape(2, 1))
+    client = ScriptedClient([(1, 10.0, None), (1, 10.0, None)])
+    monkeypatch.setattr(
+        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+    )
+
+    class Bar:
+        def update(self, _rows: int) -> None: ...
+
+        def close(self) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("producer.cli._progress_bar", lambda *_a, **_kw: Bar())
+    out = tmp_path / "y.npz"
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+
+    assert main([*argv, "--input-name", "x", "--output", str(out)]) == 130
+
+    with np.load(out) as written:
+        np.testing.assert_array_equal(written["y"], [[0.0], [2.0]])
+    assert "interrupted; the rows answered so far are written" in capsys.readouterr().err

@@ -77,3 +77,43 @@ def test_a_batch_run_while_redis_is_down_is_answered_when_it_returns(
     lines = _outage_lines(caplog)
     assert max(lines.values()) == 1, lines  # one line per outage per task, not per retry
     assert any("reachable again; writing replies resumed" in m for m in caplog.messages)
+
+
+class _LosesFirstHeartbeat:
+    """A Redis stand-in whose SET NX lands but whose first heartbeat pipeline fails, as when
+    the connection drops just after the first write."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, object] = {}
+        self.pipelines = 0
+
+    def set(self, key: str, value: object, ex: int | None = None, nx: bool = False) -> bool | None:
+        if nx and key in self.keys:
+            return None
+        self.keys[key] = value
+        return True
+
+    def pipeline(self, transaction: bool = False) -> _LosesFirstHeartbeat:
+        self.pipelines += 1
+        return self
+
+    def sadd(self, *_args: object) -> None: ...
+
+    def execute(self) -> None:
+        if self.pipelines == 1:
+            raise redis.ConnectionError("connection reset while reading the reply")
+
+
+def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_worker() -> None:
+    from worker.record import Registry
+    from worker.retry import Outage
+
+    client = _LosesFirstHeartbeat()
+    record = {"name": "w1", "model": {"name": "demo"}, "host": "h", "pid": 1}
+    registry = Registry(client, "redbatch", record, threading.Event())  # type: ignore[arg-type]
+
+    free = Outage("starting up", max_wait_s=0.01).call(registry.beat_first)
+
+    assert free  # the retry found its own first write, which is not another worker's
+    assert registry.published
+    assert client.pipelines == 2

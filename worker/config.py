@@ -331,11 +331,12 @@ def _metrics(t: _Table) -> MetricsConfig:
     t.check_keys({"port", "host"})
     host = t.get_str("host", "0.0.0.0")
     try:
-        ipaddress.IPv4Address(host)
+        if host != "localhost":
+            ipaddress.IPv4Address(host)
     except ValueError:
         raise ConfigError(
             f"Config '{t.where('host')}' has value {host!r}. Use the IPv4 address to listen on: "
-            "0.0.0.0 (every interface) or one of this host's, such as 127.0.0.1."
+            "0.0.0.0 (every interface), localhost, or one of this host's, such as 127.0.0.1."
         ) from None
     return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535), host=host)
 

@@ -126,6 +126,8 @@ class Registry(threading.Thread):
         self._lock = threading.Lock()
         self._down = False
         self.published = False  # the record has reached Redis at least once
+        self._name_free: bool | None = None  # beat_first's answer, once one came
+        self._nx_tried = False
 
     def update(self, **changes: Any) -> None:
         """Change fields of the record (thread-safe); the next heartbeat publishes them."""
@@ -140,11 +142,17 @@ class Registry(threading.Thread):
         """Publish the record for the first time; False when a live record already held this
         worker's name. Two workers under one name would share one consumer of the group and
         overwrite each other's record. ``SET NX`` tells without reading the key, which the
-        worker's ACL user may not do (docs/security.md)."""
-        payload, ttl_s = self._payload()
-        created = self.client.set(self.key, payload, ex=ttl_s, nx=True)
+        worker's ACL user may not do (docs/security.md). Retried through an outage, it asks
+        only until one answer came; a refusal after a try that failed may be that try's own
+        write, so it counts as free."""
+        if self._name_free is None:
+            payload, ttl_s = self._payload()
+            tried_before, self._nx_tried = self._nx_tried, True
+            created = bool(self.client.set(self.key, payload, ex=ttl_s, nx=True))
+            self._name_free = created or tried_before
+            self.published = self.published or created
         self.beat()
-        return bool(created)
+        return self._name_free
 
     def _payload(self) -> tuple[str, int]:
         """The record as published now, and its TTL: three heartbeats."""

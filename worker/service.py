@@ -210,8 +210,9 @@ class Worker:
     def _warn_name_taken(self) -> None:
         log.warning(
             "a live worker record already held the name %r: another worker under this name, or "
-            "this worker's previous run within the last %.0f s. Two live workers must not share "
-            "a name, as they would share one consumer of the group; give each its own --name",
+            "this worker's previous run within the last %.0f s (or a start-up write retried "
+            "after its answer was lost). Two live workers must not share a name, as they would "
+            "share one consumer of the group; give each its own --name",
             self.name,
             self.registry.interval_s * 3,
             extra={"fields": {"worker": self.name}},
