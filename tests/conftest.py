@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -35,3 +36,14 @@ def rconn(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url, socket_timeout=60)
     yield client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs a command's main() in-process lets it point the root logger at that
+    test's captured stderr; restore the handlers, so that no later test logs to a closed one."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
