@@ -266,10 +266,10 @@ percentiles, batch sizes, the workers and model versions that served).
 An .npy is the model's single input, named by --input-name or by a live worker's record; an
 .npz holds one array per input, named as the model names them. Rows of failed requests are NaN
 (float outputs) or 0 in the output and are listed, one JSON line per request, in the errors file.
-When a reply does not come within --timeout-s of its request, the run stops there (the requests
-still in flight are cancelled) and that request's rows and all after it are listed with the
-client-side code WAIT_TIMEOUT. Ctrl-C stops it too, writing the rows answered so far and
-listing the rest as NOT_ANSWERED.
+When a reply does not come within --timeout-s of its request, the run sends nothing more: the
+requests already in flight are still awaited, each late one is cancelled and listed with the
+client-side code WAIT_TIMEOUT, and so are the rows never sent. Ctrl-C stops it too, writing
+the rows answered so far and listing the rest as NOT_ANSWERED.
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 
