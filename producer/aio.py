@@ -167,7 +167,10 @@ class AsyncClient:
         return core.parse_reply_or_fail(rid, raw, self.model)
 
     async def _hub_blpop(self, keys: list[bytes], until: float) -> Any:
-        return await self._retry.acall(self._blpop_until, keys, until)
+        """Retries end at ``until``, the first waiting call's deadline: RedisUnavailable then,
+        which fails the calls whose time is up (coalesce.ReplyHub), not later."""
+        retry = self._retry.within(until - time.monotonic(), "the waiting call's timeout")
+        return await retry.acall(self._blpop_until, keys, until)
 
     async def _blpop_until(self, keys: list[bytes], until: float) -> Any:
         # The block is worked out per try, so a retry after an outage blocks only what is left.
@@ -194,13 +197,20 @@ class AsyncClient:
             for result in await self._wait_round(waiter):
                 yield result
 
+    def _retry_for(self, waiter: window.ReplyWaiter) -> RetryPolicy:
+        """As ``Client._retry_for``: wait_many's retries end at its first deadline; map's do not."""
+        if waiter.late_fails:
+            return self._retry
+        limit = f"the wait's timeout_s={waiter.timeout_s:g}"
+        return self._retry.within(waiter.time_left(time.monotonic()), limit)
+
     async def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        results = waiter.take_popped(keys, await self._retry.acall(self._lpop, keys))
+        results = waiter.take_popped(keys, await self._retry_for(waiter).acall(self._lpop, keys))
         if results:
             return results
-        item = await self._retry.acall(self._blpop, waiter)
+        item = await self._retry_for(waiter).acall(self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
 
     async def _lpop(self, keys: Sequence[bytes]) -> list[Any]:

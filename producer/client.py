@@ -164,10 +164,19 @@ class Client:
         waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, time.monotonic())
         while True:
-            item = self._retry.call(self._blpop, waiter)
+            item = self._retry_for(waiter).call(self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
             if results:
                 return results[0]
+
+    def _retry_for(self, waiter: window.ReplyWaiter) -> RetryPolicy:
+        """For ``wait`` and ``wait_many``, retries end at the first deadline (RedisUnavailable
+        then, not later). map() keeps the client's: its late requests fail one by one and the
+        others carry on, so a short outage near one deadline must not end them all."""
+        if waiter.late_fails:
+            return self._retry
+        limit = f"the wait's timeout_s={waiter.timeout_s:g}"
+        return self._retry.within(waiter.time_left(time.monotonic()), limit)
 
     def wait_many(self, rids: Sequence[str], timeout_s: float) -> Iterator[Result]:
         """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
@@ -184,10 +193,10 @@ class Client:
     def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        results = waiter.take_popped(keys, self._retry.call(self._lpop, keys))
+        results = waiter.take_popped(keys, self._retry_for(waiter).call(self._lpop, keys))
         if results:
             return results
-        item = self._retry.call(self._blpop, waiter)
+        item = self._retry_for(waiter).call(self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
 
     def _lpop(self, keys: Sequence[bytes]) -> list[Any]:

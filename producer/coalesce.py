@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from producer.core import as_bytes
-from producer.errors import RedbatchError, WaitTimeout
+from producer.errors import RedbatchError, RedisUnavailable, WaitTimeout
 
 __all__ = ["Coalescer", "ReplyHub"]
 
@@ -184,7 +184,11 @@ class ReplyHub:
                 keys = self._live(list(dict.fromkeys(keys + self._take_unwatched())))
                 if not keys:
                     return
-                item = await self._blpop(keys, min(self._waiting[k].deadline for k in keys))
+                try:
+                    item = await self._blpop(keys, min(self._waiting[k].deadline for k in keys))
+                except RedisUnavailable as exc:  # an outage outlasted the first deadline
+                    keys = self._fail_expired(keys, exc)
+                    continue
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
@@ -231,6 +235,14 @@ class ReplyHub:
         self._orphans[key] = (raw, time.monotonic() + _ORPHAN_TTL_S)
         while len(self._orphans) > _ORPHANS_KEPT:
             self._orphans.popitem(last=False)
+
+    def _fail_expired(self, keys: list[bytes], exc: RedisUnavailable) -> list[bytes]:
+        """Fail the calls whose deadline has passed with ``exc``; the others keep waiting.
+        With none expired (the retries ended early) every call fails, so this never spins."""
+        now = time.monotonic()
+        expired = [k for k in keys if self._waiting[k].deadline <= now]
+        self._fail(expired or keys, exc)
+        return self._live(keys)
 
     def _fail(self, keys: list[bytes], exc: BaseException) -> None:
         for key in keys:

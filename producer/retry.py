@@ -153,12 +153,24 @@ class RetryPolicy:
         self.where = where
         self.retry_s = float(retry_s)
         self.outage = Outage(where)
+        self._limit = f"the client's retry_s={self.retry_s:g}"  # what bounds the retries
 
     def once(self) -> RetryPolicy:
         """The same client's policy without retries, for best-effort clean-up after a failure."""
         single = RetryPolicy(self.where, 0)
         single.outage = self.outage
         return single
+
+    def within(self, seconds: float, limit: str) -> RetryPolicy:
+        """The same policy, retrying for at most ``seconds`` more: a wait's time left, so that
+        an outage never holds a call past its timeout. ``limit`` names that bound in the
+        error."""
+        if seconds >= self.retry_s:
+            return self
+        bounded = RetryPolicy(self.where, max(seconds, 0.0))
+        bounded.outage = self.outage
+        bounded._limit = limit
+        return bounded
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)``, retried through transient errors; raises ConnectionFailed."""
@@ -229,8 +241,8 @@ class RetryPolicy:
         )
         if is_transient(exc) and self.retry_s > 0:
             return RedisUnavailable(
-                f"Redis at {self.where} stayed unavailable for {elapsed_s:.1f} s, past the "
-                f"client's retry_s={self.retry_s:g}: {_describe(exc)}. {check}"
+                f"Redis at {self.where} stayed unavailable for {elapsed_s:.1f} s, past "
+                f"{self._limit}: {_describe(exc)}. {check}"
             )
         if is_transient(exc):
             return RedisUnavailable(

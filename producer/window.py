@@ -75,6 +75,11 @@ class ReplyWaiter:
         """The reply keys still awaited, oldest first."""
         return list(self._pending)
 
+    def time_left(self, now: float) -> float:
+        """Seconds until the first deadline (0 once it has passed)."""
+        first = min(deadline for _, deadline in self._pending.values())
+        return max(first - now, 0.0)
+
     def block_s(self, now: float, cap_s: float) -> float:
         """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``."""
         first = min(deadline for _, deadline in self._pending.values())

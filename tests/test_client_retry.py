@@ -142,6 +142,49 @@ def test_wait_blocks_through_an_outage_and_gets_the_reply_written_after_it(
     assert outage_events(outage_log) == ["redis_down", "redis_up"]
 
 
+def test_a_wait_never_outlasts_its_timeout_through_an_outage(
+    server: LocalRedis, redis_url: str
+) -> None:
+    # Given Redis down and a client that would retry for 30 s
+    with Client(MODEL, redis_url, retry_s=30) as client:
+        client.backlog()  # connected
+        server.stop(kill=True)
+        started = time.monotonic()
+        # When a caller waits 1 s for a reply, then it gives up at its timeout, not at retry_s
+        with pytest.raises(RedisUnavailable, match=r"past the wait's timeout_s=1"):
+            client.wait("r-late", 1.0)
+        assert time.monotonic() - started < 10  # 30 s (retry_s) before this change
+        server.start()
+
+
+def test_async_waits_each_end_at_their_own_timeout_through_an_outage(
+    server: LocalRedis, redis_url: str
+) -> None:
+    # Given two calls sharing a BLPOP, with timeouts of 1 s and 30 s, when Redis dies
+    async def scenario() -> tuple[BaseException | None, bool]:
+        async with AsyncClient(MODEL, redis_url, retry_s=30) as client:
+            short = asyncio.create_task(client.wait("r-short", 1.0))
+            long = asyncio.create_task(client.wait("r-long", 30.0))
+            await asyncio.sleep(0)
+            await asyncio.to_thread(server.stop, True)
+            # Then the short one fails at its timeout while Redis is still down
+            error = None
+            try:
+                await short
+            except RedisUnavailable as exc:
+                error = exc
+            # And the long one still gets its reply once Redis is back
+            await asyncio.to_thread(server.start)
+            writer = redis.asyncio.Redis.from_url(redis_url)
+            await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-long"), reply_bytes("r-long"))
+            await writer.aclose()
+            return error, (await long).ok
+
+    error, long_ok = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert isinstance(error, RedisUnavailable)
+    assert long_ok
+
+
 def test_a_restart_between_commands_is_not_an_outage(
     server: LocalRedis, redis_url: str, outage_log: pytest.LogCaptureFixture
 ) -> None:
