@@ -167,7 +167,9 @@ def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
             group = GroupInfo(
                 name=keys.CONSUMER_GROUP,
                 pending=int(raw["pending"]),
-                lag=None if lag is None else int(lag),
+                # Redis can report a lag from before a restart (an AOF replay) larger than the
+                # stream; the entries waiting can never outnumber the entries there are.
+                lag=None if lag is None else min(int(lag), backlog),
                 last_delivered_id=_text(raw["last-delivered-id"]),
                 consumers=tuple(sorted(consumers, key=lambda c: c.name)),
             )

@@ -99,7 +99,9 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     if not req.exists:
         return [f"queue       no stream {req.key} yet (no request sent, no worker started)"]
     group = req.group
-    held = group.pending if group else 0
+    # XLEN and XPENDING are read a moment apart: an entry answered and deleted in between is
+    # still counted as held; the stream cannot hold fewer entries than its held ones.
+    held = min(group.pending if group else 0, req.backlog)
     oldest = (
         ""
         if req.oldest_entry_age_s is None

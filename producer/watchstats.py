@@ -199,7 +199,9 @@ def metrics_window(before: Snapshot | None, now: Snapshot) -> tuple[str, dict[Sa
         if sc.samples is None:
             continue
         old = earlier.get(sc.url)
-        restarted = old is not None and any(v < old.get(k, 0.0) for k, v in sc.samples.items())
+        restarted = old is not None and any(
+            v < old.get(k, 0.0) for k, v in sc.samples.items() if _only_grows(k)
+        )
         if old is None or restarted:
             deltas = False
         for key, value in sc.samples.items():
@@ -208,6 +210,15 @@ def metrics_window(before: Snapshot | None, now: Snapshot) -> tuple[str, dict[Sa
     if before is not None and deltas:
         return f"last {now.taken_s - before.taken_s:.1f} s", total
     return "since the workers started", total
+
+
+_GROWING = ("_total", "_count", "_sum", "_bucket")  # counters and histograms never go down
+
+
+def _only_grows(key: SampleKey) -> bool:
+    """True for a counter's or histogram's series, which fall only when a worker restarts; a
+    gauge (the backlog, say) falls all the time."""
+    return key[0].endswith(_GROWING)
 
 
 def histogram_buckets(samples: Mapping[SampleKey, float], metric: str) -> list[tuple[float, float]]:

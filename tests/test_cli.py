@@ -523,6 +523,26 @@ def test_status_json_parses(
     assert doc["workers"][0]["record"]["batching"]["max_batch_size"] == 32
 
 
+def test_status_never_reports_more_waiting_than_the_stream_holds(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a group whose lag Redis still counts from entries no longer in the stream (as
+    # after an AOF replay; here: trimmed)
+    stream = keys.request_stream(PREFIX, MODEL)
+    for i in range(5):
+        rconn.xadd(stream, {"rid": f"r{i}", "body": b"\x80"})
+    rconn.xgroup_create(stream, keys.CONSUMER_GROUP, id="0")
+    rconn.execute_command("XGROUP", "SETID", stream, keys.CONSUMER_GROUP, "0", "ENTRIESREAD", 0)
+    rconn.xtrim(stream, maxlen=2, approximate=False)
+    assert rconn.xinfo_groups(stream)[0]["lag"] == 5
+
+    assert main(["--redis-url", redis_url, "status", "--model", MODEL, "--json"]) == 0
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["requests"]["backlog"] == 2
+    assert doc["requests"]["group"]["lag"] == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # help and connection failures
 

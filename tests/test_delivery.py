@@ -6,12 +6,14 @@ XREADGROUP and never answers, which is exactly what a SIGKILLed worker leaves in
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
@@ -54,7 +56,7 @@ def _config(tmp_path: Path, redis_url: str, delivery: str, model: str = "demo", 
 
 
 def test_entries_of_a_dead_consumer_are_claimed_and_each_runs_alone(
-    tmp_path: Path, redis_url: str, rconn
+    tmp_path: Path, redis_url: str, rconn, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given five requests read by a consumer that then died
     rids = [send(rconn, "demo", f"orphan-{i}", _features()) for i in range(5)]
@@ -62,7 +64,10 @@ def test_entries_of_a_dead_consumer_are_claimed_and_each_runs_alone(
     config = _config(tmp_path, redis_url, "claim_idle_ms = 300")
     metrics = Metrics()
     # When a live worker runs past claim_idle_ms
-    with running_worker(config, name="live", metrics=metrics):
+    with (
+        caplog.at_level(logging.INFO, logger="worker.reclaim"),
+        running_worker(config, name="live", metrics=metrics),
+    ):
         replies = [wait_reply(rconn, rid) for rid in rids]
         assert _eventually(lambda: stream_is_empty(rconn, "demo"))
         # Then the ghost, with nothing pending and idle, is removed from the group
@@ -71,6 +76,9 @@ def test_entries_of_a_dead_consumer_are_claimed_and_each_runs_alone(
     assert {r.worker for r in replies} == {"live"}
     assert [r.batch_rows for r in replies] == [1] * 5  # redelivered: batches of one
     assert metrics.claims.labels(kind="reclaimed")._value.get() == 5
+    said = [r.getMessage() for r in caplog.records if "redelivering entries" in r.getMessage()]
+    assert len(said) == 1  # one line for the dead consumer, not one per entry
+    assert "'ghost'" in said[0]
     assert metrics.consumers_removed._value.get() >= 1
     assert "live" not in _consumers(rconn)  # a clean exit leaves the group
 

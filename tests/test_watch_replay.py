@@ -205,6 +205,24 @@ def test_metrics_urls_add_worker_side_percentiles_and_batch_rows(
     assert "mean 25.0 rows per model run, 4 runs, 100 requests answered" in text
 
 
+def test_a_falling_gauge_is_not_a_worker_restart() -> None:
+    # The backlog gauge falls all the time; only a counter or histogram falling means the
+    # worker restarted (and only then are lifetime totals shown instead of the window's)
+    def snap(t: float, backlog: float, served: float) -> watchstats.Snapshot:
+        samples = {
+            ("redbatch_backlog", ()): backlog,
+            ("redbatch_requests_total", (("code", "OK"),)): served,
+        }
+        scrape = watchstats.Scrape("http://w:9100/metrics", samples)
+        return watchstats.Snapshot(t, None, None, None, (scrape,))  # type: ignore[arg-type]
+
+    label, window = watchstats.metrics_window(snap(0.0, 30, 100), snap(1.0, 2, 160))
+    assert label == "last 1.0 s"
+    assert window[("redbatch_requests_total", (("code", "OK"),))] == 60
+    label, _ = watchstats.metrics_window(snap(0.0, 30, 100), snap(1.0, 2, 5))
+    assert label == "since the workers started"
+
+
 def test_quantiles_interpolate_like_histogram_quantile() -> None:
     buckets = [(0.001, 0.0), (0.005, 50.0), (0.01, 100.0), (float("inf"), 100.0)]
     assert watchstats.quantile(buckets, 0.5) == "5.0 ms"

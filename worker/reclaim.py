@@ -58,6 +58,7 @@ class Reclaimer:
         self._rng = rng or random.Random()
         self._own = True  # look at this consumer's own pending entries first
         self._busy = True  # more candidates may be waiting: claim again as soon as one is done
+        self._announced: set[str] = set()  # consumers this round of claims has logged
         self._next_at = 0.0
         self._others_after = 0.0  # no scan of other consumers' entries before this time
 
@@ -95,6 +96,7 @@ class Reclaimer:
             if self.clock() < self._others_after:
                 break
         self._busy = False
+        self._announced.clear()  # a later round of claims from the same consumer says so again
         self._next_at = max(self.clock() + self._interval_s(), self._others_after)
         return None
 
@@ -120,10 +122,29 @@ class Reclaimer:
                 poisoned = claimed.deliveries_before >= self.max_deliveries
                 self.leases.hold([claimed.entry_id], redelivered=True)
                 self._note("poisoned" if poisoned else "own" if self._own else "reclaimed")
+                self._announce(pending.consumer)
                 return Redelivery(
                     claimed, claimed.deliveries_before + 1, poisoned, pending.consumer
                 )
         return None
+
+    def _announce(self, consumer: str) -> None:
+        """One log line per consumer whose entries a round of claims takes over."""
+        if consumer in self._announced:
+            return
+        self._announced.add(consumer)
+        if self._own:
+            log.info(
+                "adopting entries pending on this worker's name that it does not hold (left by "
+                "its previous run, or by a read whose answer was lost); each runs alone"
+            )
+            return
+        log.info(
+            "redelivering entries of consumer %r, idle for over %d ms (its worker stopped or "
+            "hung); each runs in a batch of its own",
+            consumer,
+            self.claim_idle_ms,
+        )
 
     def _note(self, kind: str) -> None:
         if self.on_claimed is not None:
