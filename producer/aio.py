@@ -179,7 +179,8 @@ class AsyncClient:
         return await self._redis.blpop(keys, block_s)
 
     async def _hub_lpop(self, keys: list[bytes]) -> Sequence[Any]:
-        return await self._retry.acall(self._lpop, keys)
+        """The hub's sweep after a BLPOP answer: one try, as the next BLPOP covers a miss."""
+        return await self._retry.once().acall(self._lpop, keys)
 
     def _late(self, rid: str, timeout_s: float) -> WaitTimeout:
         return window.wait_timeout(self.model, timeout_s, [rid])

@@ -184,19 +184,16 @@ class ReplyHub:
                 keys = self._live(list(dict.fromkeys(keys + self._take_unwatched())))
                 if not keys:
                     return
+                until = min(self._waiting[k].deadline for k in keys)
                 try:
-                    item = await self._blpop(keys, min(self._waiting[k].deadline for k in keys))
+                    item = await self._blpop(keys, until)
                 except RedisUnavailable as exc:  # an outage outlasted the first deadline
-                    keys = self._fail_expired(keys, exc)
+                    keys = self._fail_expired(keys, until, exc)
                     continue
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
-                    rest = self._live(keys)
-                    if rest:
-                        for key, raw in zip(rest, await self._lpop(rest), strict=True):
-                            if raw is not None:
-                                self._settle(key, raw)
+                    await self._sweep(self._live(keys))
                 keys = self._expire(self._live(keys))
         except asyncio.CancelledError:
             self._fail(keys, _closed())
@@ -236,12 +233,30 @@ class ReplyHub:
         while len(self._orphans) > _ORPHANS_KEPT:
             self._orphans.popitem(last=False)
 
-    def _fail_expired(self, keys: list[bytes], exc: RedisUnavailable) -> list[bytes]:
-        """Fail the calls whose deadline has passed with ``exc``; the others keep waiting.
-        With none expired (the retries ended early) every call fails, so this never spins."""
+    async def _sweep(self, keys: list[bytes]) -> None:
+        """After a BLPOP's answer, one LPOP of the other keys: best effort, since the next
+        BLPOP (whose retries end at a deadline) finds whatever this one missed."""
+        if not keys:
+            return
+        try:
+            popped = await self._lpop(keys)
+        except RedisUnavailable:
+            return
+        for key, raw in zip(keys, popped, strict=True):
+            if raw is not None:
+                self._settle(key, raw)
+
+    def _fail_expired(self, keys: list[bytes], until: float, exc: RedisUnavailable) -> list[bytes]:
+        """Fail with ``exc`` the calls whose deadline has passed; the others keep waiting.
+        Retries that ended before ``until``, the deadline they were given, will not try again
+        (a client with retry_s 0, or its budget spent): then every call fails. Otherwise the
+        call that set ``until`` is failed here or gone, so the next BLPOP's is later: no spin."""
+        keys = self._live(keys)  # a caller cancelled during the outage is gone
         now = time.monotonic()
-        expired = [k for k in keys if self._waiting[k].deadline <= now]
-        self._fail(expired or keys, exc)
+        if now < until:
+            self._fail(keys, exc)
+            return []
+        self._fail([k for k in keys if self._waiting[k].deadline <= now], exc)
         return self._live(keys)
 
     def _fail(self, keys: list[bytes], exc: BaseException) -> None:

@@ -142,6 +142,9 @@ class Outage:
         )
 
 
+_LEAST_RETRY_S = 0.001  # a bounded wait still gets its immediate retry
+
+
 class RetryPolicy:
     """How one client retries its Redis commands: which errors, how long, and what it logs."""
 
@@ -154,6 +157,7 @@ class RetryPolicy:
         self.retry_s = float(retry_s)
         self.outage = Outage(where)
         self._limit = f"the client's retry_s={self.retry_s:g}"  # what bounds the retries
+        self._client_retry_s = self.retry_s  # the client's own budget, for the outage's log line
 
     def once(self) -> RetryPolicy:
         """The same client's policy without retries, for best-effort clean-up after a failure."""
@@ -167,9 +171,12 @@ class RetryPolicy:
         error."""
         if seconds >= self.retry_s:
             return self
-        bounded = RetryPolicy(self.where, max(seconds, 0.0))
+        # Never none at all: the immediate retry after a restart (a stale pooled connection)
+        # costs nothing, and is the commonest fix.
+        bounded = RetryPolicy(self.where, max(seconds, _LEAST_RETRY_S))
         bounded.outage = self.outage
         bounded._limit = limit
+        bounded._client_retry_s = self._client_retry_s
         return bounded
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -228,7 +235,7 @@ class RetryPolicy:
         # Tenacity's first try is the command's second (call() made the first), so a lone stale
         # connection, fixed by the immediate retry, never gets here.
         exc = state.outcome.exception() if state.outcome is not None else None
-        self.outage.began(exc, self.retry_s)
+        self.outage.began(exc, self._client_retry_s)
 
     def _failed(self, exc: BaseException, started: float) -> ConnectionFailed:
         """The client's error for a redis-py error that ended a command started at ``started``."""

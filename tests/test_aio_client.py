@@ -32,6 +32,7 @@ from producer.errors import (
     InvalidInput,
     NoWorkerInfo,
     RedbatchError,
+    RedisUnavailable,
     WaitTimeout,
 )
 from worker.localredis import free_port
@@ -542,5 +543,38 @@ def test_a_key_given_up_and_awaited_again_is_watched_once() -> None:
         with pytest.raises(WaitTimeout, match="late b"):
             await b
         assert all(len(c) == len(set(c)) for c in calls)
+
+    run(scenario)
+
+
+def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
+    # A BLPOP whose retries end at the first deadline (a's), with Redis still down; a's caller
+    # gives up meanwhile. b, with time left, keeps waiting and gets its reply once Redis is back.
+    async def scenario() -> None:
+        down = True
+
+        async def blpop(keys_: list[bytes], until: float) -> Any:
+            while down and time.monotonic() < until:  # retrying until the deadline
+                await asyncio.sleep(0.01)
+            if down:
+                raise RedisUnavailable("Redis stayed unavailable, past the waiting call's timeout")
+            key = b"b" if b"b" in keys_ else keys_[0]
+            return [key, b"reply-" + key]
+
+        async def lpop(keys_: list[bytes]) -> list[Any]:
+            raise RedisUnavailable("down")  # the sweep is best effort: never fails a call
+
+        hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))
+        a = asyncio.create_task(hub.wait(b"a", 0.2, "a"))
+        b = asyncio.create_task(hub.wait(b"b", 5.0, "b"))
+        c = asyncio.create_task(hub.wait(b"c", 5.0, "c"))
+        await asyncio.sleep(0.05)
+        a.cancel()
+        await asyncio.sleep(0.3)  # past a's deadline: the BLPOP gave up and went round again
+        assert not b.done()
+        assert not c.done()
+        down = False
+        assert await b == b"reply-b"
+        assert await c == b"reply-c"  # its sweep failed; the next BLPOP found it
 
     run(scenario)
