@@ -77,6 +77,7 @@ class Reclaimer:
         """
         self._own = True
         self._busy = True
+        self._announced.clear()  # a new round: say again whose entries it takes over
         self._others_after = self.clock() + self.claim_idle_ms / 1000.0
 
     def next(self) -> Redelivery | None:
