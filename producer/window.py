@@ -77,14 +77,15 @@ class ReplyWaiter:
 
     def time_left(self, now: float) -> float:
         """Seconds until the first deadline (0 once it has passed)."""
-        first = min(deadline for _, deadline in self._pending.values())
-        return max(first - now, 0.0)
+        return max(self._first_deadline() - now, 0.0)
 
     def block_s(self, now: float, cap_s: float) -> float:
         """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``."""
-        first = min(deadline for _, deadline in self._pending.values())
         # Redis counts in milliseconds, and a timeout of 0 would block forever.
-        return max(round(min(first - now, cap_s), 3), 0.001)
+        return max(round(min(self._first_deadline() - now, cap_s), 3), 0.001)
+
+    def _first_deadline(self) -> float:
+        return min(deadline for _, deadline in self._pending.values())
 
     def take_popped(
         self, keys_: Sequence[bytes], raws: Sequence[bytes | str | None]
