@@ -88,19 +88,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _finish_run(summary: RunSummary, output_path: Path, errors_path: Path) -> int:
     """Write the errors file, then the outputs (Ctrl-C held meanwhile), print the summary, and
-    say how the run ended. Interrupted before any reply came, an earlier output is kept."""
+    say how the run ended. Interrupted before any reply came, nothing is written, so that the
+    files of an earlier run are kept as a pair."""
+    if summary.interrupted and not summary.requests:
+        print(format_summary(summary))
+        print(f"output      {output_path} and {errors_path}: not written (nothing answered)")
+        _fail("interrupted before any reply came; nothing was written")
+        return EXIT_INTERRUPTED
     with _sigint_deferred() as deferred:
         write_errors(errors_path, summary.failures)  # first: it says what the outputs lack
-        kept = summary.interrupted and not summary.latencies_ms
-        if not kept:
-            write_outputs(output_path, summary.outputs)
-    shown = None if kept else str(output_path)
-    print(format_summary(summary, output_path=shown, errors_path=str(errors_path)))
-    if kept:
-        print(f"output      {output_path}: not written (interrupted before any reply came)")
+        write_outputs(output_path, summary.outputs)
+    print(format_summary(summary, output_path=str(output_path), errors_path=str(errors_path)))
     if summary.interrupted:
-        written = "nothing answered was lost" if kept else "the rows answered so far are written"
-        _fail(f"interrupted; {written}, the rest listed NOT_ANSWERED in {errors_path}")
+        _fail(
+            "interrupted; the rows answered so far are written, the rest listed NOT_ANSWERED "
+            f"in {errors_path}"
+        )
         return EXIT_INTERRUPTED
     if deferred:
         _fail("interrupted while the results were written; they were written in full")
@@ -138,6 +141,9 @@ def _check_run_paths(input_path: Path, output_path: Path, errors_path: Path) -> 
             raise UsageError(f"directory {str(path.parent)!r} for {str(path)!r} does not exist.")
     if output_path.resolve() == input_path.resolve():
         raise UsageError("--output must not be the --input file.")
+    if errors_path.resolve() in (input_path.resolve(), output_path.resolve()):
+        which = "--input" if errors_path.resolve() == input_path.resolve() else "--output"
+        raise UsageError(f"--errors must not be the {which} file.")
     if output_path.suffix != ".npz":
         raise UsageError(
             f"--output {str(output_path)!r}: outputs are written as an .npz (one array per "

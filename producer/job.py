@@ -69,20 +69,24 @@ class FailedRequest:
 class RunSummary:
     """What a job did: rows, requests, timing, batches, who served it, and the stacked outputs.
 
-    ``latencies_ms`` holds one latency per answered request, measured client-side from sending
-    the request to receiving its reply. ``batch_rows`` holds, per successful request, the rows
-    of the batch it ran in (from the reply).
+    ``requests`` and ``rows_answered`` count what a worker answered (ok or not): late requests,
+    rows never sent and rows cut off by Ctrl-C are failures but not answers, so the throughput
+    is what the workers did. ``latencies_ms`` holds one latency per answered request, measured
+    client-side from sending the request to receiving its reply. ``batch_rows`` holds, per
+    successful request, the rows of the batch it ran in (from the reply). ``failed_rows`` counts
+    failed rows by error code (one failure can cover many rows never sent).
     """
 
     rows: int
     rows_per_request: int | None = None
     requests: int = 0
+    rows_answered: int = 0
     rows_failed: int = 0
     wall_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     batch_rows: list[int] = field(default_factory=list)
     served: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)
-    error_codes: Counter[str] = field(default_factory=Counter)
+    failed_rows: Counter[str] = field(default_factory=Counter)
     failures: list[FailedRequest] = field(default_factory=list)
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     interrupted: bool = False  # stopped by Ctrl-C: what came back is kept, the rest listed
@@ -90,7 +94,7 @@ class RunSummary:
     def fail(self, failure: FailedRequest) -> None:
         """Count a failed request and list it."""
         self.rows_failed += failure.stop - failure.start
-        self.error_codes[failure.code] += 1
+        self.failed_rows[failure.code] += failure.stop - failure.start
         self.failures.append(failure)
 
     @property
@@ -99,7 +103,8 @@ class RunSummary:
 
     @property
     def rows_per_s(self) -> float:
-        return self.rows / self.wall_s if self.wall_s > 0 else 0.0
+        """Rows answered per second of the job (not counting rows that were never answered)."""
+        return self.rows_answered / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def ok(self) -> bool:
@@ -165,7 +170,6 @@ def run_job(
     late: Chunk | None = None  # the first request whose reply did not come in time
     try:
         for chunk in chunks:
-            summary.requests += 1
             if chunk.error is not None and chunk.error.code == WAIT_TIMEOUT:
                 late = late or chunk
             else:
@@ -221,7 +225,9 @@ def _close(chunks: Iterable[Chunk], summary: RunSummary) -> None:
 
 
 def _record_reply(summary: RunSummary, chunk: Chunk) -> None:
-    """Take the latency, the batch size and the serving worker from one answered chunk."""
+    """Count one answered chunk, and take its latency, batch size and serving worker."""
+    summary.requests += 1
+    summary.rows_answered += chunk.stop - chunk.start
     summary.latencies_ms.append(chunk.latency_ms)
     result = chunk.result
     if result.ok and result.batch_rows is not None:
@@ -293,9 +299,12 @@ def format_summary(
         size = " of 1 row"
     elif s.rows_per_request is not None:
         size = f" of up to {s.rows_per_request} rows"
+    unanswered = s.rows - s.rows_answered
     lines = [
         f"rows        {s.rows_ok} ok, {s.rows_failed} failed, {s.rows} total, "
-        f"in {s.requests} requests{size}" + (" (interrupted)" if s.interrupted else ""),
+        f"in {s.requests} request{'s' if s.requests != 1 else ''}{size}"
+        + (f"; {unanswered} not answered" if unanswered else "")
+        + (" (interrupted)" if s.interrupted else ""),
         f"wall        {s.wall_s:.2f} s, throughput {s.rows_per_s:,.0f} rows/s "
         f"({s.requests / s.wall_s if s.wall_s else 0:,.0f} requests/s)",
     ]
@@ -323,8 +332,10 @@ def format_summary(
             f"served by   {worker}: model {model} version {version} "
             f"(sha256 {sha[:12]}), {count} requests"
         )
-    if s.error_codes:
-        codes = ", ".join(f"{code} {n}" for code, n in s.error_codes.most_common())
+    if s.failed_rows:
+        codes = ", ".join(
+            f"{code} {n} row{'s' if n != 1 else ''}" for code, n in s.failed_rows.most_common()
+        )
         where = f"; listed in {errors_path}" if errors_path else ""
         lines.append(f"failed      {codes}{where}")
         first = s.failures[0]
@@ -362,6 +373,8 @@ def load_inputs(path: Path, input_name: Callable[[], str]) -> dict[str, np.ndarr
     """Read .npy (one input, named by ``input_name()``) or .npz; memory-mapped where it can be."""
     if not path.is_file():
         raise UsageError(f"input file {str(path)!r} does not exist.")
+    if path.suffix in (".npy", ".npz") and path.stat().st_size == 0:
+        raise UsageError(f"cannot read {str(path)!r}: the file is empty.")
     try:
         if path.suffix == ".npy":
             arrays = {input_name(): np.load(path, mmap_mode="r", allow_pickle=False)}
@@ -369,7 +382,7 @@ def load_inputs(path: Path, input_name: Callable[[], str]) -> dict[str, np.ndarr
             arrays = _load_npz(path)
         else:
             raise UsageError(f"input file {str(path)!r} must end in .npy or .npz.")
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # EOF: cut short
         if "allow_pickle" in str(exc):  # numpy's word for bytes that are not an array's
             detail = f"it is not a {path.suffix} of numeric arrays (or holds Python objects)"
             raise UsageError(f"cannot read {str(path)!r}: {detail}.") from exc

@@ -152,7 +152,7 @@ def test_run_npy_writes_rows_in_order_and_lists_failed_rows(
     summary = capsys.readouterr().out
     assert "2997 ok, 3 failed, 3000 total, in 3000 requests of 1 row" in summary
     assert "rows/s" in summary
-    assert "failed      INVALID_INPUT 3; listed in" in summary
+    assert "failed      INVALID_INPUT 3 rows; listed in" in summary
 
 
 @pytest.mark.usefixtures("fake_worker")
@@ -310,7 +310,7 @@ def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
 
     np.testing.assert_array_equal(summary.outputs["y"][[0, 1, 3]], x[[0, 1, 3]] * 2)
     assert np.isnan(summary.outputs["y"][[2, 4, 5]]).all()
-    assert (summary.rows_ok, summary.rows_failed, summary.requests) == (3, 3, 5)
+    assert (summary.rows_ok, summary.rows_failed, summary.requests) == (3, 3, 4)
     assert [(f.start, f.stop, f.rid, f.code) for f in summary.failures] == [
         (2, 3, "r2", "INVALID_INPUT"),
         (4, 5, "r4", "WAIT_TIMEOUT"),  # the late request itself
@@ -319,13 +319,14 @@ def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
     assert summary.batch_rows == [1, 4, 16]
     assert summary.latency_percentiles_ms()["p50"] == pytest.approx(25.0)  # answered ones only
     text = format_summary(summary, output_path="y.npz", errors_path="y.npz.errors.jsonl")
-    assert "3 ok, 3 failed, 6 total, in 5 requests" in text
+    assert "3 ok, 3 failed, 6 total, in 4 requests of 1 row; 2 not answered" in text
     assert re.search(r"latency +p50 25\.0 ms +p90 37\.0 ms +p99 39\.7 ms +max 40\.0 ms", text)
     assert "batch rows  mean 7.0" in text
     assert re.search(r"^ +4 +1 +#+$", text, re.MULTILINE)
     assert "served by   w0: model demo version 3 (sha256 abababababab), 2 requests" in text
     assert "served by   :" not in text  # no line for the request nobody answered
-    assert "failed      WAIT_TIMEOUT 2, INVALID_INPUT 1; listed in y.npz.errors.jsonl" in text
+    failed = "failed      WAIT_TIMEOUT 2 rows, INVALID_INPUT 1 row; listed in y.npz.errors.jsonl"
+    assert failed in text
     assert "output      y.npz: y float32 [6, 1]" in text
 
 
@@ -389,12 +390,14 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
     assert [(e["start"], e["stop"], e["code"]) for e in lines] == [(2, 5, "NOT_ANSWERED")]
 
 
-def test_run_interrupted_before_any_answer_keeps_the_previous_output(
-    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_run_interrupted_before_any_answer_keeps_the_previous_files_as_a_pair(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     np.save(tmp_path / "x.npy", np.arange(3, dtype=np.float32).reshape(3, 1))
     out = tmp_path / "y.npz"
     np.savez(out, y=np.ones((3, 1), np.float32))  # an earlier run's results
+    errors = tmp_path / "y.npz.errors.jsonl"
+    errors.write_text("")  # and its errors file: that run failed no row
     client = ScriptedClient([], interrupt=KeyboardInterrupt())
     monkeypatch.setattr(
         "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
@@ -405,6 +408,62 @@ def test_run_interrupted_before_any_answer_keeps_the_previous_output(
 
     with np.load(out) as kept:
         np.testing.assert_array_equal(kept["y"], np.ones((3, 1), np.float32))
+    assert errors.read_text() == ""  # not rewritten to say the kept output's rows failed
+    printed = capsys.readouterr()
+    assert "not written (nothing answered)" in printed.out
+    assert "nothing was written" in printed.err
+
+
+def test_run_summary_counts_answered_rows_and_failed_rows_by_code() -> None:
+    # Given a run whose second request was late, so that the 8 rows behind it were never sent
+    client = ScriptedClient([(1, 10.0, None), (0, 1000.0, "WAIT_TIMEOUT")])
+    summary = run_job(client, {"x": np.zeros((10, 1), np.float32)})
+    summary.wall_s = 2.0
+
+    text = format_summary(summary, errors_path="e.jsonl")
+
+    # Then only the answered row counts towards throughput, and failures count rows, not lines
+    assert "1 ok, 9 failed, 10 total, in 1 request of 1 row; 9 not answered" in text
+    assert "throughput 0 rows/s (0 requests/s)" in text  # 1 row in 2 s
+    assert "failed      WAIT_TIMEOUT 9 rows; listed in e.jsonl" in text
+
+
+@pytest.mark.parametrize("which", ["input", "output"])
+def test_run_refuses_an_errors_file_that_is_the_input_or_the_output(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture, which: str
+) -> None:
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((2, 1), np.float32))
+    before = x.read_bytes()
+    out = tmp_path / "y.npz"
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(x)]
+
+    code = main([*argv, "--output", str(out), "--errors", str(x if which == "input" else out)])
+
+    assert code == 2
+    assert f"--errors must not be the --{which} file" in capsys.readouterr().err
+    assert x.read_bytes() == before
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "content"), [("e.npy", b""), ("e.npz", b""), ("c.npy", None)])
+def test_run_names_an_empty_or_cut_short_input(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture, name: str, content: bytes | None
+) -> None:
+    path = tmp_path / name
+    if content is None:  # a header cut off in the middle
+        np.save(path, np.ones((2, 1), np.float32))
+        path.write_bytes(path.read_bytes()[:20])
+    else:
+        path.write_bytes(content)
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input-name", "x"]
+
+    code = main([*argv, "--input", str(path), "--output", str(tmp_path / "y.npz")])
+
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"cannot read {str(path)!r}: " in err
+    assert "Traceback" not in err
 
 
 def test_run_job_interrupted_while_handling_a_reply_keeps_it() -> None:
