@@ -6,6 +6,7 @@ machine it runs on. These tests check that a run produces a complete, self-consi
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -15,9 +16,10 @@ import numpy as np
 import pytest
 
 from producer import bench
-from producer.bench import load
+from producer.bench import cli, load
 from producer.cli import main
-from worker import benchkit
+from producer.job import UsageError
+from worker import benchkit, synthetic
 from worker.localredis import LocalRedis
 
 
@@ -352,6 +354,86 @@ def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert "error" in capsys.readouterr().err
+
+
+def _bench_options(argv: list[str]) -> Any:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return cli._options(parser.parse_args(argv))
+
+
+def test_an_unknown_model_is_a_usage_error_naming_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a model the bench would have to build but has no builder for, then it says so
+    # before starting anything, instead of a benchkit traceback squeezed into one line.
+    argv = ["bench", "--model", "nosuchmodel", "--concurrency", "2", "--duration-s", "0.5"]
+    assert main([*argv, "--warmup-s", "0.1", "--no-ceilings"]) == 2
+    err = capsys.readouterr().err
+    assert "'nosuchmodel'" in err
+    assert "tiny, heavy, resnet18" in err
+    assert "Traceback" not in err
+    assert "KeyError" not in err
+
+
+def test_live_workers_may_serve_any_model_name() -> None:
+    # With --no-start nothing is built: the name is the live workers', checked only for form.
+    assert _bench_options(["--no-start", "--model", "fraud-v2", "--concurrency", "1"]).model == (
+        "fraud-v2"
+    )
+    with pytest.raises(UsageError, match="not a model name"):
+        _bench_options(["--no-start", "--model", "a b", "--concurrency", "1"])
+
+
+def test_the_bench_knows_every_synthetic_model() -> None:
+    # The producer keeps its own list (it never imports the worker): the two must agree.
+    assert tuple(synthetic.BUILDERS) == cli.SYNTHETIC_MODELS
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--duration-s", "0"], "argument --duration-s: 0 must be > 0 and <= 3600 seconds"),
+        (["--timeout-s", "4000"], "argument --timeout-s: 4000 must be > 0 and <= 3600 seconds"),
+        (["--warmup-s", "-1"], "argument --warmup-s: -1 must be >= 0 and <= 3600 seconds"),
+        (["--warmup-s", "3601"], "argument --warmup-s: 3601 must be >= 0 and <= 3600 seconds"),
+        (["--max-wait-ms", "nan"], "argument --max-wait-ms: 'nan' must be a finite number >= 0"),
+        (["--quiet-s", "-1"], "argument --quiet-s: '-1' must be a finite number >= 0"),
+    ],
+)
+def test_seconds_out_of_range_name_the_real_bounds(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_redis_that_does_not_answer_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--no-start", "--redis-url", "redis://127.0.0.1:1/0", "--model", "demo"]
+    assert main([*argv, "--concurrency", "1", "--duration-s", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "could not talk to Redis at redis://127.0.0.1:1/0: " in err
+    assert "Traceback" not in err
+
+
+def test_a_run_without_warmup_measures_from_the_first_request(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given --warmup-s 0, the window opens with the load: every request counts, none is lost.
+    path = tmp_path / "cold.json"
+    argv = ["bench", "--redis-url", redis_url, "--model", "tiny", "--concurrency", "2"]
+    argv += ["--duration-s", "0.5", "--warmup-s", "0", "--no-ceilings", "--json", str(path)]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    assert report["settings"]["warmup_s"] == 0
+    [phase] = report["phases"]
+    assert phase["requests"] > 0
+    assert phase["ok"] == phase["requests"]
+    assert phase["lost"] == 0
+    assert phase["throughput_per_s"] > 0
+    assert "0 s warmup" in bench.format_report(report)
 
 
 def test_drain_reports_rate_and_memory(redis_url: str, tmp_path: Path) -> None:

@@ -12,17 +12,20 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from producer import argtypes, keys
+import redis
+
+from producer import argtypes, core, keys
 from producer.bench.load import CALLERS
 from producer.bench.processes import private_redis
 from producer.bench.report import format_report, plot, pyplot, write_json
 from producer.bench.runner import Bench, Options
 from producer.bench.scenarios import SCENARIOS
+from producer.errors import ConnectionFailed
 from producer.job import UsageError
 
 BINDINGS = ("off", "io_binding", "cuda_graph")  # the workers' [model.cuda] keys, or neither
 
-__all__ = ["PROVIDERS", "add_arguments", "run_command"]
+__all__ = ["PROVIDERS", "SYNTHETIC_MODELS", "add_arguments", "run_command"]
 
 HELP = """\
 Load-test redbatch workers and set every figure against its ceiling, measured in the same run:
@@ -91,6 +94,22 @@ def _scenario_list(text: str) -> tuple[str, ...]:
 #: The worker's provider names (``worker.config.PROVIDERS``; the producer does not import it).
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 
+#: The models ``benchkit build`` can write (``worker.synthetic.BUILDERS``; the producer does not
+#: import the worker, and tests check the two agree): an unknown name is a usage error here, up
+#: front, not a traceback from the child process that builds it.
+SYNTHETIC_MODELS = (
+    "demo",
+    "tiny",
+    "heavy",
+    "resnet18",
+    "slow",
+    "multi_io",
+    "gather",
+    "free_dim",
+    "fixed_batch",
+    "no_batch_output",
+)
+
 
 def _provider_list(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -103,13 +122,30 @@ def _provider_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def _seconds(text: str) -> float:
+_MAX_S = 3600.0  # an hour: longer than any phase or reply wait worth measuring
+
+
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text} is not between 0 and 3600 seconds")
+
+
+def _seconds(text: str) -> float:
+    """A measured window or a reply wait: a zero one would measure nothing (or wait for
+    nothing), so the message names the open bound."""
+    value = _number(text)
+    if not 0 < value <= _MAX_S:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 and <= {_MAX_S:g} seconds")
+    return value
+
+
+def _warmup_seconds(text: str) -> float:
+    """The load before the window: 0 skips it (the workers warm their sessions up anyway)."""
+    value = _number(text)
+    if not 0 <= value <= _MAX_S:
+        raise argparse.ArgumentTypeError(f"{text} must be >= 0 and <= {_MAX_S:g} seconds")
     return value
 
 
@@ -121,14 +157,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--scenario", type=_scenario_list, metavar="NAME", help="preset(s) to run, or all")
     add("--duration-s", type=_seconds, default=3.0, metavar="S", help="measured (default 3)")
-    add("--warmup-s", type=_seconds, default=0.5, metavar="S", help="load before (default 0.5)")
+    add(
+        "--warmup-s",
+        type=_warmup_seconds,
+        default=0.5,
+        metavar="S",
+        help="load before (default 0.5; 0 skips it)",
+    )
     add("--json", metavar="PATH", help="write the full report as JSON")
     add("--plot", metavar="PATH", help="draw p50 and p99 against throughput (needs matplotlib)")
     add(
         "--model",
         default="tiny",
         metavar="NAME",
-        help="custom load: model (tiny, heavy, resnet18, demo, ...; default tiny)",
+        help="custom load: the synthetic model the started workers serve (tiny, heavy, "
+        "resnet18, demo, ...; default tiny), or with --no-start the model the live workers "
+        "serve, by any name",
     )
     add("--concurrency", type=_int_list, metavar="C[,C]", help="closed-loop callers")
     add("--rate", type=_float_list, metavar="R[,R]", help="open-loop requests/s")
@@ -147,7 +191,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="started workers",
     )
-    add("--max-wait-ms", type=float, default=5.0, metavar="MS", help="started workers")
+    add(
+        "--max-wait-ms",
+        type=argtypes.non_negative_float,
+        default=5.0,
+        metavar="MS",
+        help="started workers",
+    )
     add(
         "--providers",
         type=_provider_list,
@@ -188,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--quiet-s",
-        type=float,
+        type=argtypes.non_negative_float,
         default=0.0,
         metavar="S",
         help="before each measurement, wait up to S s for the machine to be idle (shared hosts)",
@@ -215,6 +265,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_model(model: str, no_start: bool) -> None:
+    """A custom load's --model: live workers may serve any valid name, but a started worker
+    serves a synthetic model the bench builds first, so only those names can be started."""
+    if no_start:
+        if not keys.is_valid_model_name(model):
+            raise UsageError(f"--model {model!r} is not a model name.")
+    elif model not in SYNTHETIC_MODELS:
+        raise UsageError(
+            f"--model {model!r} is not a synthetic model the bench can build; choose from "
+            f"{', '.join(SYNTHETIC_MODELS)} (or drive live workers serving it with --no-start)."
+        )
+
+
 def _options(args: argparse.Namespace) -> Options:
     scenarios = tuple(args.scenario or ())
     custom = bool(args.concurrency or args.rate)
@@ -227,12 +290,10 @@ def _options(args: argparse.Namespace) -> Options:
         )
     if not args.no_start and (args.metrics_url or args.model_file):
         raise UsageError("--metrics-url and --model-file go with --no-start.")
-    if not args.no_start and not scenarios and not keys.is_valid_model_name(args.model):
-        raise UsageError(f"--model {args.model!r} is not a model name.")
+    if not scenarios:
+        _check_model(args.model, args.no_start)
     if args.binding != "off" and "cuda" not in args.providers:
         raise UsageError(f"--binding {args.binding} is a CUDA setting: add cuda to --providers.")
-    if args.max_wait_ms < 0:
-        raise UsageError("--max-wait-ms must not be negative.")
     if args.rounds:
         paired = [name for name in scenarios if SCENARIOS[name].paired]
         if not paired or args.no_ceilings:
@@ -260,7 +321,7 @@ def _options(args: argparse.Namespace) -> Options:
         metrics_urls=tuple(args.metrics_url),
         model_file=args.model_file,
         prefix=getattr(args, "prefix", keys.DEFAULT_PREFIX),
-        quiet_s=max(args.quiet_s, 0.0),
+        quiet_s=args.quiet_s,
         providers=args.providers,
         binding=args.binding,
         rounds=args.rounds,
@@ -283,7 +344,12 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             url = stack.enter_context(private_redis())
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redbatch-bench-")))
-        report = Bench(options, url, workdir).run()
+        try:
+            report = Bench(options, url, workdir).run()
+        except redis.ConnectionError as exc:  # a --redis-url that does not answer
+            raise ConnectionFailed(
+                f"could not talk to Redis at {core.redact_url(url)}: {exc}"
+            ) from exc
     print(format_report(report))
     if args.json:
         write_json(report, Path(args.json))
