@@ -29,9 +29,10 @@ from typing import Any
 
 import redis
 
-from producer import argtypes, codec, core, keys
-from producer.errors import ConnectionFailed, WireFormatError
+from producer import argtypes, codec, keys
+from producer.errors import WireFormatError
 from producer.retry import RetryPolicy
+from producer.status import printable, redis_where
 
 __all__ = [
     "PAGE_SIZE",
@@ -122,7 +123,7 @@ def replay(
 
     A page's MULTI that ran but whose answer was lost is sent again on retry: its requests are
     queued twice under the same ids (at-least-once; a worker writes one reply per id)."""
-    call = RetryPolicy(f"redbatch replay ({model})", retry_s).call
+    call = RetryPolicy(redis_where(conn), retry_s).call
     dead_key = keys.dead_key(prefix, model)
     stream_key = keys.request_stream(prefix, model)
     resent: list[Resent] = []
@@ -278,7 +279,9 @@ def _shown_rid(value: Any) -> str | None:
 
 
 def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    """Bytes from Redis as text, bytes that are not UTF-8 as ``\\xNN`` (as ``status`` shows
+    them)."""
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,10 +353,11 @@ def format_report(report: ReplayReport) -> str:
         rows = [["DEAD ENTRY", "RID", "REASON"]]
         rows += [[s.dead_entry, s.rid or "-", s.reason] for s in report.skipped]
         lines += _table(rows)
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def _table(rows: list[list[str]]) -> list[str]:
+    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
 
@@ -420,7 +424,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """``redbatch replay``: re-send, print the report; 0, or 1 when something was skipped."""
-    where = core.redact_url(args.redis_url)
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
     try:
         report = replay(
@@ -433,8 +436,6 @@ def run_command(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             retry_s=args.retry_s,
         )
-    except ConnectionFailed as exc:
-        raise ConnectionFailed(f"Could not talk to Redis at {where}: {exc}") from exc
     finally:
         conn.close()
     if args.json:

@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from producer import keys
+from producer import core, keys
 from producer.retry import RetryPolicy
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "epoch_s",
     "format_status",
     "gather_status",
+    "printable",
+    "redis_where",
     "status_to_json",
 ]
 
@@ -135,7 +137,7 @@ def gather_status(
     """Read the model's queue state, retrying through an outage for up to ``retry_s``; raises
     ConnectionFailed when Redis cannot be asked."""
     now = time.time() if now_s is None else now_s
-    call = RetryPolicy(f"redbatch status ({model})", retry_s).call
+    call = RetryPolicy(redis_where(conn), retry_s).call
     requests = call(_requests_info, conn, keys.request_stream(prefix, model), now)
     dead = call(_dead_letters, conn, keys.dead_key(prefix, model), dead_limit, now)
     workers, expired = call(_live_workers, conn, prefix, model)
@@ -148,6 +150,15 @@ def gather_status(
         workers=workers,
         expired_workers=expired,
     )
+
+
+def redis_where(conn: redis.Redis) -> str:
+    """Where ``conn`` connects, without its password: the place a failed command's error names,
+    so that an operator's command fails as ``Client`` does, saying which Redis it could not
+    reach."""
+    pool = conn.connection_pool
+    tls = issubclass(pool.connection_class, redis.SSLConnection)
+    return core.describe_connection(pool.connection_kwargs, tls)
 
 
 def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
@@ -237,8 +248,10 @@ def _parse_record(raw: bytes | str) -> dict[str, Any]:
 
 
 def _text(value: Any) -> str:
+    """Bytes from Redis as text; bytes that are not UTF-8 become ``\\xNN``, so that a report
+    shows what is stored rather than a replacement character."""
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        return value.decode("utf-8", "backslashreplace")
     return str(value)
 
 
@@ -331,7 +344,7 @@ def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     lines += _format_dead(status.dead)
     lines.append("")
     lines += _format_workers(status)
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def _format_requests(req: RequestsInfo) -> list[str]:
@@ -438,6 +451,7 @@ def _tensor_spec(spec: Any, *, ranged: bool) -> str:
 def _table(
     rows: Sequence[Sequence[str]], *, indent: str = "", right: frozenset[int] = frozenset()
 ) -> list[str]:
+    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = []
     for row in rows:
@@ -447,6 +461,18 @@ def _table(
         ]
         out.append((indent + "  ".join(cells)).rstrip())
     return out
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print to a terminal: printable characters as they are, any other (an
+    escape sequence, a line break, a bidi control) escaped as ``repr`` writes it, e.g. ``\\x1b``.
+
+    Request ids, reasons, consumer names and workers' records are written by whoever can write to
+    Redis; printed raw, they could recolour or rewrite an operator's terminal and break tables.
+    JSON output needs none of this: ``json.dumps`` escapes them already."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _show(value: Any, missing: str = "-") -> str:

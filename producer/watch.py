@@ -26,6 +26,7 @@ import redis
 
 from producer import argtypes, core, keys
 from producer.errors import ConnectionFailed
+from producer.status import printable
 from producer.watchstats import (
     Scrape,
     Snapshot,
@@ -91,7 +92,7 @@ def render(
     lines += _metrics_lines(before, now)
     lines.append("")
     lines += _worker_lines(now, rates)
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
@@ -210,6 +211,7 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
 
@@ -264,6 +266,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _refresh(conn: redis.Redis, args: argparse.Namespace, *, first: bool) -> Snapshot:
+    """One snapshot. The first rides out an outage for ``--retry-s``, as ``redbatch status``
+    does, since there is no view to show yet; a later one tries once, so an outage shows at once
+    over the last view, and the next refresh is the retry."""
+    retry_s = getattr(args, "retry_s", 0.0) if first else 0.0
+    return take_snapshot(conn, args.model, args.prefix, args.metrics_url, retry_s=retry_s)
+
+
 def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``redbatch status --watch``: redraw until Ctrl-C or ``--iterations``; returns 0."""
     from producer.job import UsageError
@@ -283,10 +293,10 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 time.sleep(args.interval_s)
             problem = None
             try:
-                now = take_snapshot(conn, args.model, args.prefix, args.metrics_url)
+                now = _refresh(conn, args, first=before is None)
             except ConnectionFailed as exc:
                 if before is None:
-                    raise ConnectionFailed(f"Could not talk to Redis at {where}: {exc}") from exc
+                    raise  # it names the Redis and the retrying done, as `redbatch status` does
                 problem = f"Redis unreachable ({exc}); showing the last view, retrying"
                 now = before
             else:

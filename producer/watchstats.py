@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from producer import keys, status
-from producer.errors import ConnectionFailed
+from producer.retry import RetryPolicy
 from producer.status import epoch_s
 
 __all__ = [
@@ -73,28 +73,35 @@ def take_snapshot(
     prefix: str = keys.DEFAULT_PREFIX,
     metrics_urls: Sequence[str] = (),
     *,
+    retry_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> Snapshot:
-    """Read the model's queue, counters and metrics; raises ConnectionFailed when Redis fails."""
-    report = status.gather_status(conn, model, prefix, dead_limit=1)
+    """Read the model's queue, counters and metrics, retrying through an outage for up to
+    ``retry_s`` (as ``redbatch status`` does); raises ConnectionFailed when Redis fails."""
+    report = status.gather_status(conn, model, prefix, dead_limit=1, retry_s=retry_s)
     added = read = None
     if report.requests.exists:
-        try:
-            pipe = conn.pipeline(transaction=False)
-            pipe.xinfo_stream(report.requests.key)
-            pipe.xinfo_groups(report.requests.key)
-            stream_info, groups = pipe.execute(raise_on_error=False)
-        except redis.RedisError as exc:
-            raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
-        if isinstance(stream_info, dict):
-            added = _int_or_none(stream_info.get("entries-added"))
-        for group in groups if isinstance(groups, list) else []:
-            if _text(group.get("name")) == keys.CONSUMER_GROUP:
-                read = _int_or_none(group.get("entries-read"))
-                if read is None and _text(group.get("last-delivered-id")) == "0-0":
-                    read = 0  # a group that has read nothing yet reports nil
+        call = RetryPolicy(status.redis_where(conn), retry_s).call
+        added, read = call(_counters, conn, report.requests.key)
     scrapes = tuple(_scrape(url) for url in metrics_urls)
     return Snapshot(clock(), report, added, read, scrapes)
+
+
+def _counters(conn: redis.Redis, key: str) -> tuple[int | None, int | None]:
+    """The stream's entries-added and its group's entries-read; None where Redis cannot tell."""
+    pipe = conn.pipeline(transaction=False)
+    pipe.xinfo_stream(key)
+    pipe.xinfo_groups(key)
+    stream_info, groups = pipe.execute(raise_on_error=False)
+    added = read = None
+    if isinstance(stream_info, dict):
+        added = _int_or_none(stream_info.get("entries-added"))
+    for group in groups if isinstance(groups, list) else []:
+        if _text(group.get("name")) == keys.CONSUMER_GROUP:
+            read = _int_or_none(group.get("entries-read"))
+            if read is None and _text(group.get("last-delivered-id")) == "0-0":
+                read = 0  # a group that has read nothing yet reports nil
+    return added, read
 
 
 def _scrape(url: str) -> Scrape:

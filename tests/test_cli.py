@@ -746,3 +746,35 @@ def test_a_ctrl_c_after_the_job_still_writes_everything(
     with np.load(out) as written:
         np.testing.assert_array_equal(written["y"], [[0.0], [2.0]])
     assert "interrupted; the rows answered so far are written" in capsys.readouterr().err
+
+
+def test_status_that_cannot_reach_redis_names_its_url_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+
+    code = main(["--redis-url", url, "--retry-s", "0", "status", "--model", MODEL])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(
+        f"redbatch: error: Could not talk to Redis at {url} (retry_s=0, not retried): "
+        "ConnectionError: "
+    )
+    assert err.count("Redis at") == 1
+    assert "redbatch status (" not in err
+
+
+def test_status_refused_a_command_names_the_redis_url(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rconn.set(keys.workers_key(PREFIX, MODEL), "not a set")
+
+    code = main(["--redis-url", redis_url, "--retry-s", "0", "status", "--model", MODEL])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert re.match(
+        r"redbatch: error: Redis at redis://127\.0\.0\.1:\d+/0 rejected a command: WRONGTYPE", err
+    )
+    assert "redbatch status (" not in err

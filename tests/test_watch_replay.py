@@ -22,7 +22,7 @@ import redis
 from producer import codec, keys, replay, watch, watchstats
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
-from producer.status import WorkerInfo
+from producer.status import WorkerInfo, format_status, gather_status, printable
 from worker.localredis import free_port
 from worker.metrics import Metrics, MetricsServer
 
@@ -476,3 +476,102 @@ def test_replay_of_an_empty_dead_stream_says_so(
 def test_replay_needs_from_dead() -> None:
     with pytest.raises(SystemExit):
         _parser(replay.add_arguments).parse_args(["--redis-url", "redis://x", "--model", MODEL])
+
+
+# ---------------------------------------------------------------------------------------------
+# What others wrote to Redis, printed safely
+
+
+# A request id a producer chose: an ANSI colour, a line break and a byte that is not UTF-8.
+HOSTILE_RID = b"x\x1b[31mRED\nline2\xff"
+SHOWN_RID = r"x\x1b[31mRED\nline2\xff"
+
+
+def _hostile(conn: redis.Redis) -> None:
+    """A dead letter, a consumer and a worker record whose text would drive a terminal."""
+    conn.xadd(DEAD, {"rid": HOSTILE_RID, "body": BODY, "reason": "died\x1b[2J"})
+    conn.xgroup_create(STREAM, keys.CONSUMER_GROUP, id="0", mkstream=True)
+    conn.xadd(STREAM, {"rid": HOSTILE_RID, "body": BODY})
+    conn.xreadgroup(keys.CONSUMER_GROUP, "gpu\x1b[5m\n0", {STREAM: ">"}, count=1)
+    record = {
+        "state": "ready\x07",
+        "host": "box\r\nfake: row",
+        "pid": 7,
+        "error": "bad\x1b]0;t\x07",
+    }
+    conn.set(keys.worker_key(P, MODEL, "w1"), json.dumps(record), ex=15)
+    conn.sadd(keys.workers_key(P, MODEL), "w1")
+
+
+def _assert_escaped(text: str) -> None:
+    assert not any(c in text for c in "\x1b\x07\r"), text
+    assert "\ufffd" not in text  # the byte that is not UTF-8 is shown, not replaced
+    assert not any(line.lstrip().startswith(("line2", "fake: row")) for line in text.splitlines())
+    assert SHOWN_RID in text
+
+
+def test_printable_passes_text_and_escapes_what_a_terminal_acts_on() -> None:
+    assert printable("r-1 café ✓ a\\b") == "r-1 café ✓ a\\b"
+    assert printable("x\x1b[31m\n\t\x00\u202e") == r"x\x1b[31m\n\t\x00\u202e"
+
+
+def test_status_text_escapes_rids_reasons_consumers_and_records(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    _hostile(rconn)
+
+    text = format_status(gather_status(rconn, MODEL))
+
+    _assert_escaped(text)
+    assert r"died\x1b[2J" in text
+    assert r"gpu\x1b[5m\n0" in text
+    assert r"ready\x07" in text
+    assert r"box\r\nfake: row:7" in text
+    assert r"bad\x1b]0;t\x07" in text
+    # The dead letters' table stays aligned: the escaped rid is measured as it is printed.
+    header, row = (line for line in text.splitlines() if "RID" in line or SHOWN_RID in line)
+    assert row.index("died") == header.index("REASON")
+
+
+def test_watch_frame_escapes_rids_reasons_and_records(redis_url: str, rconn: redis.Redis) -> None:
+    _hostile(rconn)
+    out = io.StringIO()
+    args = _parser(watch.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--watch", "--iterations", "1"]
+    )
+
+    assert watch.run_command(args, out=out) == 0
+
+    text = out.getvalue()
+    _assert_escaped(text)
+    assert f"rid {SHOWN_RID}: died\\x1b[2J" in text
+    assert r"ready\x07" in text
+
+
+def test_replay_report_escapes_old_rids(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rconn.xadd(DEAD, {"rid": HOSTILE_RID, "body": BODY})
+    args = _parser(replay.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--dry-run"]
+    )
+
+    assert replay.run_command(args) == 0
+
+    _assert_escaped(capsys.readouterr().out)
+
+
+def test_the_first_watch_refresh_retries_for_retry_s() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    args = _parser(watch.add_arguments).parse_args(
+        ["--redis-url", url, "--retry-s", "0.2", "--watch"]
+    )
+
+    with pytest.raises(ConnectionFailed) as failed:
+        watch.run_command(args, out=io.StringIO())
+
+    message = str(failed.value)
+    assert message.startswith(f"Redis at {url} stayed unavailable for ")
+    assert "retry_s=0.2" in message
+    assert "not retried" not in message
+    assert message.count("Redis at") == 1
