@@ -212,10 +212,10 @@ def _live_workers(
 ) -> tuple[tuple[WorkerInfo, ...], tuple[str, ...]]:
     """Workers whose record is still there; names whose record expired are removed from the set."""
     set_key = keys.workers_key(prefix, model)
-    names = sorted(_text(n) for n in conn.smembers(set_key))
+    members = {_text(m): m for m in conn.smembers(set_key)}  # removed as stored: not UTF-8 too
     live: list[WorkerInfo] = []
     expired: list[str] = []
-    for name in names:
+    for name in sorted(members):
         if not keys.is_valid_name(name):
             expired.append(name)
             continue
@@ -233,7 +233,7 @@ def _live_workers(
             )
         )
     if expired:
-        conn.srem(set_key, *expired)
+        conn.srem(set_key, *(members[name] for name in expired))
     return tuple(live), tuple(expired)
 
 
