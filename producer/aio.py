@@ -94,7 +94,7 @@ class AsyncClient:
         rid: str | None = None,
         reply_ttl_s: int | None = None,
     ) -> str:
-        """Queue one request and return its rid; ``deadline_s`` is seconds from now."""
+        """Queue one request and return its rid; ``deadline_s`` is seconds from now (> 0)."""
         sub = core.build_submission(
             inputs,
             outputs=outputs,
@@ -129,12 +129,14 @@ class AsyncClient:
             await self._submits(subs)
         return [sub.rid for sub in subs]
 
-    async def _send(self, subs: Sequence[core.Submission]) -> None:
-        gate = core.BacklogGate(self._settings.max_backlog, self._settings.wait_for_backlog)
+    async def _send(self, subs: Sequence[core.Submission], until: float | None = None) -> None:
+        """As ``Client._send``; ``until`` is the first deadline among the coalesced calls."""
+        settings = self._settings
+        gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
         if gate.active:
-            while (delay_s := gate.delay_s(await self.backlog())) is not None:
+            while (delay_s := gate.delay_s(await self._xlen(until), time.monotonic())) is not None:
                 await _sleep(delay_s)
-        await self._retry.acall(self._xadd, subs)
+        await self._retry.until(until, core.INFER_LIMIT).acall(self._xadd, subs)
 
     async def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
@@ -160,10 +162,12 @@ class AsyncClient:
     async def wait(self, rid: str, timeout_s: float) -> Result:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout. Concurrent waits
         share their round trips: one BLPOP watches many keys."""
-        if not timeout_s >= 0:  # NaN too
-            raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
+        return await self._wait(rid, core.check_timeout_s(timeout_s), time.monotonic())
+
+    async def _wait(self, rid: str, timeout_s: float, since: float) -> Result:
+        """``wait``, with its ``timeout_s`` counted from ``since`` (monotonic)."""
         key = self._settings.reply_key(rid).encode()
-        raw = await self._replies.wait(key, timeout_s, rid)
+        raw = await self._replies.wait(key, timeout_s, rid, since)
         return core.parse_reply_or_fail(rid, raw, self.model)
 
     async def _hub_blpop(self, keys: list[bytes], until: float) -> Any:
@@ -239,16 +243,20 @@ class AsyncClient:
         rid: str | None = None,
         reply_ttl_s: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Submit, wait and return the outputs; raises the typed RequestFailed subclass."""
-        rid = await self.submit(
+        """Submit, wait and return the outputs; raises the typed RequestFailed subclass. The
+        whole call, submit included, ends within ``timeout_s``, as ``Client.infer``'s does."""
+        started = time.monotonic()
+        sub = core.build_submission(
             inputs,
             outputs=outputs,
             deadline_s=deadline_s,
             meta=meta,
             rid=rid,
             reply_ttl_s=reply_ttl_s,
+            now_s=time.time(),
         )
-        result = await self.wait(rid, timeout_s)
+        await self._submits([sub], started + core.check_timeout_s(timeout_s))
+        result = await self._wait(sub.rid, timeout_s, started)
         result.raise_for_error()
         return result.outputs or {}
 
@@ -305,7 +313,7 @@ class AsyncClient:
 
     async def cancel(self, rid: str, ttl_s: int = 3600) -> None:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
-        await self._cancel_many([rid], ttl_s)
+        await self._cancel_many([rid], core.check_ttl_s("ttl_s", ttl_s))
 
     async def _cancel_many(
         self, rids: Sequence[str], ttl_s: int = 3600, retry: RetryPolicy | None = None
@@ -322,7 +330,11 @@ class AsyncClient:
 
     async def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""
-        return int(await self._retry.acall(self._redis.xlen, self._settings.stream))
+        return await self._xlen(None)
+
+    async def _xlen(self, until: float | None) -> int:
+        retry = self._retry.until(until, core.INFER_LIMIT)
+        return int(await retry.acall(self._redis.xlen, self._settings.stream))
 
     async def workers(self) -> list[dict[str, Any]]:
         """The live workers' validation records, by name; forgets workers whose record expired."""

@@ -21,13 +21,13 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A number > 0."""
+    """A finite number > 0 (a timeout or an interval: infinity would wait forever)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
 
 
@@ -51,7 +51,7 @@ def model_name(text: str) -> str:
 
 def prefix(text: str) -> str:
     """A key prefix: non-empty, without the braces of hash tags or spaces."""
-    if not text or any(c in text for c in "{} \t\n"):
+    if not keys.is_valid_prefix(text):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a key prefix: use a non-empty name without braces or spaces"
         )

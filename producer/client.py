@@ -45,7 +45,8 @@ class Client:
     ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
     or pass ``redis_client`` (then ``close()`` leaves it open). With ``max_backlog`` set,
     submits refuse with ``BacklogFull`` while the request stream holds that many entries, or
-    wait for it to shrink when ``wait_for_backlog`` is true.
+    wait for it to shrink when ``wait_for_backlog`` is true (``infer`` waits no longer than its
+    ``timeout_s``, then raises ``BacklogFull`` with nothing sent).
 
     Every Redis command is retried with capped, jittered backoff through outages of up to
     ``retry_s`` seconds (0: no retries), with one log line when an outage starts and one when it
@@ -98,7 +99,7 @@ class Client:
         rid: str | None = None,
         reply_ttl_s: int | None = None,
     ) -> str:
-        """Queue one request and return its rid; ``deadline_s`` is seconds from now."""
+        """Queue one request and return its rid; ``deadline_s`` is seconds from now (> 0)."""
         sub = core.build_submission(
             inputs,
             outputs=outputs,
@@ -133,12 +134,15 @@ class Client:
             self._send(subs)
         return [sub.rid for sub in subs]
 
-    def _send(self, subs: Sequence[core.Submission]) -> None:
-        gate = core.BacklogGate(self._settings.max_backlog, self._settings.wait_for_backlog)
+    def _send(self, subs: Sequence[core.Submission], until: float | None = None) -> None:
+        """XADD ``subs`` once the backlog allows. ``until`` (monotonic), an ``infer``'s
+        deadline, ends the backlog wait (BacklogFull) and the retries (RedisUnavailable)."""
+        settings = self._settings
+        gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
         if gate.active:
-            while (delay_s := gate.delay_s(self.backlog())) is not None:
+            while (delay_s := gate.delay_s(self._xlen(until), time.monotonic())) is not None:
                 _sleep(delay_s)
-        self._retry.call(self._xadd, subs)
+        self._retry.until(until, core.INFER_LIMIT).call(self._xadd, subs)
 
     def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
@@ -161,8 +165,12 @@ class Client:
 
     def wait(self, rid: str, timeout_s: float) -> Result:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
+        return self._wait(rid, timeout_s, time.monotonic())
+
+    def _wait(self, rid: str, timeout_s: float, since: float) -> Result:
+        """``wait``, with its ``timeout_s`` counted from ``since`` (monotonic)."""
         waiter = window.ReplyWaiter(self._settings, timeout_s)
-        waiter.add(rid, time.monotonic())
+        waiter.add(rid, since)
         while True:
             item = self._retry_for(waiter).call(self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
@@ -224,16 +232,24 @@ class Client:
         rid: str | None = None,
         reply_ttl_s: int | None = None,
     ) -> dict[str, np.ndarray]:
-        """Submit, wait and return the outputs; raises the typed RequestFailed subclass."""
-        rid = self.submit(
+        """Submit, wait and return the outputs; raises the typed RequestFailed subclass.
+
+        The whole call, submit included, ends within ``timeout_s``: WaitTimeout when no reply
+        came, RedisUnavailable when Redis was down then, BacklogFull when the backlog never
+        dropped (with ``wait_for_backlog``; the request was not sent).
+        """
+        started = time.monotonic()
+        sub = core.build_submission(
             inputs,
             outputs=outputs,
             deadline_s=deadline_s,
             meta=meta,
             rid=rid,
             reply_ttl_s=reply_ttl_s,
+            now_s=time.time(),
         )
-        result = self.wait(rid, timeout_s)
+        self._send([sub], started + core.check_timeout_s(timeout_s))
+        result = self._wait(sub.rid, timeout_s, started)
         result.raise_for_error()
         return result.outputs or {}
 
@@ -297,7 +313,7 @@ class Client:
 
     def cancel(self, rid: str, ttl_s: int = 3600) -> None:
         """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
-        self._cancel_many([rid], ttl_s)
+        self._cancel_many([rid], core.check_ttl_s("ttl_s", ttl_s))
 
     def _cancel_many(
         self, rids: Sequence[str], ttl_s: int = 3600, retry: RetryPolicy | None = None
@@ -314,7 +330,11 @@ class Client:
 
     def backlog(self) -> int:
         """Entries in the request stream: queued plus in progress."""
-        return int(self._retry.call(self._redis.xlen, self._settings.stream))
+        return self._xlen(None)
+
+    def _xlen(self, until: float | None) -> int:
+        retry = self._retry.until(until, core.INFER_LIMIT)
+        return int(retry.call(self._redis.xlen, self._settings.stream))
 
     def workers(self) -> list[dict[str, Any]]:
         """The live workers' validation records, by name; forgets workers whose record expired."""

@@ -7,7 +7,9 @@ ms and reached 6,800/s; sharing the round trips as below, 0.23 ms and 3,900/s.
 
 - ``Coalescer``: submits made while one is on the wire go together in the next round trip. A
   caller cancelled before its turn is taken out; one cancelled while its round trip is on the
-  wire may still have been sent, as before.
+  wire may still have been sent, as before. A round trip's retries and backlog wait end at the
+  first deadline among its calls (an ``infer``'s ``timeout_s``); the calls whose time is up then
+  fail, and the others go again in the next round trip, as with a shared ``BLPOP`` below.
 - ``ReplyHub``: one ``BLPOP`` waits for the replies of many calls, and when it returns, one
   pipelined ``LPOP`` sweeps up the others that are ready (replies of one batch arrive together).
   A call that starts waiting while every ``BLPOP`` is blocked gets a new one with the other
@@ -37,6 +39,8 @@ __all__ = ["Coalescer", "ReplyHub"]
 
 T = TypeVar("T")
 
+# send(items, until): send items, giving up at the monotonic time ``until`` (None: no bound)
+Send = Callable[[list[T], float | None], Awaitable[None]]
 # blpop(keys, until): BLPOP over keys, blocking until the monotonic time ``until`` at most
 Blpop = Callable[[list[bytes], float], Awaitable[Any]]
 Lpop = Callable[[list[bytes]], Awaitable[Sequence[Any]]]
@@ -49,21 +53,31 @@ def _closed() -> RedbatchError:
     return RedbatchError("the client was closed.")
 
 
+@dataclass(eq=False, slots=True)
+class _Queued(Generic[T]):
+    """One call's items, the future it awaits, and its deadline (monotonic; None: none)."""
+
+    items: Sequence[T]
+    future: asyncio.Future[None]
+    until: float | None
+
+
 class Coalescer(Generic[T]):
     """Calls ``send`` with every item handed to it while the previous ``send`` ran."""
 
-    def __init__(self, send: Callable[[list[T]], Awaitable[None]]) -> None:
+    def __init__(self, send: Send[T]) -> None:
         self._send = send
-        self._queue: list[tuple[Sequence[T], asyncio.Future[None]]] = []
+        self._queue: list[_Queued[T]] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
-    async def __call__(self, items: Sequence[T]) -> None:
-        """Send ``items`` with whatever else is waiting; raises what the send raised."""
+    async def __call__(self, items: Sequence[T], until: float | None = None) -> None:
+        """Send ``items`` with whatever else is waiting, giving up at ``until`` (monotonic);
+        raises what the send raised."""
         if self._closed:
             raise _closed()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (items, future)
+        entry = _Queued(items, future, until)
         self._queue.append(entry)
         if self._task is None:
             self._task = asyncio.create_task(self._run())
@@ -78,10 +92,11 @@ class Coalescer(Generic[T]):
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
+                until = min((e.until for e in batch if e.until is not None), default=None)
                 try:
-                    await self._send([item for items, _ in batch for item in items])
+                    await self._send([item for e in batch for item in e.items], until)
                 except Exception as exc:
-                    _settle(batch, exc)
+                    self._queue[:0] = _fail_expired(batch, until, exc)
                 except BaseException:
                     _settle(batch, _closed())
                     raise
@@ -99,13 +114,30 @@ class Coalescer(Generic[T]):
             self._task.cancel()
 
 
-def _settle(batch: Sequence[tuple[Any, asyncio.Future[None]]], exc: BaseException | None) -> None:
-    for _, future in batch:
-        if not future.done():
+def _fail_expired(batch: list[_Queued[T]], until: float | None, exc: Exception) -> list[_Queued[T]]:
+    """Fail with ``exc`` the calls whose deadline has passed; return the others, to send again.
+
+    A send that failed before ``until`` (retries spent, a refused command, a backlog full with
+    no waiting) fails every call. One that gave up at ``until`` did so for the first call's
+    deadline: the calls with time left go again (resending is safe, as a retry is: same rids
+    and bodies), and the call that set ``until`` is failed, so the next send's is later.
+    """
+    now = time.monotonic()
+    if until is None or now < until:
+        _settle(batch, exc)
+        return []
+    expired = [e for e in batch if e.until is not None and e.until <= now]
+    _settle(expired, exc)
+    return [e for e in batch if not e.future.done()]
+
+
+def _settle(batch: Sequence[_Queued[Any]], exc: BaseException | None) -> None:
+    for entry in batch:
+        if not entry.future.done():
             if exc is None:
-                future.set_result(None)
+                entry.future.set_result(None)
             else:
-                future.set_exception(exc)
+                entry.future.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -143,18 +175,20 @@ class ReplyHub:
         orphan = self._orphans.get(key)
         return None if orphan is None or orphan[1] < time.monotonic() else orphan[0]
 
-    async def wait(self, key: bytes, timeout_s: float, name: str) -> Any:
-        """Pop the element at ``key``, waiting up to ``timeout_s``; WaitTimeout after that."""
+    async def wait(
+        self, key: bytes, timeout_s: float, name: str, since: float | None = None
+    ) -> Any:
+        """Pop the element at ``key``, waiting up to ``timeout_s`` from ``since`` (monotonic;
+        None: now); WaitTimeout after that."""
         if self._closed:
             raise _closed()
         if self.peek(key) is not None:
             return self._orphans.pop(key)[0]
+        deadline = (time.monotonic() if since is None else since) + timeout_s
         if key in self._waiting:  # another call waits on it: wait alone, as two BLPOPs would
-            return await self._wait_alone(key, timeout_s, name)
+            return await self._wait_alone(key, deadline, timeout_s, name)
         future = asyncio.get_running_loop().create_future()
-        waiting = self._waiting[key] = _Waiting(
-            future, time.monotonic() + timeout_s, timeout_s, name
-        )
+        waiting = self._waiting[key] = _Waiting(future, deadline, timeout_s, name)
         self._unwatched.append(key)
         if not self._starting:
             self._starting = True
@@ -167,8 +201,7 @@ class ReplyHub:
             if self._waiting.get(key) is waiting:
                 del self._waiting[key]  # answered, timed out, or given up by its caller
 
-    async def _wait_alone(self, key: bytes, timeout_s: float, name: str) -> Any:
-        until = time.monotonic() + timeout_s
+    async def _wait_alone(self, key: bytes, until: float, timeout_s: float, name: str) -> Any:
         while True:
             item = await self._blpop([key], until)
             if item:

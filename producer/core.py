@@ -6,6 +6,7 @@ runs map()'s window) asks for and feed the answers back, so the logic exists onc
 tested without Redis. Pieces:
 
 - ``Settings``: a client's validated settings and the keys it uses.
+- ``check_timeout_s`` and ``check_ttl_s``: the per-call arguments the shells check themselves.
 - ``build_submission``: a request as a stream entry (``rid``, ``body``).
 - ``BacklogGate``: from ``XLEN``, go ahead, raise ``BacklogFull``, or sleep and look again.
 - ``WorkerRoster`` and ``row_limit``: live worker records and the model's row limit.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,8 +39,10 @@ from producer.errors import BacklogFull, NoWorkerInfo, WireFormatError, error_fo
 
 __all__ = [
     "FIRST_BACKOFF_S",
+    "INFER_LIMIT",
     "MAX_BACKOFF_S",
     "MAX_BLOCK_S",
+    "MAX_SPAN_S",
     "BacklogGate",
     "Chunk",
     "Result",
@@ -49,6 +54,8 @@ __all__ = [
     "build_submission",
     "build_submissions",
     "check_connection_kwargs",
+    "check_timeout_s",
+    "check_ttl_s",
     "check_xadds",
     "describe_connection",
     "failed_result",
@@ -66,6 +73,12 @@ MAX_BACKOFF_S = 0.2
 #: The longest single blocking command. redis-py's default socket timeout is 5 s, and a BLPOP that
 #: outlasts the socket timeout fails, so long waits are made of several short blocks.
 MAX_BLOCK_S = 2.0
+#: The longest deadline or TTL a client takes, in seconds (about 31 years): past any real one,
+#: yet small enough that now plus it, in milliseconds, fits the wire format's and Redis's
+#: integers, so a typo is a ValueError here, not an OverflowError or a Redis refusal later.
+MAX_SPAN_S = 1_000_000_000
+#: What ends an ``infer``'s submit early, as RedisUnavailable's message names it.
+INFER_LIMIT = "infer's timeout_s"
 # Batches of submits go in transactions of at most this many entries or bytes (pack_xadds).
 _MULTI = resp.command(b"MULTI")
 _EXEC = resp.command(b"EXEC")
@@ -206,8 +219,11 @@ class Settings:
             raise ValueError(
                 f"max_backlog must be a positive integer or None, got {max_backlog!r}."
             )
-        if not prefix:
-            raise ValueError("prefix must not be empty.")
+        if not keys.is_valid_prefix(prefix):  # the workers and the CLI refuse the same ones
+            raise ValueError(
+                f"prefix {prefix!r} is not a key prefix: use a non-empty name without braces "
+                "or whitespace."
+            )
         return cls(
             model=model,
             prefix=prefix,
@@ -224,6 +240,43 @@ class Settings:
     def cancel_key(self, rid: str) -> str:
         """The cancel key of ``rid``; ValueError when the rid breaks the contract pattern."""
         return keys.cancel_key(self.prefix, rid)
+
+
+def check_timeout_s(timeout_s: float) -> float:
+    """``timeout_s``, when it is a finite number of seconds >= 0; else ValueError naming it.
+    ``infer`` checks it before sending, so a bad timeout never leaves a request queued (and
+    NaN would otherwise surface later as a bad ``retry_s``)."""
+    if not _is_number(timeout_s) or not 0 <= timeout_s < math.inf:
+        raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}.")
+    return timeout_s
+
+
+def check_ttl_s(name: str, ttl_s: int) -> int:
+    """``ttl_s``, when it is a whole number of seconds from 1 to ``MAX_SPAN_S``; else
+    ValueError naming ``name``. Redis refuses other expire times, and its refusal would read as
+    a Redis failure (``ConnectionFailed``)."""
+    if type(ttl_s) is not int or not 1 <= ttl_s <= MAX_SPAN_S:
+        raise ValueError(
+            f"{name} must be a whole number of seconds from 1 to {MAX_SPAN_S}, got {ttl_s!r}."
+        )
+    return ttl_s
+
+
+def _deadline_ms(deadline_s: float | None, now_s: float) -> int | None:
+    """The wire format's ``deadline_ms`` for a deadline ``deadline_s`` seconds after ``now_s``."""
+    if deadline_s is None:
+        return None
+    if not _is_number(deadline_s) or not 0 < deadline_s <= MAX_SPAN_S:
+        raise ValueError(
+            f"deadline_s must be a number of seconds above 0 and at most {MAX_SPAN_S}, "
+            f"got {deadline_s!r}."
+        )
+    return round((now_s + deadline_s) * 1000)
+
+
+def _is_number(value: object) -> bool:
+    """True for a real number; False for a bool, which would pass for 0 or 1 by mistake."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,15 +383,19 @@ def build_submission(
     now_s: float,
 ) -> Submission:
     """Encode one request; ``deadline_s`` is relative to ``now_s`` (Unix epoch seconds)."""
+    if not isinstance(inputs, Mapping):
+        raise TypeError(
+            f"inputs must be a mapping of input name to array, got {type(inputs).__name__}."
+        )
     if rid is None:
         rid = uuid.uuid4().hex
     elif not isinstance(rid, str) or not keys.is_valid_rid(rid):
         raise ValueError(f"Request id {rid!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
-    if reply_ttl_s is not None and (type(reply_ttl_s) is not int or reply_ttl_s < 1):
-        raise ValueError(f"reply_ttl_s must be a positive integer, got {reply_ttl_s!r}.")
+    if reply_ttl_s is not None:
+        check_ttl_s("reply_ttl_s", reply_ttl_s)
     if isinstance(outputs, str):
         raise ValueError(f"outputs must be a list of output names, got the string {outputs!r}.")
-    deadline_ms = None if deadline_s is None else max(0, round((now_s + deadline_s) * 1000))
+    deadline_ms = _deadline_ms(deadline_s, now_s)
     body = codec.encode_request(
         inputs, outputs=outputs, deadline_ms=deadline_ms, meta=meta, reply_ttl_s=reply_ttl_s
     )
@@ -355,6 +412,12 @@ def build_submissions(
     now_s: float,
 ) -> list[Submission]:
     """Encode many requests sharing their options, each with its own new rid."""
+    # A string or a single mapping iterates as names, which would fail deep in the encoder.
+    if isinstance(requests, str | bytes | Mapping) or not isinstance(requests, Iterable):
+        raise TypeError(
+            "submit_many takes a list of requests, each a mapping of input name to array; got "
+            f"{type(requests).__name__} (for one request, use submit)."
+        )
     return [
         build_submission(
             inputs,
@@ -372,12 +435,15 @@ class BacklogGate:
     """Decides from the stream's length whether a submit goes ahead, fails, or waits.
 
     One gate serves one submit call: its backoff starts at ``FIRST_BACKOFF_S`` and doubles up to
-    ``MAX_BACKOFF_S``, because Redis has no event that fires when a stream shrinks.
+    ``MAX_BACKOFF_S``, because Redis has no event that fires when a stream shrinks. ``until``
+    (monotonic) bounds the wait: an ``infer`` waits no longer than its ``timeout_s``, and then
+    gets the ``BacklogFull`` a submit that does not wait gets at once (nothing was sent).
     """
 
-    def __init__(self, max_backlog: int | None, wait: bool) -> None:
+    def __init__(self, max_backlog: int | None, wait: bool, until: float | None = None) -> None:
         self.max_backlog = max_backlog
         self.wait = wait
+        self.until = until
         self._next_delay_s = FIRST_BACKOFF_S
 
     @property
@@ -385,15 +451,16 @@ class BacklogGate:
         """False when there is no limit, so no XLEN is needed."""
         return self.max_backlog is not None
 
-    def delay_s(self, backlog: int) -> float | None:
-        """None: go ahead. A number: sleep that long, then ask again. Raises BacklogFull."""
+    def delay_s(self, backlog: int, now: float) -> float | None:
+        """None: go ahead. A number: sleep that long, then ask again. Raises BacklogFull when
+        not waiting, or once ``now`` (monotonic) reaches ``until``."""
         if self.max_backlog is None or backlog < self.max_backlog:
             return None
-        if not self.wait:
-            raise BacklogFull(backlog, self.max_backlog)
+        if not self.wait or (self.until is not None and now >= self.until):
+            raise BacklogFull(backlog, self.max_backlog, waited=self.wait)
         delay = self._next_delay_s
         self._next_delay_s = min(delay * 2, MAX_BACKOFF_S)
-        return delay
+        return delay if self.until is None else min(delay, self.until - now)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,10 +71,15 @@ class WireFormatError(RedbatchError):
 class BacklogFull(RedbatchError):
     """Raised by submit when the request stream holds max_backlog entries or more."""
 
-    def __init__(self, backlog: int, max_backlog: int) -> None:
+    def __init__(self, backlog: int, max_backlog: int, *, waited: bool = False) -> None:
+        advice = (
+            "The call's timeout_s ran out while it waited for the backlog to drop; the request "
+            "was not sent. Give it a longer timeout_s, raise max_backlog, or add workers."
+            if waited
+            else "Retry later, raise max_backlog, or submit with wait_for_backlog=True."
+        )
         super().__init__(
-            f"Request stream backlog is {backlog}, at or above max_backlog={max_backlog}. "
-            "Retry later, raise max_backlog, or submit with wait_for_backlog=True."
+            f"Request stream backlog is {backlog}, at or above max_backlog={max_backlog}. {advice}"
         )
         self.backlog = backlog
         self.max_backlog = max_backlog

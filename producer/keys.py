@@ -15,6 +15,7 @@ __all__ = [
     "dead_key",
     "is_valid_model_name",
     "is_valid_name",
+    "is_valid_prefix",
     "is_valid_rid",
     "reply_key",
     "request_stream",
@@ -28,11 +29,20 @@ CONSUMER_GROUP = "workers"
 
 _MODEL_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_NOT_IN_PREFIX = "{} \t\n"
 
 
 def is_valid_model_name(name: str) -> bool:
     """True when ``name`` matches the contract's model-name pattern."""
-    return _MODEL_RE.fullmatch(name) is not None
+    return isinstance(name, str) and _MODEL_RE.fullmatch(name) is not None
+
+
+def is_valid_prefix(prefix: str) -> bool:
+    """True for a key prefix: non-empty, without spaces, tabs, newlines or braces. A brace would
+    start a Redis Cluster hash tag ahead of the model's ``{M}``, so a model's keys could land in
+    other slots. It is the rule of the worker's ``redis.prefix`` and the CLI's ``--prefix``, so
+    a prefix a client takes is one its workers take too."""
+    return isinstance(prefix, str) and bool(prefix) and not any(c in prefix for c in _NOT_IN_PREFIX)
 
 
 def is_valid_rid(rid: str) -> bool:

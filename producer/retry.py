@@ -179,6 +179,13 @@ class RetryPolicy:
         bounded._client_retry_s = self._client_retry_s
         return bounded
 
+    def until(self, deadline: float | None, limit: str) -> RetryPolicy:
+        """``within`` the time left before the monotonic ``deadline``; None: this policy. For
+        calls that carry a deadline through several commands (``infer``'s submit)."""
+        if deadline is None:
+            return self
+        return self.within(deadline - time.monotonic(), limit)
+
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)``, retried through transient errors; raises ConnectionFailed."""
         started = time.monotonic()
@@ -275,6 +282,9 @@ def _within(
 
 
 def _describe(exc: BaseException | None) -> str:
+    """The error as one clause, without the final full stop redis-py's messages end in (the
+    caller's sentence puts its own)."""
     if exc is None:
         return "no error recorded"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = str(exc).rstrip(".")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -23,6 +23,7 @@ from producer.core import (
     Submission,
     as_bytes,
     build_submission,
+    check_timeout_s,
     failed_result,
     parse_reply_or_fail,
 )
@@ -52,10 +53,8 @@ class ReplyWaiter:
     """
 
     def __init__(self, settings: Settings, timeout_s: float, *, late_fails: bool = False) -> None:
-        if timeout_s < 0:
-            raise ValueError(f"timeout_s must not be negative, got {timeout_s!r}.")
         self._settings = settings
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout_s(timeout_s)
         self.late_fails = late_fails
         self.late: list[str] = []  # rids given up on, not yet cancelled by the shell
         # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
@@ -67,7 +66,8 @@ class ReplyWaiter:
         return len(self._pending)
 
     def add(self, rid: str, now: float) -> None:
-        """Await ``rid``'s reply until ``now + timeout_s``; ValueError for a bad rid."""
+        """Await ``rid``'s reply until ``now + timeout_s``; ValueError for a bad rid. ``now`` may
+        be earlier than the present: ``infer`` counts its wait from before its submit."""
         key = self._settings.reply_key(rid).encode()
         self._pending.setdefault(key, (rid, now + self.timeout_s))
 

@@ -24,7 +24,7 @@ import redis.asyncio
 from producer import aio as aio_module
 from producer import codec, keys
 from producer.aio import AsyncClient
-from producer.coalesce import ReplyHub
+from producer.coalesce import Coalescer, ReplyHub
 from producer.codec import ErrorInfo, ModelRef, Reply
 from producer.errors import (
     BacklogFull,
@@ -285,6 +285,48 @@ def test_backlog_full_and_the_waiting_submit(
             assert (await waiting.wait(rid, timeout_s=10)).ok
 
     run(scenario)
+
+
+def test_infer_on_a_full_backlog_ends_at_its_timeout_with_nothing_sent(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    rconn.xadd(STREAM, {"filler": "1"})
+
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url, max_backlog=1, wait_for_backlog=True) as client:
+            started = time.monotonic()
+            with pytest.raises(BacklogFull, match="max_backlog=1"):
+                await client.infer({"x": xs(1)}, timeout_s=0.3)
+            assert time.monotonic() - started < 3  # it waited for ever before
+
+    run(scenario)
+    assert rconn.xlen(STREAM) == 1
+
+
+def test_bad_arguments_are_refused_by_name_before_anything_is_sent(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    # The checks live in producer.core, shared with Client; this walks the async shell's calls.
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url) as client:
+            for timeout_s in (float("nan"), float("inf"), -1):
+                with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+                    await client.infer({"x": xs(1)}, timeout_s=timeout_s)
+                with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+                    await client.wait("r-1", timeout_s)
+            for deadline_s in (float("nan"), float("inf"), 1e20, 0):
+                with pytest.raises(ValueError, match="deadline_s must be a number of seconds"):
+                    await client.submit({"x": xs(1)}, deadline_s=deadline_s)
+            with pytest.raises(ValueError, match="ttl_s must be a whole number of seconds"):
+                await client.cancel("abc", ttl_s=0)
+            with pytest.raises(TypeError, match="submit_many takes a list of requests"):
+                await client.submit_many("ab")  # type: ignore[arg-type]
+
+    run(scenario)
+    assert rconn.exists(STREAM, keys.cancel_key(PREFIX, "abc")) == 0
+    for prefix in ("a b", "a{b}"):
+        with pytest.raises(ValueError, match="is not a key prefix"):
+            AsyncClient(MODEL, redis_url, prefix=prefix)
 
 
 def test_cancel_and_invalid_rid(redis_url: str, rconn: redis.Redis) -> None:
@@ -576,5 +618,36 @@ def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
         down = False
         assert await b == b"reply-b"
         assert await c == b"reply-c"  # its sweep failed; the next BLPOP found it
+
+    run(scenario)
+
+
+def test_a_shared_submit_fails_only_the_calls_whose_time_is_up() -> None:
+    # A send whose retries end at the first deadline among its calls, with Redis down: the call
+    # whose time is up fails; the others, one with no deadline, go again and get through.
+    async def scenario() -> None:
+        down = True
+        sent: list[list[str]] = []
+
+        async def send(items: list[str], until: float | None) -> None:
+            sent.append(list(items))
+            while down and (until is None or time.monotonic() < until):  # retrying
+                await asyncio.sleep(0.01)
+            if down:
+                raise RedisUnavailable("Redis stayed unavailable, past infer's timeout_s")
+
+        submits: Coalescer[str] = Coalescer(send)
+        now = time.monotonic()
+        short = asyncio.create_task(submits(["a"], now + 0.2))
+        long = asyncio.create_task(submits(["b"], now + 10))
+        plain = asyncio.create_task(submits(["c"]))
+        with pytest.raises(RedisUnavailable):
+            await short
+        assert not long.done()
+        assert not plain.done()
+        down = False
+        await long
+        await plain
+        assert sent == [["a", "b", "c"], ["b", "c"]]
 
     run(scenario)

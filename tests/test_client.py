@@ -7,6 +7,7 @@ pieces of ``producer.core`` are tested directly at the end.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import inspect
 import json
@@ -19,8 +20,8 @@ import pytest
 import redis
 
 import producer
+from producer import argtypes, codec, core, keys, resp, window
 from producer import client as client_module
-from producer import codec, core, keys, resp, window
 from producer.aio import AsyncClient
 from producer.client import Client
 from producer.codec import ErrorInfo, ModelRef, Reply
@@ -298,6 +299,63 @@ def test_bad_arguments_are_rejected_before_anything_is_sent(client: Client) -> N
         Client(MODEL, "redis://127.0.0.1:1/0", max_backlog=0)
 
 
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1, True])
+def test_a_bad_timeout_is_refused_by_name_before_anything_is_sent(
+    client: Client, rconn: redis.Redis, timeout_s: float
+) -> None:
+    with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+        client.infer({"x": xs(1)}, timeout_s=timeout_s)
+    with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+        client.wait("r-1", timeout_s)
+    assert rconn.exists(STREAM) == 0
+
+
+@pytest.mark.parametrize("deadline_s", [float("nan"), float("inf"), 1e20, 0, -1, True])
+def test_a_bad_deadline_is_refused_by_name(
+    client: Client, rconn: redis.Redis, deadline_s: float
+) -> None:
+    with pytest.raises(ValueError, match="deadline_s must be a number of seconds above 0"):
+        client.submit({"x": xs(1)}, deadline_s=deadline_s)
+    assert rconn.exists(STREAM) == 0
+
+
+def test_a_reply_ttl_past_the_longest_span_is_refused(client: Client) -> None:
+    with pytest.raises(ValueError, match="reply_ttl_s must be a whole number"):
+        client.submit({"x": xs(1)}, reply_ttl_s=2**64)
+
+
+@pytest.mark.parametrize("ttl_s", [0, -5, 1.5, True, core.MAX_SPAN_S + 1])
+def test_a_bad_cancel_ttl_is_refused_before_redis_sees_it(
+    client: Client, rconn: redis.Redis, ttl_s: int
+) -> None:
+    with pytest.raises(ValueError, match="ttl_s must be a whole number of seconds"):
+        client.cancel("abc", ttl_s=ttl_s)
+    assert rconn.exists(keys.cancel_key(PREFIX, "abc")) == 0
+
+
+@pytest.mark.parametrize("prefix", ["", "a b", "a{b}", "a}", "tab\there", "line\n", 7])
+def test_a_prefix_the_workers_and_cli_refuse_is_refused(prefix: str) -> None:
+    with pytest.raises(ValueError, match="is not a key prefix"):
+        Client(MODEL, "redis://127.0.0.1:1/0", prefix=prefix)
+    if isinstance(prefix, str):  # the CLI's rule is the same one
+        with pytest.raises(argparse.ArgumentTypeError):
+            argtypes.prefix(prefix)
+
+
+@pytest.mark.parametrize("requests", ["ab", b"ab", {"x": np.zeros((1, 3))}, 5])
+def test_submit_many_wants_a_list_of_requests(client: Client, requests: object) -> None:
+    with pytest.raises(TypeError, match="submit_many takes a list of requests"):
+        client.submit_many(requests)  # type: ignore[arg-type]
+
+
+def test_a_request_must_be_a_mapping_of_inputs(client: Client, rconn: redis.Redis) -> None:
+    with pytest.raises(TypeError, match="inputs must be a mapping of input name to array"):
+        client.submit("ab")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="inputs must be a mapping of input name to array"):
+        client.submit_many([{"x": xs(1)}, "ab"])  # type: ignore[list-item]
+    assert rconn.exists(STREAM) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # infer and wait_many
 
@@ -522,6 +580,21 @@ def test_waiting_submit_goes_through_once_the_backlog_drains(
         fake.stop()
 
 
+@pytest.mark.timeout(20)  # it waited for ever before infer's timeout_s bounded its submit
+def test_infer_on_a_full_backlog_ends_at_its_timeout_with_nothing_sent(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    rconn.xadd(STREAM, {"filler": "1"})
+    with Client(MODEL, redis_url, max_backlog=1, wait_for_backlog=True) as c:
+        started = time.monotonic()
+        with pytest.raises(BacklogFull, match="max_backlog=1"):
+            c.infer({"x": xs(1)}, timeout_s=0.3)
+        elapsed_s = time.monotonic() - started
+
+    assert 0.3 <= elapsed_s < 3
+    assert rconn.xlen(STREAM) == 1
+
+
 def test_cancel_sets_the_key_with_a_ttl(client: Client, rconn: redis.Redis) -> None:
     client.cancel("job-1", ttl_s=120)
 
@@ -681,12 +754,32 @@ def test_wait_with_zero_timeout_still_finds_a_reply_that_is_there(
 
 def test_backlog_gate_backs_off_exponentially_up_to_a_cap() -> None:
     gate = core.BacklogGate(max_backlog=10, wait=True)
-    assert gate.delay_s(9) is None
-    delays = [gate.delay_s(10) for _ in range(8)]
+    assert gate.delay_s(9, now=0) is None
+    delays = [gate.delay_s(10, now=0) for _ in range(8)]
     assert delays == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2]
     with pytest.raises(BacklogFull):
-        core.BacklogGate(max_backlog=10, wait=False).delay_s(11)
+        core.BacklogGate(max_backlog=10, wait=False).delay_s(11, now=0)
     assert not core.BacklogGate(max_backlog=None, wait=False).active
+
+
+def test_backlog_gate_waits_no_longer_than_its_deadline() -> None:
+    gate = core.BacklogGate(max_backlog=10, wait=True, until=100.0)
+    assert gate.delay_s(10, now=99.0) == 0.005
+    assert gate.delay_s(10, now=99.995) == pytest.approx(0.005)  # cut to end at the deadline
+    assert gate.delay_s(9, now=100.5) is None  # room: go ahead, late or not
+    with pytest.raises(BacklogFull) as info:
+        gate.delay_s(10, now=100.0)
+    assert "timeout_s ran out" in str(info.value)
+    assert "wait_for_backlog=True" not in str(info.value)  # it did wait: other advice
+
+
+def test_deadlines_and_ttls_up_to_the_longest_span_are_accepted() -> None:
+    sub = core.build_submission(
+        {"x": xs(1)}, deadline_s=core.MAX_SPAN_S, reply_ttl_s=core.MAX_SPAN_S, now_s=2e9
+    )
+    body = codec.decode_request(sub.body, max_bytes=1 << 20)
+    assert body.deadline_ms == (2e9 + core.MAX_SPAN_S) * 1000
+    assert body.reply_ttl_s == core.MAX_SPAN_S
 
 
 @pytest.mark.parametrize(

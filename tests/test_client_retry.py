@@ -185,6 +185,45 @@ def test_async_waits_each_end_at_their_own_timeout_through_an_outage(
     assert long_ok
 
 
+def test_infer_ends_at_its_timeout_when_redis_is_down_for_its_submit(
+    server: LocalRedis, redis_url: str
+) -> None:
+    server.stop(kill=True)
+    with Client(MODEL, redis_url, retry_s=30) as client:
+        started = time.monotonic()
+        with pytest.raises(RedisUnavailable, match="past infer's timeout_s"):
+            client.infer({"x": xs(1)}, timeout_s=0.5)
+        assert time.monotonic() - started < 5  # 30 s (retry_s) before infer bounded its submit
+    server.start()
+
+
+def test_async_infers_sharing_a_submit_each_end_at_their_own_timeout(
+    server: LocalRedis, redis_url: str
+) -> None:
+    # Given Redis down and two infers whose submits share one round trip
+    async def scenario() -> tuple[float, dict[str, np.ndarray]]:
+        async with AsyncClient(MODEL, redis_url, retry_s=30) as client:
+            await asyncio.to_thread(server.stop, True)
+            started = time.monotonic()
+            short = asyncio.create_task(client.infer({"x": xs(1)}, timeout_s=0.5))
+            long = asyncio.create_task(client.infer({"x": xs(1)}, timeout_s=30, rid="r-long"))
+            # Then the short one fails at its timeout, not at retry_s (30 s)
+            with pytest.raises(RedisUnavailable, match="past infer's timeout_s"):
+                await short
+            elapsed_s = time.monotonic() - started
+            # And the long one is still sent, and answered, once Redis is back
+            await asyncio.to_thread(server.start)
+            writer = redis.asyncio.Redis.from_url(redis_url)
+            await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-long"), reply_bytes("r-long"))
+            await writer.aclose()
+            return elapsed_s, await long
+
+    elapsed_s, outputs = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert elapsed_s < 5
+    np.testing.assert_array_equal(outputs["y"], xs(1))
+    assert [f[b"rid"] for f in entries(redis_url)] == [b"r-long"]
+
+
 def test_a_restart_between_commands_is_not_an_outage(
     server: LocalRedis, redis_url: str, outage_log: pytest.LogCaptureFixture
 ) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer.keys import DEFAULT_PREFIX, is_valid_model_name
+from producer.keys import DEFAULT_PREFIX, is_valid_model_name, is_valid_prefix
 from worker.errors import ConfigError
 
 __all__ = [
@@ -185,7 +185,7 @@ def _redis(t: _Table, url_override: str | None) -> RedisConfig:
             f"Config 'redis.url' has value {url!r}. Use redis://, rediss:// or unix:// URLs."
         )
     prefix = t.get_str("prefix", DEFAULT_PREFIX)
-    if not prefix or any(c in prefix for c in "{} \t\n"):
+    if not is_valid_prefix(prefix):
         raise ConfigError(
             f"Config 'redis.prefix' has value {prefix!r}. Use a non-empty name without braces "
             "or spaces."
