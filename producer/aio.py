@@ -30,7 +30,7 @@ from producer import core, resp, window
 from producer.client import DEFAULT_URL
 from producer.coalesce import Coalescer, ReplyHub
 from producer.core import Chunk, Result
-from producer.errors import RedbatchError, WaitTimeout
+from producer.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
 from producer.keys import DEFAULT_PREFIX
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
@@ -74,7 +74,10 @@ class AsyncClient:
         self._retry = RetryPolicy(self._where, retry_s)
         self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
         # Concurrent submit and wait calls (infer from many handlers) share round trips.
-        self._submits: Coalescer[core.Submission] = Coalescer(self._send)
+        self._submits: Coalescer[core.Submission] = Coalescer(
+            self._send, retry_s=retry_s, unsent=self._unsent
+        )
+        self._backlog_seen: int | None = None  # while a send waits for the backlog to drop
         self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._late)
 
     @property
@@ -134,9 +137,31 @@ class AsyncClient:
         settings = self._settings
         gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
         if gate.active:
-            while (delay_s := gate.delay_s(await self._xlen(until), time.monotonic())) is not None:
-                await _sleep(delay_s)
+            try:
+                while (
+                    delay_s := gate.delay_s(backlog := await self._xlen(until), time.monotonic())
+                ) is not None:
+                    self._backlog_seen = backlog
+                    await _sleep(delay_s)
+            finally:
+                self._backlog_seen = None
         await self._retry.until(until, core.INFER_LIMIT).acall(self._xadd, subs)
+
+    def _unsent(self) -> RedbatchError:
+        """The error of an ``infer`` whose timeout_s ran out while its submit waited behind an
+        earlier one: the cause that held that one up, as if the infer had met it itself."""
+        settings = self._settings
+        if self._backlog_seen is not None and settings.max_backlog is not None:
+            return BacklogFull(self._backlog_seen, settings.max_backlog, waited=True)
+        if self._retry.outage.active:
+            return RedisUnavailable(
+                f"Could not talk to Redis at {self._where} within {core.INFER_LIMIT}, while "
+                "an earlier submit was retrying; the request was not sent."
+            )
+        return WaitTimeout(
+            f"{core.INFER_LIMIT} ran out while an earlier submit was being sent; the request "
+            "was not sent."
+        )
 
     async def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:

@@ -26,6 +26,7 @@ ms and reached 6,800/s; sharing the round trips as below, 0.23 ms and 3,900/s.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from producer.core import as_bytes
-from producer.errors import RedbatchError, RedisUnavailable, WaitTimeout
+from producer.errors import ConnectionFailed, RedbatchError, RedisUnavailable, WaitTimeout
 
 __all__ = ["Coalescer", "ReplyHub"]
 
@@ -55,18 +56,27 @@ def _closed() -> RedbatchError:
 
 @dataclass(eq=False, slots=True)
 class _Queued(Generic[T]):
-    """One call's items, the future it awaits, and its deadline (monotonic; None: none)."""
+    """One call's items, the future it awaits, its deadline (monotonic; None: none) and when
+    it was queued (monotonic)."""
 
     items: Sequence[T]
     future: asyncio.Future[None]
     until: float | None
+    queued_at: float
 
 
 class Coalescer(Generic[T]):
-    """Calls ``send`` with every item handed to it while the previous ``send`` ran."""
+    """Calls ``send`` with every item handed to it while the previous ``send`` ran.
 
-    def __init__(self, send: Send[T]) -> None:
+    ``retry_s`` is the client's retry budget: a call sent again after a round trip gave up at
+    another call's deadline still fails once it has been retrying that long. ``unsent()`` is
+    the error of a call whose deadline passed while it waited for its turn.
+    """
+
+    def __init__(self, send: Send[T], *, retry_s: float, unsent: Callable[[], Exception]) -> None:
         self._send = send
+        self._retry_s = retry_s
+        self._unsent = unsent
         self._queue: list[_Queued[T]] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -76,17 +86,31 @@ class Coalescer(Generic[T]):
         raises what the send raised."""
         if self._closed:
             raise _closed()
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = _Queued(items, future, until)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        entry = _Queued(items, loop.create_future(), until, now)
         self._queue.append(entry)
         if self._task is None:
             self._task = asyncio.create_task(self._run())
+        # A round trip on the wire ends by the first deadline among its calls; one queued behind
+        # it is failed here at its own, so that no call outlasts its deadline while it waits.
+        timer = None
+        if until is not None and until < math.inf:
+            timer = loop.call_later(until - now, self._expire, entry)
         try:
-            await future
+            await entry.future
         except asyncio.CancelledError:
             if entry in self._queue:  # not taken yet: it will not be sent
                 self._queue.remove(entry)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _expire(self, entry: _Queued[T]) -> None:
+        if entry in self._queue and not entry.future.done():  # not on the wire: never sent
+            self._queue.remove(entry)
+            entry.future.set_exception(self._unsent())
 
     async def _run(self) -> None:
         try:
@@ -96,7 +120,7 @@ class Coalescer(Generic[T]):
                 try:
                     await self._send([item for e in batch for item in e.items], until)
                 except Exception as exc:
-                    self._queue[:0] = _fail_expired(batch, until, exc)
+                    self._queue[:0] = _fail_expired(batch, until, exc, self._retry_s)
                 except BaseException:
                     _settle(batch, _closed())
                     raise
@@ -114,19 +138,28 @@ class Coalescer(Generic[T]):
             self._task.cancel()
 
 
-def _fail_expired(batch: list[_Queued[T]], until: float | None, exc: Exception) -> list[_Queued[T]]:
-    """Fail with ``exc`` the calls whose deadline has passed; return the others, to send again.
+def _fail_expired(
+    batch: list[_Queued[T]], until: float | None, exc: Exception, retry_s: float
+) -> list[_Queued[T]]:
+    """Fail with ``exc`` the calls whose time is up; return the others, to send again.
 
     A send that failed before ``until`` (retries spent, a refused command, a backlog full with
     no waiting) fails every call. One that gave up at ``until`` did so for the first call's
     deadline: the calls with time left go again (resending is safe, as a retry is: same rids
-    and bodies), and the call that set ``until`` is failed, so the next send's is later.
+    and bodies), and the call that set ``until`` is failed, so the next send's is later. Time
+    left means before the call's own deadline and, through an outage, within ``retry_s`` of
+    its queueing, so that a call without a deadline is not retried forever by its neighbours'.
     """
     now = time.monotonic()
     if until is None or now < until:
         _settle(batch, exc)
         return []
-    expired = [e for e in batch if e.until is not None and e.until <= now]
+    outage = isinstance(exc, ConnectionFailed)
+    expired = [
+        e
+        for e in batch
+        if (e.until is not None and e.until <= now) or (outage and now - e.queued_at >= retry_s)
+    ]
     _settle(expired, exc)
     return [e for e in batch if not e.future.done()]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import numbers
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -243,23 +242,25 @@ class Settings:
 
 
 def check_timeout_s(timeout_s: float) -> float:
-    """``timeout_s``, when it is a finite number of seconds >= 0; else ValueError naming it.
-    ``infer`` checks it before sending, so a bad timeout never leaves a request queued (and
-    NaN would otherwise surface later as a bad ``retry_s``)."""
-    if not _is_number(timeout_s) or not 0 <= timeout_s < math.inf:
-        raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}.")
-    return timeout_s
+    """``timeout_s``, when it is a number of seconds >= 0 (``math.inf``: no limit); else
+    ValueError naming it. ``infer`` checks it before sending, so a bad timeout never leaves a
+    request queued (and NaN would otherwise surface later as a bad ``retry_s``)."""
+    if not _is_number(timeout_s) or not timeout_s >= 0:  # NaN fails the comparison too
+        raise ValueError(f"timeout_s must be a number of seconds >= 0, got {timeout_s!r}.")
+    return float(timeout_s)
 
 
 def check_ttl_s(name: str, ttl_s: int) -> int:
-    """``ttl_s``, when it is a whole number of seconds from 1 to ``MAX_SPAN_S``; else
-    ValueError naming ``name``. Redis refuses other expire times, and its refusal would read as
-    a Redis failure (``ConnectionFailed``)."""
-    if type(ttl_s) is not int or not 1 <= ttl_s <= MAX_SPAN_S:
+    """``ttl_s``, when it is a whole number of seconds from 1 to ``MAX_SPAN_S`` (a numpy
+    integer too); else ValueError naming ``name``. Redis refuses other expire times, and its
+    refusal would read as a Redis failure (``ConnectionFailed``)."""
+    if not isinstance(ttl_s, numbers.Integral) or isinstance(ttl_s, bool):
+        raise ValueError(f"{name} must be a whole number of seconds, got {ttl_s!r}.")
+    if not 1 <= ttl_s <= MAX_SPAN_S:
         raise ValueError(
             f"{name} must be a whole number of seconds from 1 to {MAX_SPAN_S}, got {ttl_s!r}."
         )
-    return ttl_s
+    return int(ttl_s)
 
 
 def _deadline_ms(deadline_s: float | None, now_s: float) -> int | None:

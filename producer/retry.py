@@ -126,6 +126,11 @@ class Outage:
             extra={"redis": self.where, "event": "redis_down"},
         )
 
+    @property
+    def active(self) -> bool:
+        """Whether an outage has begun and no command has succeeded since."""
+        return self._since is not None
+
     def ended(self) -> None:
         """Note a command that succeeded; logs only when it ends an outage."""
         if self._since is None:  # the hot path: no lock while Redis is up
@@ -169,7 +174,7 @@ class RetryPolicy:
         """The same policy, retrying for at most ``seconds`` more: a wait's time left, so that
         an outage never holds a call past its timeout. ``limit`` names that bound in the
         error."""
-        if seconds >= self.retry_s:
+        if seconds >= self.retry_s or not self.retry_s:  # retry_s = 0: never any retry
             return self
         # Never none at all: the immediate retry after a restart (a stale pooled connection)
         # costs nothing, and is the commonest fix.

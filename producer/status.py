@@ -212,12 +212,12 @@ def _live_workers(
 ) -> tuple[tuple[WorkerInfo, ...], tuple[str, ...]]:
     """Workers whose record is still there; names whose record expired are removed from the set."""
     set_key = keys.workers_key(prefix, model)
-    members = {_text(m): m for m in conn.smembers(set_key)}  # removed as stored: not UTF-8 too
+    members = sorted((_text(m), m) for m in conn.smembers(set_key))
     live: list[WorkerInfo] = []
-    expired: list[str] = []
-    for name in sorted(members):
+    expired: list[tuple[str, Any]] = []  # removed as stored, so a name not UTF-8 goes too
+    for name, raw_name in members:
         if not keys.is_valid_name(name):
-            expired.append(name)
+            expired.append((name, raw_name))
             continue
         record_key = keys.worker_key(prefix, model, name)
         pipe = conn.pipeline(transaction=False)
@@ -225,7 +225,7 @@ def _live_workers(
         pipe.ttl(record_key)
         raw, ttl = pipe.execute()
         if raw is None:
-            expired.append(name)
+            expired.append((name, raw_name))
             continue
         live.append(
             WorkerInfo(
@@ -233,8 +233,8 @@ def _live_workers(
             )
         )
     if expired:
-        conn.srem(set_key, *(members[name] for name in expired))
-    return tuple(live), tuple(expired)
+        conn.srem(set_key, *(raw_name for _, raw_name in expired))
+    return tuple(live), tuple(name for name, _ in expired)
 
 
 def _parse_record(raw: bytes | str) -> dict[str, Any]:

@@ -309,10 +309,10 @@ def test_bad_arguments_are_refused_by_name_before_anything_is_sent(
     # The checks live in producer.core, shared with Client; this walks the async shell's calls.
     async def scenario() -> None:
         async with AsyncClient(MODEL, redis_url) as client:
-            for timeout_s in (float("nan"), float("inf"), -1):
-                with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+            for timeout_s in (float("nan"), -1):
+                with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
                     await client.infer({"x": xs(1)}, timeout_s=timeout_s)
-                with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+                with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
                     await client.wait("r-1", timeout_s)
             for deadline_s in (float("nan"), float("inf"), 1e20, 0):
                 with pytest.raises(ValueError, match="deadline_s must be a number of seconds"):
@@ -636,7 +636,7 @@ def test_a_shared_submit_fails_only_the_calls_whose_time_is_up() -> None:
             if down:
                 raise RedisUnavailable("Redis stayed unavailable, past infer's timeout_s")
 
-        submits: Coalescer[str] = Coalescer(send)
+        submits: Coalescer[str] = Coalescer(send, retry_s=30, unsent=lambda: WaitTimeout("-"))
         now = time.monotonic()
         short = asyncio.create_task(submits(["a"], now + 0.2))
         long = asyncio.create_task(submits(["b"], now + 10))
@@ -651,3 +651,82 @@ def test_a_shared_submit_fails_only_the_calls_whose_time_is_up() -> None:
         assert sent == [["a", "b", "c"], ["b", "c"]]
 
     run(scenario)
+
+
+def test_a_call_queued_behind_a_send_fails_at_its_own_deadline_unsent() -> None:
+    # A send that takes long (a backlog wait, an outage) holds the calls queued behind it; one
+    # whose deadline passes meanwhile fails then, with the client's error, and is never sent.
+    async def scenario() -> None:
+        release = asyncio.Event()
+        sent: list[list[str]] = []
+
+        async def send(items: list[str], until: float | None) -> None:
+            sent.append(list(items))
+            await release.wait()
+
+        submits: Coalescer[str] = Coalescer(
+            send, retry_s=30, unsent=lambda: BacklogFull(5, 1, waited=True)
+        )
+        first = asyncio.create_task(submits(["a"]))
+        while not sent:  # the first send is on the wire
+            await asyncio.sleep(0)
+        started = time.monotonic()
+        with pytest.raises(BacklogFull, match="timeout_s ran out"):
+            await submits(["b"], started + 0.2)
+        assert time.monotonic() - started < 2  # it waited for the first send to end before
+        release.set()
+        await first
+        assert sent == [["a"]]  # b was never sent
+
+    run(scenario)
+
+
+def test_a_call_without_deadline_is_not_retried_past_retry_s_by_its_neighbours() -> None:
+    # Redis down; infers with short deadlines keep arriving, so each round trip gives up at one
+    # of their deadlines and the plain submit goes again: it must still fail within retry_s.
+    async def scenario() -> None:
+        async def send(items: list[str], until: float | None) -> None:
+            while until is None or time.monotonic() < until:  # retrying, Redis down
+                await asyncio.sleep(0.01)
+            raise RedisUnavailable("Redis stayed unavailable, past infer's timeout_s")
+
+        submits: Coalescer[str] = Coalescer(send, retry_s=0.5, unsent=lambda: WaitTimeout("-"))
+
+        async def infers() -> None:
+            while True:
+                call = submits(["i"], time.monotonic() + 0.1)
+                asyncio.get_running_loop().create_task(call).add_done_callback(
+                    lambda t: t.cancelled() or t.exception()
+                )
+                await asyncio.sleep(0.05)
+
+        feeder = asyncio.create_task(infers())
+        started = time.monotonic()
+        try:
+            with pytest.raises(RedisUnavailable):
+                await asyncio.wait_for(submits(["plain"]), timeout=5)
+        finally:
+            feeder.cancel()
+        assert time.monotonic() - started < 1.5  # its own retry_s, not the neighbours'
+
+    run(scenario)
+
+
+def test_an_infer_behind_a_submit_waiting_on_the_backlog_ends_at_its_timeout(
+    redis_url: str, rconn: redis.Redis
+) -> None:
+    rconn.xadd(STREAM, {"filler": "1"})
+
+    async def scenario() -> None:
+        async with AsyncClient(MODEL, redis_url, max_backlog=1, wait_for_backlog=True) as client:
+            waiting = asyncio.create_task(client.submit({"x": xs(1)}))
+            while client._backlog_seen is None:  # that submit is waiting for the backlog
+                await asyncio.sleep(0.001)
+            started = time.monotonic()
+            with pytest.raises(BacklogFull, match="timeout_s ran out"):
+                await client.infer({"x": xs(1)}, timeout_s=0.3)
+            assert time.monotonic() - started < 2  # it waited for the backlog to drain before
+            waiting.cancel()
+
+    run(scenario)
+    assert rconn.xlen(STREAM) == 1

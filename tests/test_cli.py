@@ -536,7 +536,8 @@ def test_status_shows_backlog_consumers_dead_letters_and_live_workers(
     dead = keys.dead_key(PREFIX, MODEL)
     rconn.xadd(dead, {"rid": "bad id!", "body": b"", "reason": "rid breaks the pattern."})
     register(rconn, "host-7")
-    rconn.sadd(keys.workers_key(PREFIX, MODEL), "gone-1", b"bad\xff")  # the second not UTF-8
+    # ... the second not UTF-8, the third the text the second is shown as
+    rconn.sadd(keys.workers_key(PREFIX, MODEL), "gone-1", b"bad\xff", b"bad\\xff")
 
     code = main(["--redis-url", redis_url, "status", "--model", MODEL])
 
@@ -549,7 +550,7 @@ def test_status_shows_backlog_consumers_dead_letters_and_live_workers(
     assert "Dead letters redbatch:{demo}:dead: 1" in out
     assert "rid breaks the pattern." in out
     assert "Workers: 1 live" in out
-    assert "removed 2 expired from the registry: bad\\xff, gone-1" in out
+    assert "removed 3 expired from the registry: bad\\xff, bad\\xff, gone-1" in out
     assert "abababababab" in out
     assert "32 rows/5 ms" in out
     assert "input  x float32 [?, 4] range [-1.0, 1.0]" in out
