@@ -115,7 +115,7 @@ def test_the_typical_write_is_learnt_from_writes_that_needed_no_retry(
     learnt = writer.typical_s
     assert 0.0 < learnt < 1.0
     # A write that went through an outage says nothing about how long writes take
-    finish = stream.finish
+    finish = stream.finish_each
     failed = []
 
     def fail_once(finishes):
@@ -124,7 +124,7 @@ def test_the_typical_write_is_learnt_from_writes_that_needed_no_retry(
             raise redis.ConnectionError("Connection refused")
         return finish(finishes)
 
-    monkeypatch.setattr(stream, "finish", fail_once)
+    monkeypatch.setattr(stream, "finish_each", fail_once)
     writer.submit(_read_batch(rconn, stream, "r2"), here=True)
     assert failed
     assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
@@ -257,7 +257,7 @@ def test_a_write_that_fails_here_while_draining_stops_the_lease_keeper(
     watched = _Watched(worker)
     first_running, go = threading.Event(), threading.Event()
     turns = [(first_running, go), (threading.Event(), watched.first_written)]
-    run, finish = worker.model.run, worker.stream.finish
+    run, finish = worker.model.run, worker.stream.finish_each
 
     def run_in_turn(feeds, names):
         started, wait_for = turns.pop(0)
@@ -271,7 +271,7 @@ def test_a_write_that_fails_here_while_draining_stops_the_lease_keeper(
         return finish(finishes)
 
     worker.model.run = run_in_turn  # type: ignore[method-assign]
-    worker.stream.finish = refused_off_the_writer  # type: ignore[method-assign]
+    worker.stream.finish_each = refused_off_the_writer  # type: ignore[method-assign]
     worker.writer.typical_s = 10.0  # every run is shorter than a write: written here
     thread, failure = serve_in_thread(worker, "w1")
     try:
@@ -293,3 +293,52 @@ def test_a_write_that_fails_here_while_draining_stops_the_lease_keeper(
     assert wait_reply(rconn, "a-0").ok  # the first batch went to the writer and was answered
     assert watched.handed_over == [4, 4]
     assert rconn.xpending("redbatch:{tiny}:requests", "workers")["pending"] == 4
+
+
+def test_only_the_entries_finished_here_count_as_served(tmp_path: Path, redis_url: str) -> None:
+    # Given a batch of two read by this worker, one of which another consumer claimed meanwhile
+    # (a batch taken for hung, say): its reply is that consumer's to write
+    worker, client = _tiny_worker(tmp_path, redis_url)
+    worker.stream.ensure_group()
+    stream_key = worker.stream.key
+    for rid in ("mine", "claimed"):
+        client.xadd(stream_key, {"rid": rid, "body": b"b"})
+    got = client.xreadgroup("workers", "w1", {stream_key: ">"}, count=2)
+    ids = [entry_id for entry_id, _ in got[0][1]]
+    client.xclaim(stream_key, "workers", "other", 0, [ids[1]])
+    batch = Batch([Finish(ids[0], "mine", b"r"), Finish(ids[1], "claimed", b"r")])
+
+    # When the worker writes it
+    worker.writer.submit(batch, here=True)
+
+    # Then one reply is written and one request counted, not two
+    assert batch.finished == [True, False]
+    assert client.exists("redbatch:reply:mine")
+    assert not client.exists("redbatch:reply:claimed")
+    assert worker.served["requests"] == 1
+    assert worker.metrics.requests.labels(code="OK")._value.get() == 1
+    worker.writer.close()
+
+
+def test_giving_up_on_redis_when_told_is_one_line_not_a_traceback(
+    rconn, stream, monkeypatch, caplog
+) -> None:
+    # A second stop signal during an outage sets give_up: the writer stops retrying, as asked,
+    # and says so in one line (a traceback of the Redis error would read as a crash).
+    give_up = threading.Event()
+    writer = ReplyWriter(stream, give_up, _Recorder(), lambda: None)
+    tries = []
+
+    def down(finishes):
+        tries.append(1)
+        if len(tries) == 2:
+            give_up.set()  # the second signal comes while it retries
+        raise redis.ConnectionError("Connection refused")
+
+    monkeypatch.setattr(stream, "finish_each", down)
+    with pytest.raises(WorkerError):
+        writer.submit(_read_batch(rconn, stream, "r0"), here=True)
+    assert isinstance(writer.failure, redis.ConnectionError)
+    [record] = [r for r in caplog.records if r.name == "worker.writer"]
+    assert "gave up on Redis as told" in record.getMessage()
+    assert record.exc_info is None

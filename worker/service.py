@@ -93,8 +93,9 @@ class Worker:
         self.ready = threading.Event()  # set once the worker reads from the stream
         self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
         self.metrics = metrics or Metrics()
+        # Its own stop: it beats until the drain ends (``_drain`` closes it), not until ``stop``.
         self.registry = Registry(
-            client, cfg.redis.prefix, prepared.record, self.stop, on_beat=self._sample_stream
+            client, cfg.redis.prefix, prepared.record, on_beat=self._sample_stream
         )
         # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
         self.queue: queue.Queue[list[WorkItem]] = queue.Queue(maxsize=2)
@@ -131,6 +132,7 @@ class Worker:
                 on_claimed=self.metrics.claimed,
             ),
             on_outage=self.metrics.redis_down,
+            burst=burst,
         )
         self._claims = claims
         self.writer = ReplyWriter(
@@ -219,6 +221,8 @@ class Worker:
         )
 
     def _drained(self) -> bool:
+        """Burst mode: nothing new to read, nothing pending on any consumer (the intake's
+        ``idle``, worker/intake.py) and nothing held here."""
         return (
             self.intake.idle.is_set()
             and self.queue.empty()
@@ -230,6 +234,8 @@ class Worker:
         """Stop reading, then batch, run and answer every entry already read."""
         self.stop.set()
         self.registry.update(state="draining")
+        self.registry.beat_soon()  # it keeps beating, as draining, until the drain ends
+        clean = False
         try:
             while self.writer.failure is None and (
                 self.intake.is_alive() or not self.queue.empty() or self.batcher.holding
@@ -237,16 +243,21 @@ class Worker:
                 batch = self.batcher.next_batch(0.05)
                 if batch:
                     self.process(batch)  # raises if the write failed on this thread
+            clean = self.writer.failure is None
         finally:
-            if self.writer.failure is not None:
+            if not clean:
                 self.keeper.close()  # stop renewing, so that other workers can claim the rest
-        if self.writer.failure is not None:
+                self.registry.close(remove=False)  # it expires, still saying draining
+        if not clean:
             return  # what is left stays pending in Redis; run() raises the writer's error
-        self.writer.close()
-        self.keeper.close()
-        self._forget_self()
-        self.registry.join(timeout=1.0)
-        self.registry.remove()
+        try:
+            self.writer.close()
+        finally:
+            self.keeper.close()
+            written = self.writer.failure is None
+            if written:
+                self._forget_self()
+            self.registry.close(remove=written)  # ends the heartbeat, then removes the record
         log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
 
     def _forget_self(self) -> None:
@@ -294,14 +305,18 @@ class Worker:
     def _written(self, batch: Batch, write_s: float) -> None:
         """Called once a batch is in Redis, on the thread that wrote it (one at a time)."""
         self.leases.release(f.entry_id for f in batch.finishes)
+        # Counted as served: the entries finished here, not those another consumer holds now
+        # (a hung batch's, claimed meanwhile) or that a flush took; the others get their reply
+        # from whoever finishes them.
+        codes = [f.code for f, done in zip(batch.finishes, batch.finished, strict=True) if done]
         self.metrics.batch_done(
-            codes=[f.code for f in batch.finishes],
+            codes=codes,
             queued_s=batch.queued_s,
             decode_s=batch.decode_s,
             runs=batch.runs,
             write_s=write_s,
         )
-        self.served["requests"] += len(batch.finishes)
+        self.served["requests"] += len(codes)
         self.served["batches"] += 1
         self.registry.update(served=dict(self.served))
 

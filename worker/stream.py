@@ -37,6 +37,7 @@ from producer.keys import (
     request_stream,
     staging_key,
 )
+from worker.errors import WorkerError
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
@@ -60,6 +61,7 @@ if failed then return failed end
 local mine = {}
 for _, p in ipairs(page) do mine[p[1]] = true end
 local acked = {}
+local flags = {}  -- per entry, in order: '1' finished here, '0' not this consumer's to finish
 for i = 0, n - 1 do
   local base = 7 + i * 3
   local id, ri, reason = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2]
@@ -110,13 +112,14 @@ for i = 0, n - 1 do
     end
     acked[#acked + 1] = id
   end
+  flags[i + 1] = ours and '1' or '0'
 end
 for first = 1, #acked, 1000 do
   local last = math.min(first + 999, #acked)
   redis.call('XACK', stream, group, unpack(acked, first, last))
   redis.call('XDEL', stream, unpack(acked, first, last))
 end
-return #acked
+return table.concat(flags)
 """
 
 
@@ -349,10 +352,16 @@ class RequestStream:
         return CancelQuery(self, rids, resp.send(self.client, packer))
 
     def finish(self, items: Sequence[Finish]) -> int:
+        """``finish_each``, counted: the entries finished here."""
+        return sum(self.finish_each(items))
+
+    def finish_each(self, items: Sequence[Finish]) -> list[bool]:
         """Stage the replies, then reply, dead-letter, ack and delete in one script: one round
-        trip. Returns the entries finished; the rest were not this consumer's to finish."""
+        trip. Returns, per item, whether it was finished here; the others were not this
+        consumer's to finish (claimed by another, flushed), so their replies were not written
+        and must not be counted as served."""
         if not items:
-            return 0
+            return []
         stream, dead, group, me = self._head
         orders = [_id_order(item.entry_id) for item in items]
         keys = [stream, dead]
@@ -367,19 +376,22 @@ class RequestStream:
                 keys += [staged, self._reply + item.rid.encode()]
                 index = len(keys) // 2 - 1
             args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode()]
-        done = self._run_finish(staging, keys, args)
-        if done < len(items):
+        flags = self._run_finish(staging, keys, args)
+        done = [flag == ord("1") for flag in flags]
+        if len(done) != len(items):
+            raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
+        if not all(done):
             log.warning(
                 "%d of %d entries were no longer pending on %s (claimed by another worker, "
                 "deleted, flushed, or finished by an earlier try whose answer was lost) or "
                 "their staged reply was gone; this try wrote no reply for them",
-                len(items) - done,
+                len(items) - sum(done),
                 len(items),
                 self.consumer,
             )
         return done
 
-    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> int:
+    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
         """Send the staging commands and the script in one round trip; raise what failed.
 
         The script goes by EVALSHA behind the staging commands (redis-py's script helper would
@@ -397,4 +409,4 @@ class RequestStream:
         if isinstance(result, Exception):
             raise result
         resp.raise_first_error(staged)
-        return int(result)
+        return result.encode() if isinstance(result, str) else bytes(result)

@@ -39,6 +39,9 @@ class Batch:
     queued_s: list[float] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     runs: list[tuple[int, float]] = field(default_factory=list)
+    # once written: per finish, whether it was finished here (its reply written, its entry
+    # acked) rather than left to the consumer that holds it now
+    finished: list[bool] = field(default_factory=list)
 
 
 class ReplyWriter(threading.Thread):
@@ -121,7 +124,9 @@ class ReplyWriter(threading.Thread):
         if faults.ACTIVE:
             faults.hit("before_finish")
         self._outage.interrupted = False
-        self._outage.call(functools.partial(self.stream.finish, batch.finishes))
+        batch.finished = self._outage.call(
+            functools.partial(self.stream.finish_each, batch.finishes)
+        )
         elapsed = time.perf_counter() - started
         if not self._outage.interrupted:
             self.typical_s += _TYPICAL_WEIGHT * (elapsed - self.typical_s)
@@ -131,5 +136,14 @@ class ReplyWriter(threading.Thread):
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
-        log.exception("reply writer stopped; the unwritten entries stay pending")
+        if self._outage.give_up is not None and self._outage.give_up.is_set():
+            # asked for (a second stop signal during an outage): one line, not a traceback
+            log.error(
+                "reply writer gave up on Redis as told (%s: %s); the unwritten entries stay "
+                "pending, for a worker to claim",
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            log.exception("reply writer stopped; the unwritten entries stay pending")
         self.on_failure()
