@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import numbers
+import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -553,8 +554,11 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = parts.port
-    except ValueError:
-        return "<a Redis URL that could not be parsed>"
+    except ValueError:  # a bad port or host: shown as written, less what could be a password
+        scheme, sep, rest = url.partition("://")
+        if sep and "@" in rest:
+            rest = "***@" + rest.rpartition("@")[2]
+        return re.sub(r"([?&]password=)[^&#]*", r"\1***", scheme + sep + rest)
     if ":" in host:
         host = f"[{host}]"
     netloc = host + (f":{port}" if port is not None else "")

@@ -221,3 +221,238 @@ def test_cuda_libraries_are_preloaded_only_when_cuda_is_asked_for(
     config.write_text(config.read_text().replace('["cpu"]', '["cuda", "cpu"]'))
     prepare(load_config(config, environ={}), "w")
     assert len(calls) == 1
+
+
+# -- input bounds: one-sided, huge and infinite bounds warm up; NaN and empty ranges refused --
+
+_BOUNDS = [
+    {"min": 5.0},
+    {"max": -1.0},
+    {"min": -float("inf")},
+    {"max": float("inf")},
+    {"min": -1e308, "max": 1e308},
+    {"min": 1e308},
+    {"max": -1e308},
+    {"min": 0.0},
+    {"max": 0.0},
+    {"min": 2.5, "max": 3.5},
+    {"min": -3.0, "max": 70_000.0},
+]
+
+
+def _schema(model_dir: Path, dtype: str, bounds: dict):
+    import numpy as np
+
+    from worker.model import TensorSpec
+    from worker.schema import Schema
+
+    config = _parse(model_dir, inputs={"x": bounds})
+    inputs = (TensorSpec("x", np.dtype(dtype), ("N", 3)),)
+    outputs = (TensorSpec("y", np.dtype("float32"), ("N",)),)
+    return Schema(inputs, outputs, config)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int64", "uint64"])
+@pytest.mark.parametrize("bounds", _BOUNDS)
+def test_warmup_inputs_pass_the_checks_for_any_allowed_bounds(
+    model_dir: Path, dtype: str, bounds: dict
+) -> None:
+    import numpy as np
+
+    from worker.schema import ValidRequest
+
+    info = np.finfo(dtype) if dtype.startswith("float") else np.iinfo(dtype)
+    if bounds.get("min", 0.0) > float(info.max) or bounds.get("max", 0.0) < float(info.min):
+        with pytest.raises(ConfigError, match="admits no value of input 'x'"):
+            _schema(model_dir, dtype, bounds)  # no value of the dtype could pass
+        return
+    schema = _schema(model_dir, dtype, bounds)
+    feeds = schema.synthetic_feeds(32)
+    assert feeds["x"].shape == (32, 3)
+    assert feeds["x"].dtype == dtype
+    request = ValidRequest(feeds, 32, ((3,),), ("y",))
+    assert schema.screen(feeds, [request]) == {}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bounds", "key"),
+    [
+        ("float32", {"min": 1e39}, "'inputs.x.min'"),
+        ("float16", {"max": -1e5}, "'inputs.x.max'"),
+        ("int64", {"min": 0.2, "max": 0.8}, "'inputs.x.min'"),
+        ("uint8", {"max": -1.0}, "'inputs.x.max'"),
+        ("int8", {"min": 200.0}, "'inputs.x.min'"),
+    ],
+)
+def test_a_range_no_value_of_the_dtype_passes_is_a_config_error(
+    model_dir: Path, dtype: str, bounds: dict, key: str
+) -> None:
+    with pytest.raises(ConfigError, match="admits no value") as info:
+        _schema(model_dir, dtype, bounds)
+    assert key in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_float_bounds_equal_after_rounding_to_the_dtype_are_a_valid_range(model_dir: Path) -> None:
+    schema = _schema(model_dir, "float32", {"min": 0.1, "max": 0.1})
+    assert (schema.synthetic_feeds(4)["x"] == schema.synthetic_feeds(4)["x"].dtype.type(0.1)).all()
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    ["min = 5.0", "max = -1.0", "min = -inf", "min = -1e308\nmax = 1e308", "max = inf"],
+)
+def test_cli_check_warms_up_with_one_sided_and_unbounded_ranges(
+    tmp_path: Path, bounds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = f"[inputs.features]\n{bounds}"
+    config = write_config(tmp_path, "demo", "redis://127.0.0.1:1/0", extra=extra)
+    assert main(["--config", str(config), "--check"]) == 0
+    assert '"sha256"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("bounds", "words"),
+    [
+        ({"min": float("nan")}, ["'inputs.x.min'", "nan", "finite"]),
+        ({"max": float("nan")}, ["'inputs.x.max'", "nan", "finite"]),
+        ({"min": float("inf")}, ["'inputs.x.min'", "no value would pass"]),
+        ({"max": -float("inf")}, ["'inputs.x.max'", "no value would pass"]),
+        ({"min": 1.0, "max": -1.0}, ["'inputs.x.min'", "Swap"]),
+    ],
+)
+def test_nan_and_wrong_way_infinite_bounds_are_refused(
+    model_dir: Path, bounds: dict, words: list
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        _parse(model_dir, inputs={"x": bounds})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_an_infinite_bound_on_its_own_side_is_no_bound(model_dir: Path) -> None:
+    inf = float("inf")
+    cfg = _parse(model_dir, inputs={"x": {"min": -inf, "max": inf}}).inputs["x"]
+    assert (cfg.min, cfg.max) == (None, None)
+
+
+def test_cli_nan_bound_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = "[inputs.features]\nmin = nan"
+    config = write_config(tmp_path, "demo", "redis://127.0.0.1:1/0", extra=extra)
+    assert main(["--config", str(config), "--check"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1
+    assert "'inputs.features.min'" in errors[0]
+    assert "Traceback" not in err
+
+
+# -- numbers and durations: finite, and at most a day where a long one breaks the worker --
+
+
+@pytest.mark.parametrize(
+    ("tables", "words"),
+    [
+        ({"delivery": {"claim_idle_ms": 100_000_000_000_000}}, ["'delivery.claim_idle_ms'"]),
+        ({"delivery": {"claim_idle_ms": 86_400_001}}, ["'delivery.claim_idle_ms'", "86400000"]),
+        ({"delivery": {"max_run_s": 86_401}}, ["'delivery.max_run_s'", "86400"]),
+        ({"delivery": {"max_run_s": float("inf")}}, ["'delivery.max_run_s'", "finite"]),
+        ({"delivery": {"max_run_s": float("nan")}}, ["'delivery.max_run_s'", "finite"]),
+        ({"batching": {"max_wait_ms": float("nan")}}, ["'batching.max_wait_ms'", "finite"]),
+    ],
+)
+def test_durations_are_finite_and_bounded(model_dir: Path, tables: dict, words: list) -> None:
+    with pytest.raises(ConfigError) as info:
+        _parse(model_dir, **tables)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_a_day_is_still_accepted(model_dir: Path) -> None:
+    delivery = _parse(
+        model_dir, delivery={"claim_idle_ms": 86_400_000, "max_run_s": 86_400}
+    ).delivery
+    assert (delivery.claim_idle_ms, delivery.max_run_s) == (86_400_000, 86_400.0)
+
+
+# -- redis.url: parsed the way redis-py reads it, at config time, never echoing a password --
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("redis://127.0.0.1:notaport/0", ["port"]),
+        ("redis://h:99999/0", ["port"]),
+        ("redis://h:0/0", ["port"]),
+        ("redis://h/abc", ["database", "/0"]),
+        ("redis://h/-1", ["database"]),
+        ("redis://h/0?db=x", ["'db'"]),
+        ("redis://h/0?foo=1", ["'foo'"]),
+        ("redis://h/0?ssl_cert_reqs=none", ["'ssl_cert_reqs'"]),  # a rediss:// option
+        ("redis://h/0?protocol=4", ["protocol"]),
+        ("unix://", ["path"]),
+        ("redis://[::1/0", ["IPv6"]),
+        ("redis://user:s3cret@h:x/0", ["port", "***@h:x/0", "percent-encoded"]),
+        ("redis://:s3/cret@h/0", ["port", "percent-encoded"]),
+        ("redis://h/0?password=s3cret&foo=1", ["'foo'"]),
+        ("http://user:s3cret@h", ["redis://"]),
+    ],
+)
+def test_bad_redis_url_is_a_config_error_without_the_password(
+    model_dir: Path, url: str, words: list
+) -> None:
+    for environ, key in (({}, "Config 'redis.url'"), ({"REDIS_URL": url}, "REDIS_URL")):
+        path = model_dir / "c.toml"
+        path.write_text(
+            f"[redis]\nurl = {url!r}\n[model]\nname = 'demo'\npath = 'm.onnx'\n"
+            if not environ
+            else "[model]\nname = 'demo'\npath = 'm.onnx'\n"
+        )
+        with pytest.raises(ConfigError) as info:
+            load_config(path, environ=environ)
+        message = str(info.value)
+        assert message.startswith(key) or key in message.split(" has value", maxsplit=1)[0]
+        assert "'redis.url'" in message
+        assert "s3" not in message
+        assert "cret" not in message
+        assert "\n" not in message
+        for word in words:
+            assert word in message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        "redis://h",
+        "redis://h:6380/",
+        "rediss://user:p%40ss@h:6380/15?protocol=3&ssl_cert_reqs=none",
+        "redis://[::1]:6379/1?socket_timeout=2.5",
+        "unix:///run/redis.sock?db=2",
+    ],
+)
+def test_good_redis_urls_are_accepted(model_dir: Path, url: str) -> None:
+    assert _parse(model_dir, redis={"url": url}).redis.url == url
+
+
+def test_cli_malformed_redis_url_exits_2_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker import cli
+
+    def no_prepare(*args: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "prepare", no_prepare)
+    monkeypatch.setenv("REDIS_URL", "redis://user:s3cret@127.0.0.1:notaport/0")
+    config = write_config(tmp_path, "demo", "redis://127.0.0.1:1/0")
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1
+    assert "REDIS_URL" in errors[0]
+    assert "port" in errors[0]
+    assert "s3cret" not in err
+    assert "Traceback" not in err

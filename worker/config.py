@@ -7,6 +7,7 @@ would be valid, before anything touches Redis or the model.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -14,7 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
+from redis.connection import Connection, parse_url
+
+from producer.core import redact_url
 from producer.keys import DEFAULT_PREFIX, is_valid_model_name, is_valid_prefix
 from worker.errors import ConfigError
 
@@ -55,6 +60,14 @@ _SHA256_RE = re.compile(r"[0-9A-Fa-f]{64}")
 
 
 _MAX_REPLY_TTL_S = 10 * 365 * 24 * 3600  # delivery.reply_ttl_s
+# Longer durations are typos. A huge claim_idle_ms (1e14) overflowed the lease keeper's
+# thread wait, which killed it silently, and the worker served on with no lease renewal.
+_MAX_CLAIM_IDLE_MS = 24 * 3600 * 1000  # delivery.claim_idle_ms
+_MAX_RUN_S = 24 * 3600.0  # delivery.max_run_s
+_URL_FORMS = (
+    "Use redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
+    "unix:///path/to/redis.sock[?db=N]."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,10 +193,14 @@ def parse_config(
 def _redis(t: _Table, url_override: str | None) -> RedisConfig:
     t.check_keys({"url", "prefix"})
     url = url_override or t.get_str("url", _DEFAULT_REDIS_URL)
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            f"Config 'redis.url' has value {url!r}. Use redis://, rediss:// or unix:// URLs."
-        )
+    where = (
+        "Environment variable REDIS_URL (it overrides config 'redis.url')"
+        if url_override
+        else "Config 'redis.url'"
+    )
+    problem = _redis_url_problem(url)
+    if problem is not None:
+        raise ConfigError(f"{where} has value {redact_url(url)!r}: {problem}. {_URL_FORMS}")
     prefix = t.get_str("prefix", DEFAULT_PREFIX)
     if not is_valid_prefix(prefix):
         raise ConfigError(
@@ -191,6 +208,53 @@ def _redis(t: _Table, url_override: str | None) -> RedisConfig:
             "or spaces."
         )
     return RedisConfig(url=url, prefix=prefix)
+
+
+def _redis_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as redis-py reads it, or None; never connects.
+
+    redis-py quietly serves db 0 for a path that is not a number, and fails only once the
+    model is loaded (a bad port) or at the first connection (a bad query option): checked here
+    so the worker stops before it loads the model.
+    """
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "the scheme must be redis://, rediss:// or unix://"
+    hint = "; a password with / ? # @ or : in it must be percent-encoded" if "@" in url else ""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        if "IPv6" in str(exc):
+            return f"the host is not a valid [IPv6] address{hint}"
+        return f"the port is not a number from 1 to 65535{hint}"
+    path = unquote(parts.path)
+    if parts.scheme == "unix":
+        if not path:
+            return "a unix:// URL needs the socket's absolute path after the third slash"
+    else:
+        if port == 0:
+            return "the port is not a number from 1 to 65535"
+        if path not in ("", "/") and re.fullmatch(r"/[0-9]+", path) is None:
+            return f"the database (the path after the host) must be a number, such as /0{hint}"
+    try:
+        kwargs = parse_url(url)
+        connection_class = kwargs.pop("connection_class", Connection)
+        kwargs.pop("max_connections", None)  # the pool's, not the connection's
+        connection_class(**kwargs)  # builds the connection object only; nothing is sent
+    except TypeError as exc:
+        unknown = re.search(r"argument '(\w+)'", str(exc))
+        option = repr(unknown.group(1)) if unknown else "in it"
+        return _scrub(f"the query option {option} is not a redis-py connection option here", url)
+    except Exception as exc:  # redis-py's own checks: ?db=x, ?protocol=4
+        return _scrub(str(exc).rstrip("."), url)
+    return None
+
+
+def _scrub(message: str, url: str) -> str:
+    """``message`` with every quoted word that could be part of the URL's password hidden."""
+    secret = url.partition("://")[2].rpartition("@")[0]
+    secret += "".join(re.findall(r"[?&]password=([^&#]*)", url))
+    return re.sub(r"'([^']+)'", lambda m: "'***'" if m.group(1) in secret else m.group(0), message)
 
 
 def _model(t: _Table, base_dir: Path) -> ModelConfig:
@@ -314,11 +378,11 @@ def _limits(t: _Table) -> LimitsConfig:
 def _delivery(t: _Table) -> DeliveryConfig:
     t.check_keys({"claim_idle_ms", "max_deliveries", "reply_ttl_s", "max_run_s"})
     return DeliveryConfig(
-        claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100),
+        claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100, maximum=_MAX_CLAIM_IDLE_MS),
         max_deliveries=t.get_int("max_deliveries", 3, minimum=1),
         # Redis refuses an EXPIRE whose milliseconds overflow; ten years is past any use.
         reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1, maximum=_MAX_REPLY_TTL_S),
-        max_run_s=t.get_number("max_run_s", 300.0, minimum=0.0),
+        max_run_s=t.get_number("max_run_s", 300.0, minimum=0.0, maximum=_MAX_RUN_S),
     )
 
 
@@ -346,8 +410,8 @@ def _inputs(t: _Table) -> dict[str, InputConfig]:
     for name in t.data:
         it = t.table(name)
         it.check_keys({"min", "max", "warmup_shape"})
-        lo = it.get_number("min", None)
-        hi = it.get_number("max", None)
+        lo = _bound(it, "min")
+        hi = _bound(it, "max")
         if lo is not None and hi is not None and lo > hi:
             raise ConfigError(
                 f"Config '{it.where('min')}' ({lo}) is above '{it.where('max')}' ({hi}). Swap them."
@@ -363,6 +427,22 @@ def _inputs(t: _Table) -> dict[str, InputConfig]:
         result[name] = InputConfig(
             name=name, min=lo, max=hi, warmup_shape=None if shape is None else tuple(shape)
         )
+    return result
+
+
+def _bound(t: _Table, key: str) -> float | None:
+    """``inputs.NAME.min`` or ``.max``; left out, or infinite on its own side, is no bound."""
+    value = t.data.get(key)
+    if type(value) is float and not math.isfinite(value):
+        no_bound = -math.inf if key == "min" else math.inf
+        if value == no_bound:
+            return None
+        why = "would switch the range check off" if math.isnan(value) else "no value would pass"
+        raise ConfigError(
+            f"Config '{t.where(key)}' has value {value!r}: {why}. Use a finite number, or leave "
+            f"it out (or set {no_bound}) for no bound."
+        )
+    result: float | None = t.get_number(key, None)
     return result
 
 
@@ -438,6 +518,10 @@ class _Table:
         value = self.data[key]
         if type(value) not in (int, float):
             raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use a number.")
+        if not math.isfinite(value):
+            raise ConfigError(
+                f"Config '{self.where(key)}' has value {value!r}. Use a finite number."
+            )
         self._check_range(key, value, minimum, maximum)
         return float(value)
 

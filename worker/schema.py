@@ -7,6 +7,7 @@ for free dimensions, so a caller can fix the request without reading the model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -266,10 +267,18 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
 
 
 def _rule(spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool) -> InputRule:
+    lo = cfg.min if cfg else None
+    hi = cfg.max if cfg else None
+    if spec.dtype.kind == "f":
+        # A bound past the dtype's range on its own side passes every value, the way no bound
+        # does; dropped, so that the check never casts it to the dtype with an overflow.
+        top = float(np.finfo(spec.dtype).max)
+        lo = None if lo is not None and lo < -top else lo
+        hi = None if hi is not None and hi > top else hi
     return InputRule(
         spec=spec,
-        min=cfg.min if cfg else None,
-        max=cfg.max if cfg else None,
+        min=lo,
+        max=hi,
         reject_non_finite=reject_non_finite,
         warmup_shape=cfg.warmup_shape if cfg else None,
     )
@@ -329,11 +338,48 @@ def _check_input_config(
                 f"{', '.join(sorted(names))}."
             )
         spec = next(s for s in inputs if s.name == name)
+        if _value_range(cfg.min, cfg.max, spec.dtype) is None:
+            key = "max" if cfg.min is None else "min"
+            bounds = " and ".join(
+                f"{k} = {v:g}" for k, v in (("min", cfg.min), ("max", cfg.max)) if v is not None
+            )
+            raise ConfigError(
+                f"Config 'inputs.{name}.{key}': {bounds} admits no value of input {name!r} "
+                f"({spec.dtype} {spec.shape}), so every request would be refused. Widen the range."
+            )
         if cfg.warmup_shape is not None and len(cfg.warmup_shape) != len(spec.dims) - 1:
             raise ConfigError(
                 f"Config 'inputs.{name}.warmup_shape' has {len(cfg.warmup_shape)} dimensions but "
                 f"input {name!r} {spec.shape} has {len(spec.dims) - 1} besides the batch axis."
             )
+
+
+def _value_range(
+    lo: float | None, hi: float | None, dtype: np.dtype[Any]
+) -> tuple[float, float] | None:
+    """The least and greatest finite ``dtype`` values within [lo, hi] (None: no bound), or None
+    when there is none. Bounds past the dtype's range are clamped, so nothing overflows."""
+    kind = dtype.kind
+    if kind in "iu":
+        ii: Any = np.iinfo(dtype)
+        first = int(ii.min) if lo is None else max(int(ii.min), math.ceil(lo))
+        last = int(ii.max) if hi is None else min(int(ii.max), math.floor(hi))
+        return (first, last) if first <= last else None
+    if kind != "f":
+        return (0.0, 0.0)
+    top = float(np.finfo(dtype).max)
+    if (lo is not None and lo > top) or (hi is not None and hi < -top):
+        return None
+    least = -top if lo is None else _representable(lo, dtype)
+    most = top if hi is None else _representable(hi, dtype)
+    return (least, most) if least <= most else None
+
+
+def _representable(bound: float, dtype: np.dtype[Any]) -> float:
+    """``bound`` as the check sees it: rounded to ``dtype``, as numpy compares a float array
+    with a Python float. Clamped to the dtype's range first, so it never overflows."""
+    top = float(np.finfo(dtype).max)
+    return float(dtype.type(min(max(bound, -top), top)))
 
 
 def _synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -344,14 +390,22 @@ def _synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarr
         *(d if isinstance(d, int) else f for d, f in zip(spec.dims[1:], free, strict=True)),
     )
     kind = spec.dtype.kind
-    if kind == "f":
-        lo = rule.min if rule.min is not None else 0.0
-        hi = rule.max if rule.max is not None else 1.0
-        return rng.uniform(lo, hi, size=shape).astype(spec.dtype)
+    bounds = _value_range(rule.min, rule.max, spec.dtype) if kind in "fiu" else None
+    if bounds is None:  # not a number (an empty range is refused at start, in the check above)
+        return np.zeros(shape, dtype=spec.dtype)
+    least, most = bounds
     if kind in "iu":
-        info: Any = np.iinfo(spec.dtype)
-        lo_i = int(max(rule.min, info.min)) if rule.min is not None else 0
-        hi_i = int(min(rule.max, info.max)) if rule.max is not None else lo_i
-        lo_i = max(lo_i, int(info.min))
-        return rng.integers(lo_i, max(hi_i, lo_i) + 1, size=shape, dtype=spec.dtype)
-    return np.zeros(shape, dtype=spec.dtype)
+        if rule.min is not None and rule.max is not None:
+            return rng.integers(int(least), int(most), size=shape, dtype=spec.dtype, endpoint=True)
+        return np.full(shape, min(max(0, int(least)), int(most)), dtype=spec.dtype)
+    # Floats: the whole range when both bounds are set and its width is finite, else a unit
+    # interval within it as near 0 as it allows, e.g. [5, 6] for min = 5 alone. Each end is a
+    # value of the dtype, and rounding is monotonic, so the cast values stay within the bounds.
+    if rule.min is not None and rule.max is not None and math.isfinite(most - least):
+        a, b = least, most
+    else:
+        a = min(max(0.0, least), most)
+        b = min(a + 1.0, most)
+        if b == a:
+            a = max(b - 1.0, least)
+    return np.clip(rng.uniform(a, b, size=shape), a, b).astype(spec.dtype)
