@@ -11,15 +11,26 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
-from harness import running_worker, send, stream_is_empty, wait_reply, write_config
+from harness import (
+    running_worker,
+    send,
+    serve_in_thread,
+    stream_is_empty,
+    wait_reply,
+    write_config,
+)
 
+from worker.config import load_config
 from worker.localredis import free_port
+from worker.metrics import Metrics
+from worker.service import Worker, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,3 +277,104 @@ def test_a_free_name_is_not_warned_about(
     with caplog.at_level(logging.WARNING), running_worker(config, name="solo"):
         pass
     assert not [r for r in caplog.records if "already held the name" in r.getMessage()]
+
+
+def _until(check, timeout_s: float = 20.0) -> None:
+    """Poll Redis state that offers no event to wait on, with a deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def _record(rconn: redis.Redis, key: str) -> dict:
+    raw = rconn.get(key)
+    return json.loads(raw) if raw is not None else {}
+
+
+def test_a_draining_worker_shows_draining_until_it_exits(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a worker whose heartbeat beats often, running one batch while it holds another
+    config = write_config(tmp_path, "demo", redis_url)
+    client = redis.Redis.from_url(redis_url)
+    metrics = Metrics()
+    worker = Worker(prepare(load_config(config), "drainer"), client, metrics=metrics)
+    worker.registry.interval_s = 0.3  # a TTL of 1 s: a heartbeat that stopped shows soon
+    first_running, go = threading.Event(), threading.Event()
+    second_running, proceed = threading.Event(), threading.Event()
+    turns = [(first_running, go), (second_running, proceed)]
+    real_run = worker.model.run
+
+    def run_in_turn(feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+        started, wait_for = turns.pop(0) if turns else (threading.Event(), go)
+        started.set()
+        assert wait_for.wait(60), "the test never let this batch run"
+        return real_run(feeds, names)
+
+    worker.model.run = run_in_turn  # type: ignore[method-assign]
+    key, stream = "redbatch:{demo}:worker:drainer", "redbatch:{demo}:requests"
+    x = np.zeros((1, 16), np.float32)
+    thread, failure = serve_in_thread(worker, "drainer")
+    try:
+        assert worker.ready.wait(30), failure
+        send(rconn, "demo", "first", {"features": x})
+        assert first_running.wait(30)
+        send(rconn, "demo", "second", {"features": x})
+        _until(lambda: rconn.xpending(stream, "workers")["pending"] == 2)  # read, held
+        # When it is told to stop, and its drain runs the batch it held
+        worker.request_stop()
+        go.set()
+        assert second_running.wait(30)
+        # Then its record says draining, and the heartbeat goes on while it drains
+        _until(lambda: _record(rconn, key).get("state") == "draining")
+        beat = _record(rconn, key)["heartbeat_at"]
+        _until(lambda: _record(rconn, key).get("heartbeat_at", beat) > beat)
+        assert rconn.smembers("redbatch:{demo}:workers") == {b"drainer"}
+        # and so do the stream gauges: a request sent once it reads no more stays, and is seen
+        worker.intake.join(timeout=30)
+        send(rconn, "demo", "after-stop", {"features": x})
+        _until(lambda: metrics.backlog._value.get() == 2)  # "first" was deleted once answered
+        assert thread.is_alive()
+        proceed.set()
+        thread.join(timeout=30)
+    finally:
+        go.set()
+        proceed.set()
+        client.close()
+    # and once the drain ends, so does the heartbeat, and the record is gone
+    assert not thread.is_alive()
+    assert not failure, failure
+    assert not worker.registry.is_alive()
+    assert wait_reply(rconn, "first").ok
+    assert wait_reply(rconn, "second").ok
+    assert not rconn.exists(key)
+    assert not rconn.smembers("redbatch:{demo}:workers")
+    assert rconn.xlen(stream) == 1  # "after-stop" waits for the next worker
+
+
+def test_burst_mode_answers_what_a_dead_consumer_left_pending_before_it_exits(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given five requests, three of them read and never answered by a crashed burst worker
+    config = write_config(tmp_path, "demo", redis_url, extra="[delivery]\nclaim_idle_ms = 1000")
+    x = np.zeros((1, 16), np.float32)
+    rids = _pipelined(rconn, "demo", 5, lambda i: {"features": x})
+    stream = "redbatch:{demo}:requests"
+    rconn.xgroup_create(stream, "workers", id="0", mkstream=True)
+    assert len(rconn.xreadgroup("workers", "ghost", {stream: ">"}, count=3)[0][1]) == 3
+    # When a burst worker runs
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "--config", str(config), "--burst"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    # Then it claims the ghost's entries once idle past claim_idle_ms, and exits 0 once nothing
+    # is left in the stream or pending in the group
+    assert done.returncode == 0, done.stderr
+    assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
+    assert stream_is_empty(rconn, "demo")
+    assert "redelivering entries of consumer 'ghost'" in done.stderr

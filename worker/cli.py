@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--burst",
         action="store_true",
-        help="exit 0 once the stream is drained (batch jobs, tests) instead of waiting for more",
+        help="exit 0 once the stream is drained (batch jobs, tests) instead of waiting for more: "
+        "a read finds nothing new and nothing is pending on any consumer (entries a stopped "
+        "worker left pending are claimed once idle past delivery.claim_idle_ms; a live "
+        "worker's are waited for)",
     )
     return parser
 

@@ -4,6 +4,11 @@ It runs on its own thread so that reading, decoding and validating overlap with 
 it blocks on Redis (which wakes at once when data arrives) rather than polling. Its queue is
 bounded, so the worker holds a few batches of entries at most whatever the backlog. Between
 reads it asks the reclaimer for entries other workers left behind, and hands each over alone.
+
+``idle`` tells a burst worker that the stream is drained: a read came back empty and, with
+``burst``, no entry is pending on another consumer either. Those are answered by their holder
+or, once idle past ``claim_idle_ms`` (a worker that crashed), claimed here, so a burst worker
+does not exit while a dead worker's entries wait in the group.
 """
 
 from __future__ import annotations
@@ -162,6 +167,7 @@ class Intake(threading.Thread):
         reclaimer: Reclaimer | None = None,
         block_ms: int = 500,
         on_outage: Callable[[str], None] | None = None,
+        burst: bool = False,
     ) -> None:
         super().__init__(name="redbatch-intake", daemon=True)
         self.stream = stream
@@ -174,7 +180,8 @@ class Intake(threading.Thread):
         self.reclaimer = reclaimer
         self.block_ms = block_ms
         self.layouts = Layouts()
-        self.idle = threading.Event()  # set when a read came back empty: the stream is drained
+        self.burst = burst
+        self.idle = threading.Event()  # set when the stream is drained (module docstring)
         self.failure: BaseException | None = None
         self._outage = Outage("reading requests", give_up=stop, on_down=on_outage)
 
@@ -192,6 +199,8 @@ class Intake(threading.Thread):
                 if not entries:
                     if reclaiming:  # wait for the redelivered entry rather than spin on Redis
                         self.leases.wait_redelivered_done(_RECLAIM_WAIT_S)
+                    elif self._left_elsewhere():  # the next read blocks: no spin here either
+                        self.idle.clear()
                     else:
                         self.idle.set()
                     continue
@@ -205,6 +214,18 @@ class Intake(threading.Thread):
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _left_elsewhere(self) -> bool:
+        """In burst mode, after an empty read: whether entries are still pending on other
+        consumers (one ``XPENDING``); always False otherwise, or once stopping."""
+        if not self.burst or self.reclaimer is None or self.stop.is_set():
+            return False
+        try:
+            return self._outage.call(self.reclaimer.left_elsewhere)
+        except Exception:
+            if self.stop.is_set():  # stopping during an outage: nothing more to wait for
+                return False
+            raise
 
     def _check_interrupted(self) -> None:
         """After a failed Redis call, entries may be pending here unheld: let reclaim look."""

@@ -3,6 +3,8 @@
 It is logged at start and kept in Redis under ``P:{M}:worker:NAME`` with a TTL that a heartbeat
 thread renews, so ``redbatch status`` lists every live worker and forgets dead ones on its own.
 The heartbeat also runs ``on_beat`` (the worker samples the stream's state for metrics there).
+It beats until ``close()``, not until the worker's stop: a draining worker still answers, so it
+stays listed (as ``draining``) and its stream gauges stay current until the drain ends.
 """
 
 from __future__ import annotations
@@ -103,14 +105,14 @@ def build_record(
 
 
 class Registry(threading.Thread):
-    """Keeps this worker's record alive in Redis until ``stop`` is set, then removes it."""
+    """Keeps this worker's record alive in Redis until ``close()`` (or ``stop`` is set)."""
 
     def __init__(
         self,
         client: redis.Redis,
         prefix: str,
         record: dict[str, Any],
-        stop: threading.Event,
+        stop: threading.Event | None = None,
         interval_s: float = 5.0,
         on_beat: Callable[[], None] | None = None,
     ) -> None:
@@ -118,12 +120,15 @@ class Registry(threading.Thread):
         self.on_beat = on_beat
         self.client = client
         self.record = record
-        self.stop = stop
+        self.stop = stop or threading.Event()  # ends the heartbeat; ``close()`` sets it
         self.interval_s = interval_s
         model = record["model"]["name"]
         self.key = worker_key(prefix, model, record["name"])
         self.set_key = workers_key(prefix, model)
         self._lock = threading.Lock()
+        self._wake = threading.Event()  # beat now rather than at the next interval
+        self._remove_on_exit = False
+        self._removed = False
         self._down = False
         self.published = False  # the record has reached Redis at least once
         self._name_free: bool | None = None  # beat_first's answer, once one came
@@ -137,6 +142,11 @@ class Registry(threading.Thread):
                     self.record[key].update(value)
                 else:
                     self.record[key] = value
+
+    def beat_soon(self) -> None:
+        """Have the heartbeat thread publish the record now (e.g. a changed ``state``), without
+        waiting for Redis on the calling thread."""
+        self._wake.set()
 
     def beat_first(self) -> bool:
         """Publish the record for the first time; False when a live record already held this
@@ -171,18 +181,46 @@ class Registry(threading.Thread):
         self.published = True
 
     def run(self) -> None:
-        while not self.stop.wait(self.interval_s):
-            try:
-                self.beat()
-                if self.on_beat is not None:
-                    self.on_beat()
-                if self._down:
-                    self._down = False
-                    log.warning("heartbeat reached Redis again")
-            except redis.RedisError as exc:  # the record only informs: never stop serving for it
-                if not self._down:
-                    self._down = True
-                    log.warning("heartbeat cannot update Redis (%s); will keep trying", exc)
+        try:
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self.stop.is_set():
+                    return
+                self._beat_once()
+        finally:
+            if self._remove_on_exit:
+                self.remove()  # here, after the last beat, so no beat can bring it back
+
+    def _beat_once(self) -> None:
+        try:
+            self.beat()
+            if self.on_beat is not None:
+                self.on_beat()
+            if self._down:
+                self._down = False
+                log.warning("heartbeat reached Redis again")
+        except redis.RedisError as exc:  # the record only informs: never stop serving for it
+            if not self._down:
+                self._down = True
+                log.warning("heartbeat cannot update Redis (%s); will keep trying", exc)
+
+    def close(self, remove: bool = True, timeout_s: float = 1.0) -> None:
+        """End the heartbeat and, with ``remove`` (a clean exit), take the record out of Redis,
+        waiting at most ``timeout_s`` for a beat in progress (one stuck on an unreachable Redis
+        removes the record when it returns, if the process still runs). Without ``remove`` (a
+        failed exit, Redis likely gone) it waits for nothing: the record expires on its own."""
+        self._remove_on_exit = remove
+        self.stop.set()
+        self._wake.set()
+        if not remove:
+            return
+        if self.is_alive():
+            self.join(timeout_s)
+            if self.is_alive():
+                return
+        if not self._removed:  # never started, or ended before the flag was seen
+            self.remove()
 
     def remove(self) -> None:
         """Take the record out of Redis on a clean exit."""
@@ -191,5 +229,6 @@ class Registry(threading.Thread):
             pipe.delete(self.key)
             pipe.srem(self.set_key, self.record["name"])
             pipe.execute()
+            self._removed = True
         except redis.RedisError as exc:
             log.warning("could not remove the worker record (%s); it expires on its own", exc)
