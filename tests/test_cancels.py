@@ -9,6 +9,7 @@ until a chosen moment, on a real worker and a real Redis.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -167,7 +168,7 @@ def test_no_read_goes_out_after_a_stop(
     monkeypatch.setattr(worker.queue, "put", put_when_full)
     thread, failure = serve_in_thread(worker)
     assert blocked.wait(20)
-    read_before = _entries_read(rconn)
+    read_before = _settled_entries_read(rconn)  # the read sent behind the last check included
     # When the worker is stopped, then the put goes through
     worker.request_stop()
     gate.set()
@@ -181,6 +182,19 @@ def test_no_read_goes_out_after_a_stop(
 
 def _entries_read(conn: redis.Redis) -> int:
     return int(conn.xinfo_groups(keys.request_stream(PREFIX, MODEL))[0]["entries-read"])
+
+
+def _settled_entries_read(conn: redis.Redis) -> int:
+    """entries-read once the read intake sent behind its last cancel check has reached Redis:
+    intake blocks on the full queue after sending it, so Redis may not have served it yet.
+    Polled (Redis offers no event for it) until three readings 20 ms apart agree."""
+    readings = [_entries_read(conn)]
+    deadline = time.monotonic() + 10
+    while len(readings) < 3 or len(set(readings[-3:])) > 1:
+        assert time.monotonic() < deadline, "entries-read never settled"
+        time.sleep(0.02)
+        readings.append(_entries_read(conn))
+    return readings[-1]
 
 
 def test_a_health_check_between_the_check_and_the_read_behind_it_changes_nothing(

@@ -378,3 +378,45 @@ def test_burst_mode_answers_what_a_dead_consumer_left_pending_before_it_exits(
     assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
     assert stream_is_empty(rconn, "demo")
     assert "redelivering entries of consumer 'ghost'" in done.stderr
+
+
+def test_reads_take_about_a_batch_of_rows_so_a_backlog_of_large_requests_stays_out(
+    tmp_path: Path, redis_url: str, rconn
+) -> None:
+    # Given a worker of max_batch_size 16 whose first batch (one request) is held in its run
+    config = write_config(tmp_path, "demo", redis_url, batching="max_batch_size = 16")
+    client = redis.Redis.from_url(redis_url)
+    worker = Worker(prepare(load_config(config), "reader"), client)
+    running, go = threading.Event(), threading.Event()
+    real_run = worker.model.run
+
+    def held(feeds: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
+        running.set()
+        assert go.wait(60), "the test never let the batch run"
+        return real_run(feeds, names)
+
+    worker.model.run = held  # type: ignore[method-assign]
+    stream = "redbatch:{demo}:requests"
+    thread, failure = serve_in_thread(worker, "reader")
+    try:
+        assert worker.ready.wait(30), failure
+        send(rconn, "demo", "first", {"features": np.zeros((16, 16), np.float32)})
+        assert running.wait(30)
+        # When a backlog of 40 requests of 16 rows (a batch each) arrives meanwhile, at once
+        pipe = rconn.pipeline(transaction=True)
+        for i in range(40):
+            send(pipe, "demo", f"big-{i}", {"features": np.zeros((16, 16), np.float32)})
+        pipe.execute()
+        _until(worker.queue.full)  # the intake has read all it will before the run ends
+        held_entries = rconn.xpending(stream, "workers")["pending"]
+        # Then the worker holds a few of them, one per read, not 16 per read
+        assert held_entries <= 6
+        assert worker.intake.read_count == 1
+    finally:
+        go.set()
+        worker.request_stop()
+        thread.join(timeout=60)
+        client.close()
+    assert not failure, failure
+    assert wait_reply(rconn, "first").ok
+    assert rconn.xpending(stream, "workers")["pending"] == 0  # what it held, it answered
