@@ -233,3 +233,19 @@ def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
         assert hung.healthy()
     assert rconn.llen(f"redbatch:reply:{rid}") == 1  # the late finish was fenced off
     assert wait_reply(rconn, rid).worker == "rescuer"
+
+
+def test_pending_unheld_counts_others_entries_and_own_ones_no_longer_in_hand(rconn) -> None:
+    # What a burst worker waits for before it calls the stream drained: entries of other
+    # consumers, and its own beyond those it is working on (a finish step can leave one pending)
+    stream = RequestStream(rconn, "redbatch", "demo", "me")
+    stream.ensure_group()
+    for i in range(5):
+        rconn.xadd(STREAM, {"rid": f"r{i}", "body": b"b"})
+    rconn.xreadgroup("workers", "me", {STREAM: ">"}, count=3)
+    rconn.xreadgroup("workers", "ghost", {STREAM: ">"}, count=1)
+    claims = Claims(stream)
+    assert claims.pending_unheld(held=3) == 1  # the ghost's
+    assert claims.pending_unheld(held=2) == 2  # and one of its own it no longer holds
+    rconn.delete(STREAM)
+    assert claims.pending_unheld(held=0) == 0  # no group: nothing to wait for

@@ -146,20 +146,20 @@ class Claims:
             for row in rows
         ]
 
-    def pending_elsewhere(self) -> int:
-        """How many entries are pending in the group on consumers other than this one: one
-        ``XPENDING`` summary (O(consumers)); 0 when the group is gone."""
+    def pending_unheld(self, held: int) -> int:
+        """How many entries are pending in the group but not in this worker's hands: those of
+        other consumers, and its own beyond the ``held`` it is working on (one whose staged
+        reply was evicted stays pending here, for its reclaim). One ``XPENDING`` summary
+        (O(consumers)); 0 when the group is gone."""
         try:
             summary: Any = self.client.xpending(self.key, CONSUMER_GROUP)
         except redis.ResponseError as exc:
             if _is_nogroup(exc):
                 return 0  # the reader recreates the group
             raise
-        return sum(
-            int(c["pending"])
-            for c in summary.get("consumers") or ()
-            if _text(c["name"]) != self.consumer
-        )
+        counts = {_text(c["name"]): int(c["pending"]) for c in summary.get("consumers") or ()}
+        own = counts.pop(self.consumer, 0)
+        return sum(counts.values()) + max(0, own - held)
 
     def claim(self, entry_ids: list[bytes], min_idle_ms: int, own: bool = False) -> list[Claimed]:
         """Take entries idle at least ``min_idle_ms`` (``own``: any pending on this consumer,

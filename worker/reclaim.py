@@ -68,10 +68,11 @@ class Reclaimer:
         return self._busy or self.leases.holds_redelivered()
 
     def left_elsewhere(self) -> bool:
-        """True while entries are pending on other consumers: answered by their holder, or
-        claimed here once idle past ``claim_idle_ms`` (a holder that stopped or hung). A burst
-        worker waits for them before it calls the stream drained."""
-        return self.claims.pending_elsewhere() > 0
+        """True while entries are pending that this worker does not hold: other consumers'
+        (answered by their holder, or claimed here once idle past ``claim_idle_ms``) or its own
+        left pending by a finish step (reclaimed here). A burst worker waits for them before it
+        calls the stream drained."""
+        return self.claims.pending_unheld(len(self.leases)) > 0
 
     def after_outage(self) -> None:
         """A Redis call failed: look at this consumer's own entries at once, others' later.

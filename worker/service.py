@@ -317,7 +317,7 @@ class Worker:
             write_s=write_s,
         )
         self.served["requests"] += len(codes)
-        self.served["batches"] += 1
+        self.served["batches"] += 1 if codes else 0
         self.registry.update(served=dict(self.served))
 
     def _answer(

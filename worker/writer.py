@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import redis
+
 from worker import faults
 from worker.errors import WorkerError
 from worker.retry import Outage
@@ -136,7 +138,8 @@ class ReplyWriter(threading.Thread):
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc
-        if self._outage.give_up is not None and self._outage.give_up.is_set():
+        told = self._outage.give_up is not None and self._outage.give_up.is_set()
+        if told and isinstance(exc, redis.RedisError):
             # asked for (a second stop signal during an outage): one line, not a traceback
             log.error(
                 "reply writer gave up on Redis as told (%s: %s); the unwritten entries stay "
