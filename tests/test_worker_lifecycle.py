@@ -132,11 +132,9 @@ def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
     assert answered + left == len(rids)
 
 
-def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, rconn) -> None:
-    config = write_config(tmp_path, "demo", redis_url)
-    x = np.zeros((1, 16), np.float32)
-    rids = _pipelined(rconn, "demo", 200, lambda i: {"features": x})
-    done = subprocess.run(
+def _burst(config: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``redbatch-worker --burst`` to its end."""
+    return subprocess.run(
         [sys.executable, "-m", "worker", "--config", str(config), "--burst"],
         cwd=ROOT,
         capture_output=True,
@@ -144,6 +142,13 @@ def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, 
         timeout=60,
         check=False,
     )
+
+
+def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, rconn) -> None:
+    config = write_config(tmp_path, "demo", redis_url)
+    x = np.zeros((1, 16), np.float32)
+    rids = _pipelined(rconn, "demo", 200, lambda i: {"features": x})
+    done = _burst(config)
     assert done.returncode == 0, done.stderr
     assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
     assert stream_is_empty(rconn, "demo")
@@ -364,14 +369,7 @@ def test_burst_mode_answers_what_a_dead_consumer_left_pending_before_it_exits(
     rconn.xgroup_create(stream, "workers", id="0", mkstream=True)
     assert len(rconn.xreadgroup("workers", "ghost", {stream: ">"}, count=3)[0][1]) == 3
     # When a burst worker runs
-    done = subprocess.run(
-        [sys.executable, "-m", "worker", "--config", str(config), "--burst"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _burst(config)
     # Then it claims the ghost's entries once idle past claim_idle_ms, and exits 0 once nothing
     # is left in the stream or pending in the group
     assert done.returncode == 0, done.stderr
