@@ -456,3 +456,47 @@ def test_cli_malformed_redis_url_exits_2_before_the_model_loads(
     assert "port" in errors[0]
     assert "s3cret" not in err
     assert "Traceback" not in err
+
+
+def test_a_bound_past_the_dtype_range_passes_every_finite_value_but_not_infinity(
+    model_dir: Path,
+) -> None:
+    # With non-finite values allowed, min = -1e39 on float32 still keeps -inf out (and the
+    # check never overflows casting the bound to float32)
+    import numpy as np
+
+    from worker.model import TensorSpec
+    from worker.schema import Schema, ValidRequest
+
+    config = _parse(
+        model_dir,
+        inputs={"x": {"min": -1e39, "max": 1e39}},
+        limits={"reject_non_finite": False},
+    )
+    inputs = (TensorSpec("x", np.dtype("float32"), ("N", 3)),)
+    schema = Schema(inputs, (TensorSpec("y", np.dtype("float32"), ("N",)),), config)
+    top = np.finfo(np.float32).max
+    feeds = {"x": np.array([[-top, top, 0.0], [-np.inf, 0.0, 0.0], [0.0, np.nan, 0.0]], np.float32)}
+    requests = [ValidRequest({"x": feeds["x"][i : i + 1]}, 1, ((3,),), ("y",)) for i in range(3)]
+    with np.errstate(all="raise"):
+        rejected = schema.screen(feeds, requests)
+    assert sorted(rejected) == [1]  # -inf is below the bound; NaN is let through, as asked
+
+
+def test_one_requests_nan_does_not_wave_another_requests_out_of_range_value_through(
+    model_dir: Path,
+) -> None:
+    # min() of a batch holding a NaN is NaN, which compares false: every value passed
+    import numpy as np
+
+    from worker.model import TensorSpec
+    from worker.schema import Schema, ValidRequest
+
+    config = _parse(model_dir, inputs={"x": {"min": 0.0}}, limits={"reject_non_finite": False})
+    inputs = (TensorSpec("x", np.dtype("float32"), ("N", 3)),)
+    schema = Schema(inputs, (TensorSpec("y", np.dtype("float32"), ("N",)),), config)
+    feeds = {"x": np.array([[np.nan, 1.0, 1.0], [-5.0, 1.0, 1.0]], np.float32)}
+    requests = [ValidRequest({"x": feeds["x"][i : i + 1]}, 1, ((3,),), ("y",)) for i in range(2)]
+    rejected = schema.screen(feeds, requests)
+    assert sorted(rejected) == [1]
+    assert "below the minimum 0" in rejected[1].message

@@ -246,14 +246,16 @@ def _check_values(rule: InputRule, arr: np.ndarray) -> None:
                 f"input {name!r}: value {arr[where]} at {list(where)} is not finite "
                 "(limits.reject_non_finite = true).",
             )
-    if rule.min is not None and arr.size and arr.min() < rule.min:
+    # fmin/fmax skip NaN, which min/max would return, letting every value of the batch pass
+    # (with reject_non_finite = false, one request's NaN must not wave another's through)
+    if rule.min is not None and arr.size and np.fmin.reduce(arr, axis=None) < rule.min:
         where = _first(arr < rule.min)
         raise Rejected(
             "INVALID_INPUT",
             f"input {name!r}: value {arr[where]} at {list(where)} is below the minimum "
             f"{rule.min:g} (inputs.{name}.min).",
         )
-    if rule.max is not None and arr.size and arr.max() > rule.max:
+    if rule.max is not None and arr.size and np.fmax.reduce(arr, axis=None) > rule.max:
         where = _first(arr > rule.max)
         raise Rejected(
             "INVALID_INPUT",
@@ -270,11 +272,12 @@ def _rule(spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool) ->
     lo = cfg.min if cfg else None
     hi = cfg.max if cfg else None
     if spec.dtype.kind == "f":
-        # A bound past the dtype's range on its own side passes every value, the way no bound
-        # does; dropped, so that the check never casts it to the dtype with an overflow.
+        # A bound past the dtype's range on its own side passes every finite value, but not
+        # the infinity beyond it; clamped to the dtype's largest finite value, so that the
+        # check never casts it to the dtype with an overflow.
         top = float(np.finfo(spec.dtype).max)
-        lo = None if lo is not None and lo < -top else lo
-        hi = None if hi is not None and hi > top else hi
+        lo = -top if lo is not None and lo < -top else lo
+        hi = top if hi is not None and hi > top else hi
     return InputRule(
         spec=spec,
         min=lo,
