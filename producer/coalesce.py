@@ -63,6 +63,7 @@ class _Queued(Generic[T]):
     future: asyncio.Future[None]
     until: float | None
     queued_at: float
+    budget: bool = False  # ``until`` is the end of the client's retry_s, not the caller's
 
 
 class Coalescer(Generic[T]):
@@ -170,13 +171,22 @@ def _fail_expired(
         _settle(batch, exc)
         return []
     outage = isinstance(exc, ConnectionFailed)
-    expired = [
-        e
-        for e in batch
-        if (e.until is not None and e.until <= now) or (outage and now - e.queued_at >= retry_s)
-    ]
-    _settle(expired, exc)
-    return [e for e in batch if not e.future.done()]
+    for e in batch:
+        if (e.until is not None and e.until <= now) or (outage and now - e.queued_at >= retry_s):
+            _settle([e], _spent(exc, retry_s) if e.budget else exc)
+    again = [e for e in batch if not e.future.done()]
+    if outage:  # a call without a deadline still retries no longer than retry_s in all
+        for e in again:
+            if e.until is None:
+                e.until, e.budget = e.queued_at + retry_s, True
+    return again
+
+
+def _spent(exc: Exception, retry_s: float) -> Exception:
+    """The error of a call without a deadline whose retries ran to the client's ``retry_s``."""
+    spent = RedisUnavailable(f"{exc} (retried for the client's retry_s, {retry_s:g} s, in all)")
+    spent.__cause__ = exc
+    return spent
 
 
 def _settle(batch: Sequence[_Queued[Any]], exc: BaseException | None) -> None:

@@ -720,3 +720,26 @@ def test_a_call_without_deadline_is_not_retried_past_retry_s_by_its_neighbours()
         assert time.monotonic() - started < 1.5  # its own retry_s, not the neighbours'
 
     run(scenario)
+
+
+def test_a_call_without_deadline_sent_again_alone_still_ends_at_retry_s() -> None:
+    # Redis down: one infer (deadline 0.9 s) shares the plain submit's first round trip, which
+    # gives up at that deadline; the submit then goes alone, with no deadline of its own, and
+    # must still fail once it has retried for retry_s since it was queued, not retry_s more.
+    async def scenario() -> None:
+        async def send(items: list[str], until: float | None) -> None:
+            while until is None or time.monotonic() < until:  # retrying, Redis down
+                await asyncio.sleep(0.01)
+            raise RedisUnavailable("Redis stayed unavailable")
+
+        submits: Coalescer[str] = Coalescer(send, retry_s=1.0, unsent=lambda: WaitTimeout("-"))
+        started = time.monotonic()
+        infer = asyncio.create_task(submits(["i"], started + 0.9))
+        plain = asyncio.create_task(submits(["plain"]))
+        with pytest.raises(RedisUnavailable):
+            await infer
+        with pytest.raises(RedisUnavailable, match="retried for the client's retry_s, 1 s"):
+            await asyncio.wait_for(plain, timeout=5)
+        assert time.monotonic() - started < 1.5  # 1.9 s before: a fresh retry_s when alone
+
+    run(scenario)
