@@ -273,7 +273,8 @@ An .npy is the model's single input, named by --input-name or by a live worker's
 When a reply does not come within --timeout-s of its request, the run sends nothing more: the
 requests already in flight are still awaited, each late one is cancelled and listed with the
 client-side code WAIT_TIMEOUT, and so are the rows never sent. Ctrl-C stops it too, writing
-the rows answered so far and listing the rest as NOT_ANSWERED.
+the rows answered so far and listing the rest as NOT_ANSWERED (before any reply came, it
+writes nothing, so an earlier run's output and errors file stay as they were).
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 

@@ -222,16 +222,16 @@ class Metrics:
     def batch_done(
         self,
         codes: Iterable[str],
-        queued_s: Iterable[float],
+        queued_s: Sequence[float],
         decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
     ) -> None:
-        """Record one batch: outcome codes, per-request waits, each run's rows and seconds."""
-        tally = Tally(codes)
-        for code, count in tally.items():
+        """Record one batch: the codes of the answers written, per-request waits (one each, so
+        also the batch's size), each run's rows and seconds."""
+        for code, count in Tally(codes).items():
             self.requests.labels(code=code).inc(count)
-        self.batch_requests.observe(sum(tally.values()))
+        self.batch_requests.observe(len(queued_s))
         self.queue_wait.observe_many(queued_s)
         self.decode.observe_many(decode_s)
         for rows, seconds in runs:
