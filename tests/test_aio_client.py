@@ -691,16 +691,23 @@ def test_a_call_queued_behind_a_send_fails_at_its_own_deadline_unsent() -> None:
     run(scenario)
 
 
+def _down_coalescer(retry_s: float) -> Coalescer[str]:
+    """A coalescer whose sends retry, Redis down, until their deadline (for ever without one),
+    then fail as a retry policy bounded by that deadline would."""
+
+    async def send(items: list[str], until: float | None) -> None:
+        while until is None or time.monotonic() < until:
+            await asyncio.sleep(0.01)
+        raise RedisUnavailable("Redis stayed unavailable, past infer's timeout_s")
+
+    return Coalescer(send, retry_s=retry_s, unsent=lambda: WaitTimeout("-"))
+
+
 def test_a_call_without_deadline_is_not_retried_past_retry_s_by_its_neighbours() -> None:
     # Redis down; infers with short deadlines keep arriving, so each round trip gives up at one
     # of their deadlines and the plain submit goes again: it must still fail within retry_s.
     async def scenario() -> None:
-        async def send(items: list[str], until: float | None) -> None:
-            while until is None or time.monotonic() < until:  # retrying, Redis down
-                await asyncio.sleep(0.01)
-            raise RedisUnavailable("Redis stayed unavailable, past infer's timeout_s")
-
-        submits: Coalescer[str] = Coalescer(send, retry_s=0.5, unsent=lambda: WaitTimeout("-"))
+        submits = _down_coalescer(retry_s=0.5)
 
         async def infers() -> None:
             while True:
@@ -727,12 +734,7 @@ def test_a_call_without_deadline_sent_again_alone_still_ends_at_retry_s() -> Non
     # gives up at that deadline; the submit then goes alone, with no deadline of its own, and
     # must still fail once it has retried for retry_s since it was queued, not retry_s more.
     async def scenario() -> None:
-        async def send(items: list[str], until: float | None) -> None:
-            while until is None or time.monotonic() < until:  # retrying, Redis down
-                await asyncio.sleep(0.01)
-            raise RedisUnavailable("Redis stayed unavailable")
-
-        submits: Coalescer[str] = Coalescer(send, retry_s=1.0, unsent=lambda: WaitTimeout("-"))
+        submits = _down_coalescer(retry_s=1.0)
         started = time.monotonic()
         infer = asyncio.create_task(submits(["i"], started + 0.9))
         plain = asyncio.create_task(submits(["plain"]))
