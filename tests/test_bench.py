@@ -385,6 +385,26 @@ def test_live_workers_may_serve_any_model_name() -> None:
         _bench_options(["--no-start", "--model", "a b", "--concurrency", "1"])
 
 
+def test_a_producer_only_install_hears_what_the_bench_needs_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given neither onnxruntime nor onnx (a plain `pip install redbatch`), then a bench that
+    # starts workers says what to install, instead of a child process's traceback minutes in.
+    real = cli.importlib.util.find_spec
+    gone = {"onnxruntime", "onnx"}
+    monkeypatch.setattr(
+        cli.importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
+    )
+    assert main(["bench", "--scenario", "tiny-closed"]) == 2
+    err = capsys.readouterr().err
+    assert "needs onnxruntime and onnx" in err
+    assert "'redbatch[demo]'" in err
+    # Live workers without ceilings need only the producer.
+    cli._check_worker_side(_bench_options(["--no-start", "--no-ceilings", "--concurrency", "1"]))
+    with pytest.raises(UsageError, match="needs onnxruntime,"):
+        cli._check_worker_side(_bench_options(["--no-start", "--concurrency", "1"]))
+
+
 def test_the_bench_knows_every_synthetic_model() -> None:
     # The producer keeps its own list (it never imports the worker): the two must agree.
     assert tuple(synthetic.BUILDERS) == cli.SYNTHETIC_MODELS

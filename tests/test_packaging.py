@@ -7,6 +7,7 @@ import ast
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +53,20 @@ print(json.dumps({"imported": names, "heavy": heavy}))
 """
 
 
+def _blocked_run(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` after the probe's blocker (its first half) has made the heavy packages
+    unimportable, as on a producer-only install."""
+    blocker = _PROBE.split("import producer\n", 1)[0]
+    return subprocess.run(
+        [sys.executable, "-c", blocker + code, ",".join(HEAVY[:2]), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def _producer_modules() -> list[str]:
     names = []
     for path in PRODUCER.rglob("*.py"):
@@ -76,6 +91,36 @@ def test_producer_imports_without_onnxruntime_or_worker() -> None:
     assert set(report["imported"]) >= {"producer", "producer.codec", "producer.keys"}
     assert report["imported"] == _producer_modules()
     assert report["heavy"] == []
+
+
+def test_a_plain_install_is_the_producer_and_the_worker_extra_brings_the_runtime() -> None:
+    # A web back end that installs the client must not pull onnxruntime-gpu (hundreds of MB).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    runtimes = {"onnxruntime", "onnxruntime-gpu"}
+
+    def names(requirements: list[str]) -> set[str]:
+        return {r.split(";")[0].split(">")[0].split("[")[0].strip() for r in requirements}
+
+    assert not names(project["dependencies"]) & runtimes
+    extras = project["optional-dependencies"]
+    assert names(extras["worker"]) == runtimes  # one of the two, by platform marker
+    for extra in ("demo", "dev"):
+        assert "redbatch[worker]" in extras[extra], extra
+
+
+def test_a_worker_without_onnxruntime_says_what_to_install(tmp_path: Path) -> None:
+    from worker.synthetic import save
+
+    save("demo", tmp_path / "demo.onnx")
+    (tmp_path / "w.toml").write_text(
+        '[model]\nname = "demo"\npath = "demo.onnx"\n', encoding="utf-8"
+    )
+    code = "from worker.cli import main\nraise SystemExit(main(sys.argv[2:]))\n"
+    result = _blocked_run(code, "--config", str(tmp_path / "w.toml"), "--check")
+    assert result.returncode == 2, result.stderr
+    assert "onnxruntime cannot be imported" in result.stderr
+    assert "'redbatch[worker]'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

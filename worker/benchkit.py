@@ -37,6 +37,7 @@ from producer import bench
 from producer.codec import ModelRef, Reply, encode_reply
 from producer.keys import is_valid_rid, request_stream
 from worker.config import PROVIDERS, ModelConfig, ProviderConfig
+from worker.errors import WorkerError
 from worker.stream import Finish, RawEntry, RequestStream
 
 __all__ = ["main", "measure_asyncio", "measure_bare", "measure_protocol"]
@@ -452,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = args.handler(args)
+    try:
+        result = args.handler(args)
+    except WorkerError as exc:  # a missing package, a model that does not load: one line
+        print(f"benchkit: error: {exc}", file=sys.stderr)
+        return 2
     if result is not None:
         print(json.dumps(result))
     return 0

@@ -121,6 +121,20 @@ def preload_cuda_libraries(ort: Any) -> bool:
     return True
 
 
+def import_onnxruntime() -> Any:
+    """Import the runtime where a session is built: it is heavy, and a producer-only install
+    (plain ``pip install redbatch``) does not have it."""
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise ModelError(
+            f"onnxruntime cannot be imported ({exc}): a worker needs it; install "
+            "'redbatch[worker]' (onnxruntime-gpu on Linux x86_64), or 'onnxruntime' for the "
+            "CPU-only wheel"
+        ) from exc
+    return onnxruntime
+
+
 class OnnxModel:
     """An ONNX Runtime session built from a ModelConfig.
 
@@ -131,7 +145,7 @@ class OnnxModel:
     """
 
     def __init__(self, config: ModelConfig, max_batch_size: int = 32) -> None:
-        import onnxruntime as ort  # heavy: imported only where a session is built
+        ort = import_onnxruntime()
 
         self._ort = ort
         # Provider load failures are reported once by us, below; the runtime's own multi-line

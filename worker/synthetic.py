@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from worker.errors import ModelError
+
 __all__ = ["BUILDERS", "save"]
 
 _OPSET = 17
@@ -22,7 +24,7 @@ def _onnx() -> Any:
     try:
         import onnx
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError(
+        raise ModelError(
             "Building models needs the onnx package: pip install 'redbatch[demo]'."
         ) from exc
     return onnx

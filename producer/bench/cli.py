@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import tempfile
 from pathlib import Path
 
@@ -328,9 +329,25 @@ def _options(args: argparse.Namespace) -> Options:
     )
 
 
+def _check_worker_side(options: Options) -> None:
+    """Started workers and the ceilings run in child processes that need the worker's packages,
+    which a producer-only install lacks: say so before the run, not as a child's traceback."""
+    needed = [] if options.no_start else ["onnxruntime", "onnx"]
+    if options.ceilings and options.no_start:
+        needed.append("onnxruntime")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(
+            f"this bench needs {' and '.join(missing)}, which this install lacks: install "
+            "'redbatch[demo]' (the worker's runtime and onnx), or drive live workers with "
+            "--no-start --no-ceilings."
+        )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """``redbatch bench``: run, print the table, write --json and --plot; returns 0."""
     options = _options(args)
+    _check_worker_side(options)
     for path in (args.json, args.plot):
         if path and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"directory for {path!r} does not exist.")
