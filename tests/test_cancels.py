@@ -28,6 +28,7 @@ from harness import (
 
 from producer import keys, resp
 from worker import batcher as batcher_module
+from worker import cancels as cancels_module
 from worker import service as service_module
 from worker import stream as stream_module
 from worker.cancels import CancelCheck
@@ -223,6 +224,8 @@ def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started
     config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a check whose first MGET cannot be sent, so it is asked again after the hand-over
+    # (and no second check as the batch forms, which this test is not about)
+    monkeypatch.setattr(cancels_module, "RECHECK_AFTER_S", 3600.0)
     ask = stream_module.RequestStream.ask_cancelled
     asked: list[int] = []
 
@@ -255,6 +258,29 @@ def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started
         reply = wait_reply(rconn, "ran")
     # Then the late answer, which sees the key, does not turn the result into CANCELLED
     assert reply.ok
+
+
+def test_a_cancel_set_while_the_request_waits_in_the_worker_cancels_it(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, run_rows: list[int]
+) -> None:
+    # Given a lone request read at once but batched only when its window closes, 1.5 s later
+    batching = "max_batch_size = 32\nmax_wait_ms = 1500\nadaptive_wait = false"
+    config = write_config(tmp_path, MODEL, redis_url, batching=batching)
+    metrics = Metrics()
+    with running_worker(config, metrics=metrics):
+        send(rconn, MODEL, "waits", _inputs(), meta="m")
+        stream = keys.request_stream(PREFIX, MODEL)
+        while rconn.xpending(stream, keys.CONSUMER_GROUP)["pending"] == 0:
+            time.sleep(0.005)  # polls Redis for the read; nothing to await in-process
+        # When the caller cancels after the worker read it, before the batch formed
+        rconn.set(keys.cancel_key(PREFIX, "waits"), 1, ex=60)
+        reply = wait_reply(rconn, "waits")
+    # Then the key that existed when the batch formed cancels it (it ran: answered after)
+    assert reply.error is not None, reply
+    assert reply.error.code == "CANCELLED"
+    assert reply.meta == "m"
+    assert run_rows == [1]
+    assert metrics.registry.get_sample_value("redbatch_cancelled_after_run_total") == 1
 
 
 def test_a_check_is_answered_once() -> None:

@@ -12,16 +12,33 @@ answer cannot tell whether a key was set before or after a batch already started
 keeps requests out of runs not yet started: a cancel may then be missed. With a
 backlog, where cancels matter (callers give up on requests that wait long), reads wait in the
 queue and their answers are in before their batch starts.
+
+That answer is as of the read, though, and a read may wait in the worker behind a few batches
+(or a long ``max_wait_ms``) before its batch forms. So a batch whose requests were checked more
+than ``RECHECK_AFTER_S`` before it formed asks again (``Recheck``): one MGET sent on the main
+thread as the run starts and read after it, so the run never waits on it; a request it finds
+cancelled ran for nothing and is answered ``CANCELLED``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
+
+import redis
 
 from worker.errors import Rejected
+from worker.stream import CancelQuery, RequestStream
 
-__all__ = ["CancelCheck", "cancelled_error"]
+__all__ = ["RECHECK_AFTER_S", "CancelCheck", "Recheck", "cancelled_error"]
+
+log = logging.getLogger("worker.cancels")
+
+#: A check older than this when its batch forms is asked again: about a busy round trip, so a
+#: batch formed as its read arrives (no backlog) never pays for a second one.
+RECHECK_AFTER_S = 0.002
 
 
 def cancelled_error() -> Rejected:
@@ -33,6 +50,7 @@ class CancelCheck:
     """One read's cancel check: answered once by intake, read by the main thread."""
 
     def __init__(self) -> None:
+        self.asked_at = time.monotonic()
         self._answered = threading.Event()
         self._cancelled: frozenset[str] = frozenset()
         self._binds_runs = True
@@ -60,3 +78,34 @@ class CancelCheck:
         or stops during an outage); False for an answer asked for after the hand-over."""
         self._answered.wait()
         return self._binds_runs and rid in self._cancelled
+
+
+class Recheck:
+    """A second cancel check for the requests of one run whose first check is stale: sent as
+    the run starts, read after it. Any failure reads as nothing cancelled (the first check
+    still counts): a missed cancel costs compute, a wrong one would lose an answer."""
+
+    def __init__(self, stream: RequestStream, rids: Sequence[str]) -> None:
+        self._query: CancelQuery | None = None
+        if rids:
+            try:
+                self._query = stream.ask_cancelled(rids)
+            except redis.RedisError as exc:
+                log.debug("cancel recheck not sent: %s", exc)
+
+    @classmethod
+    def stale(cls, stream: RequestStream, checks: Iterable[tuple[str, CancelCheck]]) -> Recheck:
+        """Ask again for the rids whose check was asked more than RECHECK_AFTER_S ago."""
+        oldest = time.monotonic() - RECHECK_AFTER_S
+        return cls(stream, [rid for rid, check in checks if check.asked_at < oldest])
+
+    def cancelled(self) -> frozenset[str]:
+        """The rids found cancelled; reads the answer once (after the run)."""
+        query, self._query = self._query, None
+        if query is None:
+            return frozenset()
+        try:
+            return frozenset(query.receive())
+        except redis.RedisError as exc:
+            log.debug("cancel recheck lost: %s", exc)
+            return frozenset()

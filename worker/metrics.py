@@ -162,8 +162,8 @@ class Metrics:
         )
         self.cancelled_runs = Counter(
             "redbatch_cancelled_after_run",
-            "Requests answered CANCELLED after running: their cancel check's answer came "
-            "during the run (compute spent for nothing).",
+            "Requests answered CANCELLED after running: a cancel check answered during the "
+            "run (compute spent for nothing).",
             registry=r,
         )
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)

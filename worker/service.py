@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
 from worker import faults
 from worker.assemble import FeedBuffers
 from worker.batcher import Batcher
-from worker.cancels import cancelled_error
+from worker.cancels import CancelCheck, Recheck, cancelled_error
 from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.errors import Rejected, WorkerError
@@ -340,6 +340,7 @@ class Worker:
                 else:
                     live.append(item)
             if live:
+                recheck = Recheck.stale(self.stream, _checks(live))
                 self._running_since = time.monotonic()
                 try:
                     outcomes = run_batch(
@@ -353,22 +354,24 @@ class Worker:
                     )
                 finally:
                     self._running_since = None
-                finishes += self._finish_run(outcomes, started_ms)
+                finishes += self._finish_run(outcomes, started_ms, recheck.cancelled())
         return finishes
 
     def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
         wanted = {n for item in items if item.request is not None for n in item.request.outputs}
         return [n for n in self.schema.output_names if n in wanted]
 
-    def _finish_run(self, outcomes: Sequence[Outcome], started_ms: float) -> list[Finish]:
+    def _finish_run(
+        self, outcomes: Sequence[Outcome], started_ms: float, rechecked: frozenset[str]
+    ) -> list[Finish]:
         """The finish steps of a sub-batch's outcomes; the ok replies of each run are encoded
         together (what they share is packed once)."""
         finishes = []
         runs: dict[tuple[int, float], list[Outcome]] = {}
         for outcome in outcomes:
             item = outcome.item
-            if _cancelled_during_run(item):
-                # its cancel check answered after the run started (worker/cancels.py)
+            if item.rid in rechecked or _cancelled_during_run(item):
+                # a cancel check answered after the run started (worker/cancels.py)
                 self.metrics.cancelled_after_run()
                 finishes.append(
                     self._failure(item, cancelled_error(), started_ms, outcome.inference_ms)
@@ -455,6 +458,13 @@ def _cancelled_already(item: WorkItem) -> Rejected | None:
     if item.cancel is not None and item.rid is not None and item.cancel.known(item.rid):
         return cancelled_error()
     return None
+
+
+def _checks(items: Iterable[WorkItem]) -> Iterator[tuple[str, CancelCheck]]:
+    """Each runnable item's rid and its read's cancel check."""
+    for item in items:
+        if item.cancel is not None and item.rid is not None:
+            yield item.rid, item.cancel
 
 
 def _cancelled_during_run(item: WorkItem) -> bool:
