@@ -14,11 +14,12 @@ was sent.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import reprlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,9 +231,21 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         raise WireFormatError(
             f"body is {len(body)} bytes, over max_request_bytes={max_bytes}.", "TOO_LARGE"
         )
-    doc = _unpack(body, max_bytes, "body")
+    doc, meta_raw = _unpack_map(body, max_bytes, "body")
     if not isinstance(doc, dict):
         raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
+    try:
+        return _request(doc, meta_raw)
+    except WireFormatError as exc:
+        # A body that is a map still names its meta and reply TTL: the error reply keeps them
+        exc.meta_raw = meta_raw
+        with contextlib.suppress(WireFormatError):
+            exc.reply_ttl_s = _optional_int(doc, "reply_ttl_s", minimum=1)
+        raise
+
+
+def _request(doc: dict[str, Any], meta_raw: bytes | None) -> RequestBody:
+    """Check a body's map (meta already sliced out) and build the request."""
     extra = doc.keys() - _BODY_KEYS
     if extra:
         raise WireFormatError(f"body has unknown key {_names(extra)}.")
@@ -249,7 +262,7 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         inputs=inputs,
         outputs=_optional_names(doc.get("outputs")),
         deadline_ms=_optional_int(doc, "deadline_ms", minimum=0),
-        meta_raw=_meta_raw(body, max_bytes) if "meta" in doc else None,
+        meta_raw=meta_raw,
         reply_ttl_s=_optional_int(doc, "reply_ttl_s", minimum=1),
     )
 
@@ -327,24 +340,6 @@ def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
     if type(value) is not int or value < minimum:
         raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {_quote(value)}.")
     return value
-
-
-def _meta_raw(body: bytes, max_bytes: int) -> bytes:
-    """Slice the meta value's own bytes out of the body, so the reply echoes it verbatim."""
-    unpacker = _unpacker(max_bytes)
-    unpacker.feed(body)
-    for _ in range(unpacker.read_map_header()):
-        key = unpacker.unpack()
-        start = unpacker.tell()
-        unpacker.skip()
-        if key == "meta":
-            raw = body[start : unpacker.tell()]
-            if len(raw) > MAX_META_BYTES:
-                raise WireFormatError(
-                    f"'meta' is {len(raw)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
-                )
-            return raw
-    raise AssertionError("meta key vanished between two parses")  # pragma: no cover
 
 
 def pack_meta(meta: Any) -> bytes | None:
@@ -545,7 +540,7 @@ _OK_OUTPUTS = _KEY["ok"] + b"\xc3" + _KEY["outputs"]
 
 def decode_reply(raw: bytes) -> Reply:
     """Decode a reply element; raises WireFormatError when it is not a contract reply."""
-    doc = _unpack(raw, len(raw), "reply")
+    doc, meta_raw = _unpack_map(raw, len(raw), "reply")
     if not isinstance(doc, dict):
         raise WireFormatError(f"reply must be a map, got {_kind(doc)}.")
     try:
@@ -568,7 +563,7 @@ def decode_reply(raw: bytes) -> Reply:
             outputs=outputs,
             error=error,
             batch_rows=doc.get("batch_rows"),
-            meta_raw=_meta_raw(raw, len(raw)) if "meta" in doc else None,
+            meta_raw=meta_raw,
         )
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
@@ -612,18 +607,82 @@ def _unpacker(max_bytes: int) -> msgpack.Unpacker:
 
 
 def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
+    limits = _checked_limits(data, max_bytes, what)
+    with _msgpack_errors(what):
+        return msgpack.unpackb(data, **limits)
+
+
+def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
+    """Unpack a body or reply, and slice its top-level ``meta`` out undecoded: it is only ever
+    echoed, so it may be any msgpack value (ext types such as timestamps, any keys, repeated
+    keys, any string bytes), as the contract has it. Returns (value, meta bytes or None); the
+    value holds no ``meta`` key. Anything but a map is unpacked whole, for the caller to refuse.
+    """
+    if not data or not (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF)):
+        return _unpack(data, max_bytes, what), None
+    limits = _checked_limits(data, max_bytes, what)
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1), **limits)
+    unpacker.feed(data)
+    doc: dict[Any, Any] = {}
+    meta: bytes | None = None
+    with _msgpack_errors(what):
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if not isinstance(key, str):
+                raise WireFormatError(_key_error(what, key))
+            if key in doc or (key == "meta" and meta is not None):
+                raise ValueError(f"a map repeats the key {_quote(key)}")
+            if key == "meta":
+                start = unpacker.tell()
+                unpacker.skip()
+                meta = data[start : unpacker.tell()]
+            else:
+                doc[key] = unpacker.unpack()
+        if unpacker.tell() != len(data):
+            raise ValueError(f"{len(data) - unpacker.tell()} trailing bytes after the {what}'s map")
+    if meta is not None and len(meta) > MAX_META_BYTES:
+        raise WireFormatError(
+            f"'meta' is {len(meta)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
+        )
+    return doc, meta
+
+
+def _key_error(what: str, key: Any) -> str:
+    if isinstance(key, bytes):
+        return (
+            f"{what} keys must be msgpack str, got bin {_quote(key)}; turn on your msgpack "
+            "library's str/bin distinction (e.g. use_bin_type=True)."
+        )
+    return f"{what} keys must be msgpack str, got {_kind(key)} {_quote(key)}."
+
+
+def _checked_limits(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
     if len(data) > _SMALL:
         _check_declared(data, what)
-        limits = _limits(max_bytes)
-    else:
-        limits = _limits(max_bytes, max(len(data), 1))
+        return _limits(max_bytes)
+    return _limits(max_bytes, max(len(data), 1))
+
+
+@contextlib.contextmanager
+def _msgpack_errors(what: str) -> Iterator[None]:
+    """msgpack's errors as MALFORMED, worded for a person rather than as the library's names."""
     try:
-        return msgpack.unpackb(data, **limits)
+        yield
     except msgpack.StackError as exc:
         raise WireFormatError(f"{what} is nested too deeply to be msgpack we accept.") from exc
+    except msgpack.OutOfData as exc:
+        raise WireFormatError(f"{what} is not valid msgpack: it ends inside a value.") from exc
+    except msgpack.FormatError as exc:
+        raise WireFormatError(
+            f"{what} is not valid msgpack: it holds a byte that begins no msgpack value."
+        ) from exc
     except (ValueError, TypeError) as exc:
-        # msgpack's errors all derive from ValueError; their text says what broke.
+        # msgpack's other errors derive from ValueError; their text says what broke.
         detail = str(exc).rstrip(".") or type(exc).__name__
+        if isinstance(exc, TypeError) and "unhashable" in detail:
+            detail = "a map key is an array or a map"
+        elif "max_ext_len" in detail:
+            detail = "an ext type (such as a timestamp) is accepted only inside 'meta'"
         raise WireFormatError(f"{what} is not valid msgpack: {detail}.") from exc
 
 

@@ -66,6 +66,10 @@ class WireFormatError(RedbatchError):
         super().__init__(message)
         self.code = code
         self.message = message
+        #: What a request body that failed could still tell, for its error reply: the meta
+        #: bytes to echo and the reply TTL it asked for (None when not sent or unreadable).
+        self.meta_raw: bytes | None = None
+        self.reply_ttl_s: int | None = None
 
 
 class BacklogFull(RedbatchError):

@@ -108,7 +108,7 @@ VECTORS: list[tuple[str, str, dict[str, Any]]] = [
             "ok": False,
             "error": {
                 "code": "INVALID_INPUT",
-                "message": "input 'x' has dtype float64; the model takes float32.",
+                "message": "input 'x': expected dtype float32, got float64.",
                 "retryable": False,
             },
             "model": MODEL,

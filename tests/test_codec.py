@@ -354,7 +354,8 @@ MALFORMED_CASES = [
     pytest.param(b"\xc1", "not valid msgpack", id="not-msgpack"),
     pytest.param(b"", "not valid msgpack", id="empty-bytes"),
     pytest.param(CONTRACT_EXAMPLE[:-3], "not valid msgpack", id="truncated"),
-    pytest.param(CONTRACT_EXAMPLE + b"\xc0", "extra data", id="trailing-bytes"),
+    pytest.param(CONTRACT_EXAMPLE + b"\xc0", "1 trailing bytes after", id="trailing-bytes"),
+    pytest.param(pack([1]) + b"\xc0", "extra data", id="trailing-bytes-not-a-map"),
     pytest.param(pack([1, 2]), "body must be a map, got array", id="not-a-map"),
     pytest.param(pack("inputs"), "body must be a map, got string", id="a-string"),
     pytest.param(pack(body(inputs=MISSING, outputs=["y"])), "missing 'inputs'", id="no-inputs"),
@@ -410,13 +411,33 @@ MALFORMED_CASES = [
         body_with_raw("meta", b"\x91" * 2000 + b"\xc0"), "nested too deeply", id="deep-nesting"
     ),
     pytest.param(
-        body_with_raw("meta", pack(msgpack.ExtType(1, b"ab"))), "max_ext_len", id="ext-type"
+        body_with_raw("outputs", pack(msgpack.ExtType(1, b"ab"))),
+        "an ext type (such as a timestamp) is accepted only inside 'meta'",
+        id="ext-outside-meta",
+    ),
+    pytest.param(body_with_raw("outputs", pack([None] * 4097)), "max_array_len", id="long-array"),
+    pytest.param(b"\x81\xc1\x01", "a byte that begins no msgpack value", id="format-error"),
+    pytest.param(CONTRACT_EXAMPLE[:-3], "it ends inside a value", id="truncated-says-so"),
+    pytest.param(
+        pack({"inputs": {"x": tensor()}, b"outputs": ["y"]}),
+        "body keys must be msgpack str, got bin b'outputs'; turn on",
+        id="bin-body-key",
     ),
     pytest.param(
-        body_with_raw("meta", pack(msgpack.Timestamp(1, 0))), "max_ext_len", id="timestamp"
+        b"\x82" + pack("inputs") + pack({"x": tensor()}) + b"\x91\x01\x01",
+        "body keys must be msgpack str, got array",
+        id="array-body-key",
     ),
     pytest.param(
-        body_with_raw("meta", pack([None] * 4097)), "max_array_len", id="long-array-in-meta"
+        b"\x81"
+        + pack("inputs")
+        + b"\x81"
+        + pack("x")
+        + b"\x84"
+        + pack(tensor())[1:]
+        + b"\x91\x01\x02",
+        "a map key is an array or a map",
+        id="array-key-in-a-tensor",
     ),
     pytest.param(pack(body(outputs="y")), "'outputs' must be an array", id="outputs-str"),
     pytest.param(pack(body(outputs=[1])), "'outputs' must be an array", id="outputs-int"),
@@ -440,7 +461,7 @@ def test_structural_fault_is_malformed_and_named(raw: bytes, phrase: str) -> Non
 
 
 def test_long_string_is_malformed() -> None:
-    err = refused(body_with_raw("meta", pack("a" * 70_000)))
+    err = refused(body_with_raw("outputs", pack(["a" * 70_000])))
     assert err.code == "MALFORMED"
     assert "max_str_len" in str(err)
 
@@ -497,8 +518,25 @@ def test_repeated_meta_key_is_malformed() -> None:
     assert refused(raw).code == "MALFORMED"
 
 
-def test_empty_ext_value_is_malformed() -> None:
-    assert refused(body_with_raw("meta", b"\xc7\x00\x05")).code == "MALFORMED"
+@pytest.mark.parametrize(
+    "raw_meta",
+    [
+        pack(msgpack.ExtType(1, b"ab")),
+        pack(msgpack.Timestamp(1, 0)),  # what JS and Go encoders write for a date by default
+        b"\xc7\x00\x05",  # an empty ext value
+        b"\x81\x92\x01\x02\x01",  # an array as a map key
+        b"\xa2\xff\xfe",  # a str that is not UTF-8
+        b"\x82\xa1a\x01\xa1a\x02",  # a map that repeats a key
+        b"\x81\xc4\x01k\x01",  # a bin key
+    ],
+    ids=["ext", "timestamp", "empty-ext", "array-key", "not-utf8", "repeated-key", "bin-key"],
+)
+def test_meta_may_be_any_msgpack_value_and_is_echoed_verbatim(raw_meta: bytes) -> None:
+    # The contract: meta is "any msgpack value of at most 4 KiB encoded"; it is only echoed.
+    request = codec.decode_request(body_with_raw("meta", raw_meta), MAX_BYTES)
+    assert request.meta_raw == raw_meta
+    reply = codec.decode_reply(codec.encode_reply(a_reply(meta_raw=raw_meta)))
+    assert reply.meta_raw == raw_meta
 
 
 def test_reply_with_text_timing_is_malformed() -> None:

@@ -315,12 +315,19 @@ EXT_VALUES = {
 
 
 @pytest.mark.parametrize("raw", EXT_VALUES.values(), ids=EXT_VALUES.keys())
-@pytest.mark.parametrize("where", ["meta", "outputs", "deadline_ms", "shape", "dtype", "data"])
-def test_ext_types_are_malformed_anywhere(raw: bytes, where: str) -> None:
-    body = with_raw(where, raw) if where in ("meta", "outputs", "deadline_ms") else None
+@pytest.mark.parametrize("where", ["outputs", "deadline_ms", "shape", "dtype", "data"])
+def test_ext_types_are_malformed_anywhere_but_meta(raw: bytes, where: str) -> None:
+    body = with_raw(where, raw) if where in ("outputs", "deadline_ms") else None
     body = body or tensor_with_raw(where, raw)
     assert refused(body).code == "MALFORMED"
     assert refused(raw).code == "MALFORMED"
+
+
+@pytest.mark.parametrize("raw", EXT_VALUES.values(), ids=EXT_VALUES.keys())
+def test_ext_types_in_meta_are_answered_and_echoed(raw: bytes) -> None:
+    # The contract lets meta be any msgpack value; the worker only echoes its bytes
+    assert codec.decode_request(with_raw("meta", raw), BIG).meta_raw == raw
+    assert outcome(with_raw("meta", raw)) == "OK"
 
 
 @pytest.mark.parametrize("key", [1, -1, b"inputs", None, 1.5, True], ids=repr)
@@ -341,7 +348,11 @@ def test_meta_over_4_kib_encoded_is_too_large(size: int, code: str) -> None:
     assert outcome(with_raw("meta", pack(b"m" * (size - 3)))) == code
 
 
-@pytest.mark.parametrize("where", ["dtype", "meta", "outputs"])
+def test_a_long_string_in_meta_is_too_large_by_meta_s_own_limit() -> None:
+    assert refused(with_raw("meta", pack("s" * 70_000))).code == "TOO_LARGE"
+
+
+@pytest.mark.parametrize("where", ["dtype", "outputs"])
 def test_strings_over_the_limit_are_malformed(where: str) -> None:
     raw = pack("s" * 70_000)
     body = with_raw(where, raw) if where != "dtype" else tensor_with_raw(where, raw)

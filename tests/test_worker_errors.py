@@ -223,6 +223,30 @@ def test_deadline_in_the_future_runs_and_meta_is_echoed_on_errors_too(multi_io, 
     assert err.meta == b"\x01\x02"
 
 
+def test_a_malformed_map_keeps_its_meta_and_reply_ttl_in_its_error_reply(multi_io, rconn) -> None:
+    # Given bodies that are maps with meta (a timestamp, as JS and Go encoders write dates)
+    # and reply_ttl_s, but a fault elsewhere: an unknown key, an unknown dtype
+    stamp = msgpack.packb(msgpack.Timestamp(1_700_000_000, 0))
+    meta_then = b"\xa4meta" + stamp + b"\xabreply_ttl_s\x05"
+    typo = b"\x84" + _raw("inputs") + _raw({"a": A_OK, "b": B_OK}) + meta_then
+    typo += _raw("inptus") + _raw(1)
+    dtype = b"\x83" + _raw("inputs") + _raw({"a": _tensor("complex64", [1], b"")}) + meta_then
+    with running_worker(multi_io):
+        send(rconn, "multi_io", "typo", body=typo)
+        send(rconn, "multi_io", "dtype", body=dtype)
+        ttls = {rid: rconn.ttl(f"redbatch:reply:{rid}") for rid in ("typo", "dtype")}
+        while -2 in ttls.values():  # polls Redis for the replies; not yet written
+            time.sleep(0.005)
+            ttls = {rid: rconn.ttl(f"redbatch:reply:{rid}") for rid in ttls}
+        replies = [wait_reply(rconn, rid) for rid in ("typo", "dtype")]
+    for reply in replies:
+        assert reply.error is not None
+        assert reply.error.code == "MALFORMED"
+        assert reply.meta_raw == stamp  # echoed byte for byte
+    # Then each reply lives for the 5 s it asked for, not the worker's hour
+    assert all(0 < ttl <= 5 for ttl in ttls.values()), ttls
+
+
 def test_cancelled_request_is_answered_without_running(multi_io, rconn) -> None:
     rconn.set("redbatch:cancel:changed-mind", 1, ex=60)
     with running_worker(multi_io):

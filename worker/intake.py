@@ -143,6 +143,7 @@ def _admit(item: WorkItem, schema: Schema, max_request_bytes: int, layouts: Layo
     try:
         decoded = decode_request(body, max_request_bytes)
     except WireFormatError as exc:
+        item.meta_raw, item.reply_ttl_s = exc.meta_raw, exc.reply_ttl_s
         raise Rejected(exc.code, exc.message) from exc
     item.deadline_ms = decoded.deadline_ms
     item.meta_raw = decoded.meta_raw
