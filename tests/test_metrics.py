@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -128,3 +130,20 @@ def test_metrics_server_listens_where_it_is_told() -> None:
         assert _get(server.port, "/healthz") == (200, "ok\n")
     finally:
         server.close()
+
+
+def test_an_idle_connection_neither_stops_healthz_nor_holds_up_close() -> None:
+    # Given a client that connects to the metrics port and sends nothing (a port scan, a load
+    # balancer's TCP check); the kubelet's probes time out after 3 s
+    server = MetricsServer(Metrics(), lambda: True, 0, host="127.0.0.1")
+    server.start()
+    idle = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        # Then /healthz still answers at once
+        assert _get(server.port, "/healthz") == (200, "ok\n")
+        # And close() (at the end of a SIGTERM drain) returns without waiting for that client
+        started = time.monotonic()
+        server.close()
+        assert time.monotonic() - started < 5.0  # not the client: it never leaves
+    finally:
+        idle.close()

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -241,8 +242,19 @@ class Metrics:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    # A client that connects and sends nothing (a port scan, a TCP health check, a stalled
+    # scraper) is dropped after this long instead of holding its thread for good.
+    timeout = 10.0
+
     def log_message(self, format: str, *args: Any) -> None:  # scrapes are not events
         return
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, so one slow or idle client never stops /healthz answering
+    the kubelet, nor ``close()`` returning at shutdown; daemon threads are never joined."""
+
+    daemon_threads = True
 
 
 class MetricsServer(threading.Thread):
@@ -260,7 +272,9 @@ class MetricsServer(threading.Thread):
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._is_ready = is_ready
         self._is_healthy = is_healthy
-        self._server: WSGIServer = make_server(host, port, self._app, handler_class=_QuietHandler)
+        self._server: WSGIServer = make_server(
+            host, port, self._app, server_class=_ThreadingServer, handler_class=_QuietHandler
+        )
         self.port = self._server.server_port
         self.address = (str(self._server.server_address[0]), self.port)
 
