@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
@@ -32,6 +33,8 @@ from producer.keys import DEFAULT_PREFIX
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["Client"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -167,15 +170,31 @@ class Client:
         """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
         return self._wait(rid, timeout_s, time.monotonic())
 
-    def _wait(self, rid: str, timeout_s: float, since: float) -> Result:
-        """``wait``, with its ``timeout_s`` counted from ``since`` (monotonic)."""
+    def _wait(
+        self, rid: str, timeout_s: float, since: float, sent: core.Submission | None = None
+    ) -> Result:
+        """``wait``, with its ``timeout_s`` counted from ``since`` (monotonic). ``sent``, the
+        request itself (``infer``), is sent again after an interruption (``_resend``)."""
         waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, since)
         while True:
+            interruptions = self._retry.outage.interruptions
             item = self._retry_for(waiter).call(self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
             if results:
                 return results[0]
+            if sent is not None and self._retry.outage.interruptions != interruptions:
+                self._resend([sent], self._retry_for(waiter))
+
+    def _resend(self, subs: Sequence[core.Submission], retry: RetryPolicy) -> None:
+        """Send awaited requests again, same rids, after a command needed a retry: a reply
+        popped in flight was lost with its connection, or a Redis restarted without
+        persistence forgot the stream. A worker runs a copy whose reply exists for nothing and
+        writes no second reply; one that finds none answers it. No backlog gate: these are
+        already counted in it, or were lost from it."""
+        if subs:
+            log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
+            retry.call(self._xadd, subs)
 
     def _retry_for(self, waiter: window.ReplyWaiter) -> RetryPolicy:
         """For ``wait`` and ``wait_many``, retries end at the first deadline (RedisUnavailable
@@ -249,7 +268,7 @@ class Client:
             now_s=time.time(),
         )
         self._send([sub], started + core.check_timeout_s(timeout_s))
-        result = self._wait(sub.rid, timeout_s, started)
+        result = self._wait(sub.rid, timeout_s, started, sent=sub)
         result.raise_for_error()
         return result.outputs or {}
 
@@ -292,6 +311,7 @@ class Client:
     def _run_map(self, plan: window.MapPlan) -> Iterator[Chunk]:
         try:
             while not plan.finished:
+                interruptions = self._retry.outage.interruptions
                 subs = plan.take(time.time())
                 if subs:
                     self._send(subs)
@@ -301,6 +321,8 @@ class Client:
                     plan.answered(self._wait_round(plan.waiter), time.monotonic())
                     self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
+                if self._retry.outage.interruptions != interruptions:
+                    self._resend(plan.awaited(), self._retry)
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

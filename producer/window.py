@@ -75,6 +75,10 @@ class ReplyWaiter:
         """The reply keys still awaited, oldest first."""
         return list(self._pending)
 
+    def rids(self) -> list[str]:
+        """The request ids still awaited, oldest first."""
+        return [rid for rid, _ in self._pending.values()]
+
     def time_left(self, now: float) -> float:
         """Seconds until the first deadline (0 once it has passed)."""
         return max(self._first_deadline() - now, 0.0)
@@ -169,6 +173,7 @@ class MapPlan:
         self._rows_per_request = 0
         self._next_start = 0
         self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
+        self._subs: dict[str, Submission] = {}  # rid -> its request, to send again if lost
         self._sent_at: dict[str, float] = {}  # rid -> monotonic send time
         self._answered: dict[int, Chunk] = {}  # start -> chunk
         self._next_yield = 0  # start of the next chunk to yield
@@ -219,6 +224,7 @@ class MapPlan:
             inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
             sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
             self._in_flight[sub.rid] = (start, stop)
+            self._subs[sub.rid] = sub
             self._next_start = stop
             self._held += 1
             subs.append(sub)
@@ -235,12 +241,18 @@ class MapPlan:
         """Record replies that arrived by ``now`` (monotonic); failed ones keep ``error``."""
         for result in results:
             start, stop = self._in_flight.pop(result.rid)
+            del self._subs[result.rid]
             latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
             late = result.error is not None and result.error.code == WAIT_TIMEOUT
             self.stopped = self.stopped or (late and self._stop_on_timeout)
             self._answered[start] = Chunk(
                 start, stop, result.rid, result.outputs, result.error, result, latency_ms
             )
+
+    def awaited(self) -> list[Submission]:
+        """The requests whose reply is still awaited (not answered, not given up on), to send
+        again after an interruption: the same rids, so a worker answers each once."""
+        return [self._subs[rid] for rid in self.waiter.rids()]
 
     def ready(self) -> list[Chunk]:
         """The answered chunks that come next in input order, removed from the plan."""

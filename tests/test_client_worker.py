@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from harness import direct_run, running_worker, write_config
 
 from producer import AsyncClient, Client
@@ -118,3 +119,44 @@ def test_json_logs_are_one_object_per_line(demo_config: Path) -> None:
     lines = [json.loads(line) for line in done.stderr.splitlines()]
     assert {"warmup done", "validation record"} <= {line["msg"] for line in lines}
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+
+
+def _lose_the_first_popped_reply(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
+    """Make ``Client.<method>`` drop its connection once, right after Redis popped a reply:
+    the reply is gone from Redis and never reaches the client, as when a stall outlasts the
+    socket timeout. Returns a list that holds True once that happened."""
+    original = getattr(Client, method)
+    lost: list[bool] = []
+
+    def pop_then_drop(self: Client, *args: object) -> object:
+        answer = original(self, *args)
+        popped = answer if method == "_blpop" else any(a is not None for a in answer)
+        if popped and not lost:
+            lost.append(True)
+            raise redis.ConnectionError("connection dropped with the reply in it (test)")
+        return answer
+
+    monkeypatch.setattr(Client, method, pop_then_drop)
+    return lost
+
+
+def test_map_sends_again_a_request_whose_reply_was_lost_in_flight(
+    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = _lose_the_first_popped_reply(monkeypatch, "_lpop")
+    x = np.random.default_rng(4).normal(size=(64, 16)).astype(np.float32)
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        chunks = list(client.map({"features": x}, rows_per_request=4, timeout_s=10))
+    assert lost == [True]
+    assert [c.error for c in chunks if not c.ok] == []  # not WAIT_TIMEOUT after 10 s
+    assert [c.start for c in chunks] == list(range(0, 64, 4))
+
+
+def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
+    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = _lose_the_first_popped_reply(monkeypatch, "_blpop")
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        out = client.infer({"features": np.zeros((1, 16), np.float32)}, timeout_s=10)
+    assert lost == [True]
+    assert out["probs"].shape == (1, 4)
