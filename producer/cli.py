@@ -55,6 +55,29 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    with _sigterm_as_ctrl_c():
+        return _run(args)
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM, the way orchestrators stop a job, ends a run as Ctrl-C does: the rows answered
+    are written and the rest listed NOT_ANSWERED, instead of the process dying with nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from producer.client import Client
 
     input_path, output_path = Path(args.input), Path(args.output)
@@ -113,9 +136,9 @@ def _finish_run(summary: RunSummary, output_path: Path, errors_path: Path) -> in
 
 @contextlib.contextmanager
 def _sigint_deferred() -> Iterator[list[int]]:
-    """Hold Ctrl-C while the results are written, so that it cannot leave the output and errors
-    files of two different runs side by side; a second Ctrl-C goes through (a write that hangs
-    can still be stopped). Yields the signals held."""
+    """Hold Ctrl-C (and SIGTERM) while the results are written, so that it cannot leave the
+    output and errors files of two different runs side by side; a second one goes through (a
+    write that hangs can still be stopped). Yields the signals held."""
     came: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield came
@@ -126,11 +149,12 @@ def _sigint_deferred() -> Iterator[list[int]]:
             raise KeyboardInterrupt
         came.append(signum)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    previous = {signum: signal.signal(signum, hold) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield came
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _check_run_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:
@@ -269,12 +293,15 @@ percentiles, batch sizes, the workers and model versions that served).
 
 An .npy is the model's single input, named by --input-name or by a live worker's record; an
 .npz holds one array per input, named as the model names them. Rows of failed requests are NaN
-(float outputs) or 0 in the output and are listed, one JSON line per request, in the errors file.
-When a reply does not come within --timeout-s of its request, the run sends nothing more: the
-requests already in flight are still awaited, each late one is cancelled and listed with the
-client-side code WAIT_TIMEOUT, and so are the rows never sent. Ctrl-C stops it too, writing
-the rows answered so far and listing the rest as NOT_ANSWERED (before any reply came, it
-writes nothing, so an earlier run's output and errors file stay as they were).
+(float outputs) or 0 in the output and are listed in the errors file: one JSON line per failed
+request, or per range of rows that share one fate (never sent, not answered), with "start" and
+"stop" row numbers. When a reply does not come within --timeout-s of its request, the run sends
+nothing more: the requests already in flight are still awaited, each late one is cancelled and
+listed with the client-side code WAIT_TIMEOUT, and so are the rows never sent. A crashed
+worker's requests are taken over after the workers' claim_idle_ms (30 s by default), so keep
+--timeout-s above it. Ctrl-C or SIGTERM stops the run too, writing the rows answered so far and
+listing the rest as NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's
+output and errors file stay as they were).
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 

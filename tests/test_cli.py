@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal as signals
 import subprocess
 import sys
 import threading
@@ -269,7 +270,9 @@ class ScriptedClient:
     then ends, as a map() stopped at a late reply ends (or raises ``interrupt`` first)."""
 
     def __init__(
-        self, script: list[tuple[int, float, str | None]], interrupt: BaseException | None = None
+        self,
+        script: list[tuple[int, float, str | None]],
+        interrupt: BaseException | signals.Signals | None = None,
     ) -> None:
         self.script = script
         self.interrupt = interrupt
@@ -282,7 +285,9 @@ class ScriptedClient:
         try:
             for i, (batch_rows, latency_ms, code) in enumerate(self.script):
                 yield self.chunk(x, i, batch_rows, latency_ms, code)
-            if self.interrupt is not None:
+            if isinstance(self.interrupt, signals.Signals):
+                os.kill(os.getpid(), self.interrupt)  # its handler raises here, if it has one
+            elif self.interrupt is not None:
                 raise self.interrupt
         finally:
             self.closed = True
@@ -388,6 +393,37 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
         json.loads(line) for line in (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
     ]
     assert [(e["start"], e["stop"], e["code"]) for e in lines] == [(2, 5, "NOT_ANSWERED")]
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a run that SIGTERM (how orchestrators stop a job) stops after 2 of 5 rows came back
+    np.save(tmp_path / "x.npy", np.arange(5, dtype=np.float32).reshape(5, 1))
+    client = ScriptedClient([(2, 10.0, None), (2, 10.0, None)], interrupt=signals.SIGTERM)
+    monkeypatch.setattr(
+        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+    )
+    unhandled: list[int] = []  # without the run's own handler, SIGTERM would land here
+
+    def ours(signum: int, _frame: object) -> None:
+        unhandled.append(signum)
+
+    previous = signals.signal(signals.SIGTERM, ours)
+    out = tmp_path / "y.npz"
+    argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    try:
+        code = main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"])
+        assert signals.getsignal(signals.SIGTERM) is ours  # the run put it back
+    finally:
+        signals.signal(signals.SIGTERM, previous)
+
+    # Then, as with Ctrl-C, the answered rows are written and the rest listed
+    assert (code, unhandled) == (130, [])
+    with np.load(out) as written:
+        np.testing.assert_array_equal(written["y"][:2], [[0.0], [2.0]])
+    lines = (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
+    assert [json.loads(line)["code"] for line in lines] == ["NOT_ANSWERED"]
 
 
 def test_run_interrupted_before_any_answer_keeps_the_previous_files_as_a_pair(
@@ -710,8 +746,6 @@ def test_rewriting_an_output_keeps_its_permissions(tmp_path: Path) -> None:
 
 
 def test_a_ctrl_c_while_results_are_written_is_held_and_a_second_goes_through() -> None:
-    import signal as signals
-
     from producer.cli import _sigint_deferred
 
     with _sigint_deferred() as held:
