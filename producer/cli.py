@@ -252,6 +252,9 @@ def _progress_bar(total: int, *, disable: bool) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    stray = watch.watch_only_options(args)
+    if stray:
+        raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
     if args.watch:
         return watch.run_command(args)
     where = core.redact_url(args.redis_url)

@@ -245,7 +245,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--interval-s",
         type=argtypes.positive_float,
-        default=DEFAULT_INTERVAL_S,
+        default=None,
         metavar="S",
         help=f"with --watch: seconds between refreshes (default: {DEFAULT_INTERVAL_S:g})",
     )
@@ -264,6 +264,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --watch: a worker's /metrics, for latency percentiles and batch rows "
         "(repeat for each worker)",
     )
+
+
+def watch_only_options(args: argparse.Namespace) -> list[str]:
+    """The --watch options given without --watch (a usage error: they would do nothing)."""
+    given = {
+        "--interval-s": args.interval_s is not None,
+        "--iterations": args.iterations is not None,
+        "--metrics-url": bool(args.metrics_url),
+    }
+    return [] if args.watch else [flag for flag, on in given.items() if on]
 
 
 def _refresh(conn: redis.Redis, args: argparse.Namespace, *, first: bool) -> Snapshot:
@@ -290,7 +300,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         while args.iterations is None or frames < args.iterations:
             if frames:
-                time.sleep(args.interval_s)
+                time.sleep(args.interval_s or DEFAULT_INTERVAL_S)
             problem = None
             try:
                 now = _refresh(conn, args, first=before is None)
@@ -306,7 +316,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 now,
                 rates=rates,
                 redis_url=where,
-                interval_s=args.interval_s,
+                interval_s=args.interval_s or DEFAULT_INTERVAL_S,
                 problem=problem,
             )
             stream.write((_CLEAR if clear else ("\n" if frames else "")) + frame + "\n")

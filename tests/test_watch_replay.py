@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from producer import codec, keys, replay, watch, watchstats
+from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
 from producer.status import WorkerInfo, format_status, gather_status, printable
@@ -235,6 +236,18 @@ def test_watch_refuses_json(redis_url: str) -> None:
     args = _parser(watch.add_arguments).parse_args(["--redis-url", redis_url, "--watch", "--json"])
     with pytest.raises(UsageError, match="--json"):
         watch.run_command(args, out=io.StringIO())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--iterations", "2"], ["--metrics-url", "http://h:9100/metrics"], ["--interval-s", "1"]],
+)
+def test_watch_options_without_watch_are_a_usage_error(
+    redis_url: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # They would be ignored: a script that forgot --watch would print one frame and exit 0
+    assert redbatch_main(["--redis-url", redis_url, "status", "--model", MODEL, *flags]) == 2
+    assert f"{flags[0]} go with --watch" in capsys.readouterr().err
 
 
 def test_watch_fails_at_once_when_redis_cannot_be_reached() -> None:

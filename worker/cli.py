@@ -186,21 +186,37 @@ def _freeze_start_up() -> int:
 
 
 def _record_summary(record: dict[str, Any]) -> dict[str, Any]:
-    """The record's essentials for one log line; --check prints it whole."""
+    """What is served, in one log line: model, runtime, input ranges, batching, limits and
+    delivery, so that the log alone says what a worker enforced after it is gone (its
+    registry record expires with it); --check prints the record whole."""
     model = record["model"]
+    runtime = record["runtime"]
     return {
         "worker": record["name"],
         "model": f"{model['name']}@{model['version']}",
         "sha256": model["sha256"],
         "opset": model["opset"],
-        "onnxruntime": record["runtime"]["onnxruntime"],
-        "providers": record["runtime"]["providers"],
-        "inputs": [f"{i['name']}:{i['dtype']}{i['shape']}" for i in record["inputs"]],
+        "onnxruntime": runtime["onnxruntime"],
+        "providers": runtime["providers"],
+        "binding": runtime["binding"],
+        "inputs": [_input_summary(i) for i in record["inputs"]],
         "outputs": [f"{o['name']}:{o['dtype']}{o['shape']}" for o in record["outputs"]],
-        "max_batch_size": record["batching"]["max_batch_size"],
-        "max_wait_ms": record["batching"]["max_wait_ms"],
+        "batching": record["batching"],
+        "limits": record["limits"],
+        "delivery": record["delivery"],
         "warmup_ms": record["warmup"]["total_ms"],
     }
+
+
+def _input_summary(spec: dict[str, Any]) -> str:
+    """``name:dtype[shape]`` with its range and whether NaN and infinity are refused."""
+    text = f"{spec['name']}:{spec['dtype']}{spec['shape']}"
+    low, high = spec.get("min"), spec.get("max")
+    if low is not None or high is not None:
+        text += f" in [{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+    if spec.get("reject_non_finite"):
+        text += " finite"
+    return text
 
 
 def _safe_url(url: str) -> str:

@@ -278,9 +278,9 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
         )
     path = (base_dir / t.get_str("path", None)).resolve()
     if not path.is_file():
+        what = "which is not a file" if path.exists() else "which does not exist"
         raise ConfigError(
-            f"Config 'model.path' points to {path}, which does not exist. "
-            "Paths are relative to the config file."
+            f"Config 'model.path' points to {path}, {what}. Paths are relative to the config file."
         )
     names = t.get_str_list("providers", ["cpu"])
     if not names:
@@ -300,6 +300,12 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
     version = t.data.get("version", "1")
     if not isinstance(version, str | int) or isinstance(version, bool):
         raise ConfigError(f"Config 'model.version' has value {version!r}. Use a string.")
+    if not str(version).strip() or not str(version).isprintable():
+        raise ConfigError(
+            f"Config 'model.version' has value {version!r}. Use a non-empty printable string "
+            "such as '2', and change it with every model file: replies, metrics and status "
+            "name it."
+        )
     return ModelConfig(
         name=name,
         path=path,
