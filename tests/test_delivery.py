@@ -228,10 +228,14 @@ def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
             # worker claims the request and answers it
             assert _eventually(lambda: rconn.exists(f"redbatch:reply:{rid}") == 1)
             assert not hung.healthy()
+            # and its ready gauge says what /readyz says (the dashboard counts ready workers)
+            assert hung.metrics.registry.get_sample_value("redbatch_ready") == 0
             release.set()
             assert _eventually(lambda: hung.metrics.reply_write.count >= 1)  # its late write
             assert hung.served["requests"] == 0  # which finished nothing: not counted as served
         assert hung.healthy()
+        assert hung.metrics.registry.get_sample_value("redbatch_ready") == 1
+    assert hung.metrics.registry.get_sample_value("redbatch_ready") == 0  # stopped
     assert rconn.llen(f"redbatch:reply:{rid}") == 1  # the late finish was fenced off
     assert wait_reply(rconn, rid).worker == "rescuer"
 

@@ -132,6 +132,32 @@ def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
     assert answered + left == len(rids)
 
 
+def test_a_stop_signal_while_starting_exits_zero_with_a_line(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Given a worker whose warm-up takes minutes
+    config = write_config(tmp_path, "slow", redis_url)
+    config.write_text(config.read_text().replace("runs = 1\n", "runs = 10000\n"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", "early"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # When SIGTERM comes once it is loading the model
+            if "loading the model" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    # Then it exits 0 with a line saying so, not 143 with nothing
+    assert proc.returncode == 0, stderr
+    assert "stopped by SIGTERM while starting" in stderr
+
+
 def _burst(config: Path) -> subprocess.CompletedProcess[str]:
     """Run ``redbatch-worker --burst`` to its end."""
     return subprocess.run(

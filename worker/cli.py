@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,9 +87,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StoppedStarting(BaseException):
+    """SIGTERM or SIGINT before the worker serves: nothing was read, so it just exits."""
+
+
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    raise _StoppedStarting(signal.Signals(signum).name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
+    # Until the worker installs its own (drain, then exit 0), a signal during config, model
+    # load or warm-up ends start-up cleanly: exit 0 with a line, as the docs promise.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_while_starting)
+    try:
+        return _main(args)
+    except _StoppedStarting as stop:
+        log.info("stopped by %s while starting; nothing was read from Redis", stop)
+        return 0
+
+
+def _main(args: argparse.Namespace) -> int:
     name = args.name or _default_name()
     if not is_valid_name(name):
         log.error("--name %r must match [A-Za-z0-9_.:-]{1,128}", name)
@@ -141,6 +163,12 @@ def _serve(
     metrics: Metrics,
     serving: list[Worker],
 ) -> int:
+    log.info(
+        "loading the model",
+        extra={
+            "fields": {"worker": name, "model": config.model.name, "path": str(config.model.path)}
+        },
+    )
     try:
         prepared = prepare(config, name)
     except WorkerError as exc:

@@ -191,7 +191,8 @@ class Worker:
         self.writer.start()
         self.intake.start()
         self.ready.set()
-        self.metrics.ready.set(1)
+        # As /readyz says: warm, reading, and no batch hung past max_run_s
+        self.metrics.ready.set_function(lambda: float(self.ready.is_set() and self.healthy()))
         log.info("ready", extra={"fields": {"worker": self.name, "stream": self.stream.key}})
         try:
             while not self.stop.is_set():
@@ -202,7 +203,6 @@ class Worker:
                     break
         finally:
             self.ready.clear()
-            self.metrics.ready.set(0)
             self._drain()
         parts = ("intake", self.intake), ("writer", self.writer), ("leases", self.keeper)
         for part, failure in ((name, thread.failure) for name, thread in parts):
