@@ -16,6 +16,7 @@ import os
 import tempfile
 import time
 import zipfile
+from array import array as float_array
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,9 +73,12 @@ class RunSummary:
     ``requests`` and ``rows_answered`` count what a worker answered (ok or not): late requests,
     rows never sent and rows cut off by Ctrl-C are failures but not answers, so the throughput
     is what the workers did. ``latencies_ms`` holds one latency per answered request, measured
-    client-side from sending the request to receiving its reply. ``batch_rows`` holds, per
-    successful request, the rows of the batch it ran in (from the reply). ``failed_rows`` counts
-    failed rows by error code (one failure can cover many rows never sent).
+    client-side from sending the request to receiving its reply (8 bytes each: a job of millions
+    of requests keeps them all). ``batch_rows`` counts successful requests by the rows of the
+    batch they ran in (from the reply). ``failed_rows`` counts failed rows by error code.
+    ``failures`` lists failed row ranges; adjacent answered requests that failed with the same
+    code and message are one entry (without a rid), so a bad column costs one entry, not one a
+    request (late ones keep one entry each, with the rid a late reply may still come under).
     """
 
     rows: int
@@ -83,8 +87,8 @@ class RunSummary:
     rows_answered: int = 0
     rows_failed: int = 0
     wall_s: float = 0.0
-    latencies_ms: list[float] = field(default_factory=list)
-    batch_rows: list[int] = field(default_factory=list)
+    latencies_ms: float_array[float] = field(default_factory=lambda: float_array("d"))
+    batch_rows: Counter[int] = field(default_factory=Counter)
     served: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)
     failed_rows: Counter[str] = field(default_factory=Counter)
     failures: list[FailedRequest] = field(default_factory=list)
@@ -92,10 +96,22 @@ class RunSummary:
     interrupted: bool = False  # stopped by Ctrl-C: what came back is kept, the rest listed
 
     def fail(self, failure: FailedRequest) -> None:
-        """Count a failed request and list it."""
+        """Count a failed request and list it, merged into the last entry when it continues
+        that entry's rows with the same code and message."""
         self.rows_failed += failure.stop - failure.start
         self.failed_rows[failure.code] += failure.stop - failure.start
-        self.failures.append(failure)
+        last = self.failures[-1] if self.failures else None
+        if (
+            last is not None
+            and failure.code != WAIT_TIMEOUT  # a late request's rid may still get a reply
+            and last.stop == failure.start
+            and (last.code, last.message) == (failure.code, failure.message)
+        ):
+            self.failures[-1] = FailedRequest(
+                last.start, failure.stop, None, last.code, last.message
+            )
+        else:
+            self.failures.append(failure)
 
     @property
     def rows_ok(self) -> int:
@@ -231,7 +247,7 @@ def _record_reply(summary: RunSummary, chunk: Chunk) -> None:
     summary.latencies_ms.append(chunk.latency_ms)
     result = chunk.result
     if result.ok and result.batch_rows is not None:
-        summary.batch_rows.append(int(result.batch_rows))
+        summary.batch_rows[int(result.batch_rows)] += 1
     model = result.model
     summary.served[(result.worker, model.name, model.version, model.sha256)] += 1
 
@@ -318,8 +334,9 @@ def format_summary(
     else:
         lines.append("latency     none measured (no request was answered)")
     if s.batch_rows:
+        mean = sum(rows * n for rows, n in s.batch_rows.items()) / s.batch_rows.total()
         lines.append(
-            f"batch rows  mean {np.mean(s.batch_rows):.1f} "
+            f"batch rows  mean {mean:.1f} "
             "(rows in the batch each successful request ran in, from its reply)"
         )
         lines.append(f"  {'batch rows':>10}  {'requests':>8}")
@@ -346,14 +363,15 @@ def format_summary(
     return "\n".join(lines)
 
 
-def _histogram(values: Sequence[int], width: int = 40) -> list[tuple[str, int, str]]:
+def _histogram(distinct: Counter[int], width: int = 40) -> list[tuple[str, int, str]]:
     """Counts per value when there are few distinct values, else per power-of-two bucket
     (1, 2-3, 4-7, ...), each with a bar of '#' scaled to the largest count."""
-    distinct = Counter(int(v) for v in values)
     if len(distinct) <= 12:
         buckets = [(str(v), distinct[v]) for v in sorted(distinct)]
     else:
-        by_exp = Counter(max(int(v), 1).bit_length() - 1 for v in values)
+        by_exp: Counter[int] = Counter()
+        for value, count in distinct.items():
+            by_exp[max(value, 1).bit_length() - 1] += count
         buckets = []
         for exp in range(min(by_exp), max(by_exp) + 1):
             low, high = 1 << exp, (1 << (exp + 1)) - 1
@@ -495,7 +513,8 @@ def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:
 
 
 def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:
-    """One JSON line per failed request: start, stop, rid, code, message (empty when none)."""
+    """One JSON line per failed row range: start, stop, rid (of its one request, else None),
+    code, message (empty when none)."""
 
     def write(fh: Any) -> None:
         for f in failures:

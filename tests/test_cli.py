@@ -321,7 +321,7 @@ def test_run_job_stacks_in_order_and_measures_latency_and_batches() -> None:
         (4, 5, "r4", "WAIT_TIMEOUT"),  # the late request itself
         (5, 6, None, "WAIT_TIMEOUT"),  # and every row after it: the run stopped there
     ]
-    assert summary.batch_rows == [1, 4, 16]
+    assert summary.batch_rows == {1: 1, 4: 1, 16: 1}
     assert summary.latency_percentiles_ms()["p50"] == pytest.approx(25.0)  # answered ones only
     text = format_summary(summary, output_path="y.npz", errors_path="y.npz.errors.jsonl")
     assert "3 ok, 3 failed, 6 total, in 4 requests of 1 row; 2 not answered" in text
@@ -544,6 +544,28 @@ def test_run_with_no_worker_stops_after_one_timeout(
     late = [(i, i + 1, "WAIT_TIMEOUT") for i in range(8)]  # each in-flight request, by rid
     assert [(e["start"], e["stop"], e["code"]) for e in lines] == [*late, (8, 400, "WAIT_TIMEOUT")]
     assert lines[-1]["message"].startswith("not sent: the run stopped sending at rows 0:1")
+
+
+def test_adjacent_requests_failing_alike_are_one_errors_entry() -> None:
+    # A bad column fails every request with one message: one entry, not one per request (a
+    # million failed requests held a million entries in memory and lines in the file)
+    class OneMessage(ScriptedClient):
+        @staticmethod
+        def chunk(x: np.ndarray, i: int, rows: int, ms: float, code: str | None) -> Chunk:
+            c = ScriptedClient.chunk(x, i, rows, ms, code)
+            error = (
+                ErrorInfo(code, "input 'x': expected shape [-1, 2], got [1, 1].") if code else None
+            )
+            return Chunk(c.start, c.stop, c.rid, c.outputs, error, c.result, c.latency_ms)
+
+    script = [(1, 1.0, None), (1, 1.0, "INVALID_INPUT"), (1, 1.0, "INVALID_INPUT")]
+    script += [(1, 1.0, None), (1, 1.0, "INVALID_INPUT")]
+    summary = run_job(OneMessage(script), {"x": np.zeros((5, 1), np.float32)})
+    assert [(f.start, f.stop, f.rid, f.code) for f in summary.failures] == [
+        (1, 3, None, "INVALID_INPUT"),  # rows 1 and 2: same code and message, merged
+        (4, 5, "r4", "INVALID_INPUT"),  # after a success: its own entry, with its rid
+    ]
+    assert summary.failed_rows == {"INVALID_INPUT": 3}
 
 
 def test_summary_of_a_job_where_nothing_succeeded_says_so() -> None:
