@@ -314,6 +314,8 @@ class AsyncClient:
     async def _run_map(self, plan: window.MapPlan) -> AsyncIterator[Chunk]:
         if plan.needs_row_limit:
             plan.use_row_limit(core.row_limit(await self.workers(), self._settings))
+        elif plan.rows:
+            core.check_rows_per_request(plan.rows_per_request, await self.workers())
         try:
             while not plan.finished:
                 subs = plan.take(time.time())

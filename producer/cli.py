@@ -213,6 +213,7 @@ def _check_against_workers(
             f"{sorted(map(str, expected))}."
         )
     _check_dtypes(args.model, arrays, record)
+    _check_shapes(args.model, arrays, record)
     outputs = {o.get("name") for o in record.get("outputs") or [] if isinstance(o, dict)}
     unknown = sorted(set(args.outputs or ()) - outputs) if outputs else []
     if unknown:
@@ -242,6 +243,27 @@ def _check_dtypes(model: str, arrays: Mapping[str, np.ndarray], record: dict[str
                     f"request would be refused. Cast the array first, e.g. "
                     f"np.save(path, x.astype(np.{want}))."
                 )
+
+
+def _check_shapes(model: str, arrays: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
+    """Likewise a row shape the model does not take: every request would be refused, one by
+    one (a 200,000-row file cost 30 s of worker time and a 34 MB errors file)."""
+    for spec in record.get("inputs") or []:
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or spec.get("name") not in arrays or not shape:
+            continue
+        got = arrays[spec["name"]].shape
+        fits = len(got) == len(shape) and all(
+            not isinstance(want, int) or want < 0 or want == have
+            for want, have in zip(shape[1:], got[1:], strict=True)
+        )
+        if not fits:
+            rows_of = ", ".join(str(d if isinstance(d, int) and d >= 0 else "N") for d in shape[1:])
+            raise UsageError(
+                f"input {spec['name']!r} has shape {list(got)}, but model {model!r} takes "
+                f"rows of shape [{rows_of}] (the model's shape is {shape}): every request "
+                "would be refused."
+            )
 
 
 def _progress_bar(total: int, *, disable: bool) -> Any:

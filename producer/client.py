@@ -306,6 +306,8 @@ class Client:
         )
         if plan.needs_row_limit:
             plan.use_row_limit(core.row_limit(self.workers(), self._settings))
+        elif plan.rows:
+            core.check_rows_per_request(plan.rows_per_request, self.workers())
         return self._run_map(plan)
 
     def _run_map(self, plan: window.MapPlan) -> Iterator[Chunk]:

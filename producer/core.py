@@ -510,14 +510,31 @@ class WorkerRoster:
         return records, stale
 
 
-def row_limit(records: Iterable[Mapping[str, Any]], settings: Settings) -> int:
-    """The smallest ``batching.max_batch_size`` among live worker records."""
+def _row_limits(records: Iterable[Mapping[str, Any]]) -> list[int]:
     limits = []
     for record in records:
         batching = record.get("batching")
         size = batching.get("max_batch_size") if isinstance(batching, dict) else None
         if type(size) is int and size >= 1:
             limits.append(size)
+    return limits
+
+
+def check_rows_per_request(rows: int | None, records: Iterable[Mapping[str, Any]]) -> None:
+    """Refuse a ``rows_per_request`` over the live workers' row limit, which would have every
+    request answered TOO_LARGE; nothing to check when none has registered."""
+    limits = _row_limits(records)
+    if rows is not None and limits and rows > min(limits):
+        raise ValueError(
+            f"rows_per_request={rows} is over the live workers' max_batch_size={min(limits)}: "
+            f"every request would be answered TOO_LARGE. Use {min(limits)} or less, or leave "
+            "it out to use the workers' limit."
+        )
+
+
+def row_limit(records: Iterable[Mapping[str, Any]], settings: Settings) -> int:
+    """The smallest ``batching.max_batch_size`` among live worker records."""
+    limits = _row_limits(records)
     if not limits:
         raise NoWorkerInfo(
             f"No live worker of model {settings.model!r} has registered under prefix "

@@ -185,6 +185,11 @@ class MapPlan:
             self.use_row_limit(rows_per_request)
 
     @property
+    def rows_per_request(self) -> int | None:
+        """The row limit in use (None until ``use_row_limit``)."""
+        return self._rows_per_request or None
+
+    @property
     def needs_row_limit(self) -> bool:
         """True when the caller gave no rows_per_request and there are rows to send."""
         return self._rows_per_request == 0 and self.rows > 0

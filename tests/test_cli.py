@@ -258,6 +258,12 @@ def test_run_refuses_inputs_a_live_worker_says_will_fail(
     err = capsys.readouterr().err
     assert "input 'x' is float64, but model 'demo' takes float32" in err
     assert "x.astype(np.float32)" in err
+
+    for shape in [(4, 3), (4,), (4, 2, 2)]:  # a wrong column count, a 1-D array, a 3-D one
+        np.save(tmp_path / "bad.npy", np.zeros(shape, np.float32))
+        assert main([*base, "--input", str(tmp_path / "bad.npy")]) == 2
+        err = capsys.readouterr().err
+        assert f"input 'x' has shape {list(shape)}, but model 'demo' takes rows of shape [4]" in err
     assert not rconn.exists(keys.request_stream(PREFIX, MODEL))  # nothing was sent
 
 

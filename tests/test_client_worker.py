@@ -55,6 +55,19 @@ def test_map_defaults_to_the_workers_row_limit(demo_config: Path, redis_url: str
     assert [c.stop - c.start for c in chunks] == [32, 32, 32, 4]
 
 
+def test_map_refuses_rows_per_request_over_the_workers_limit(
+    demo_config: Path, redis_url: str
+) -> None:
+    # Every request would be answered TOO_LARGE, one by one: say so before sending any
+    x = np.zeros((100, 16), np.float32)
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        with pytest.raises(ValueError, match="rows_per_request=64 is over the live workers' max"):
+            next(iter(client.map({"features": x}, rows_per_request=64)))
+        assert client.backlog() == 0
+        with pytest.raises(TooLarge, match="Send at most 32 rows a request"):
+            client.infer({"features": np.zeros((33, 16), np.float32)}, timeout_s=10)
+
+
 def test_infer_raises_the_typed_error_from_the_worker(demo_config: Path, redis_url: str) -> None:
     with running_worker(demo_config), Client("demo", redis_url) as client:
         out = client.infer({"features": np.zeros((2, 16), np.float32)}, timeout_s=10)

@@ -157,7 +157,8 @@ class Schema:
             raise Rejected(
                 "TOO_LARGE",
                 f"the request has {rows} rows; this worker's max_batch_size is "
-                f"{self.max_batch_size}. Split it (the client's map() does).",
+                f"{self.max_batch_size}. Send at most {self.max_batch_size} rows a request "
+                "(Client.map splits an array so when rows_per_request is left out).",
             )
         return rows
 
