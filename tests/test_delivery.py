@@ -254,3 +254,21 @@ def test_pending_unheld_counts_others_entries_and_own_ones_no_longer_in_hand(rco
     assert claims.pending_unheld(held=2) == 2  # and one of its own it no longer holds
     rconn.delete(STREAM)
     assert claims.pending_unheld(held=0) == 0  # no group: nothing to wait for
+
+
+def test_entries_pending_on_its_own_name_are_never_called_another_workers(
+    rconn, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A read whose answer a Redis stall lost leaves entries pending on this worker's own name;
+    # found in the sweep of other consumers' idle entries, the log must not blame a dead worker
+    from worker.leases import Leases
+    from worker.reclaim import Reclaimer
+
+    claims = Claims(RequestStream(rconn, "redbatch", "demo", "me"))
+    reclaimer = Reclaimer(claims, Leases(), claim_idle_ms=1000, max_deliveries=3)
+    reclaimer._own = False  # the sweep of every consumer's idle entries
+    caplog.set_level(logging.INFO, logger="worker.reclaim")
+    reclaimer._announce("me")
+    reclaimer._announce("dead-one")
+    assert "adopting entries pending on this worker's name" in caplog.records[0].getMessage()
+    assert "redelivering entries of consumer 'dead-one'" in caplog.records[1].getMessage()

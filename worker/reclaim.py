@@ -141,7 +141,7 @@ class Reclaimer:
         if consumer in self._announced:
             return
         self._announced.add(consumer)
-        if self._own:
+        if self._own or consumer == self.claims.consumer:
             log.info(
                 "adopting entries pending on this worker's name that it does not hold (left by "
                 "its previous run, or by a read whose answer was lost); each runs alone"
