@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
@@ -35,6 +36,8 @@ from producer.keys import DEFAULT_PREFIX
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["AsyncClient"]
+
+log = logging.getLogger(__name__)
 
 # The backlog wait's sleep; a module attribute so tests can see that a submit waited.
 _sleep = asyncio.sleep
@@ -162,6 +165,12 @@ class AsyncClient:
             f"{core.INFER_LIMIT} ran out while an earlier submit was being sent; the request "
             "was not sent."
         )
+
+    async def _resend(self, subs: Sequence[core.Submission]) -> None:
+        """As ``Client._resend``: ``map``'s awaited requests, again, after an interruption."""
+        if subs:
+            log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
+            await self._retry.acall(self._xadd, subs)
 
     async def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
@@ -318,6 +327,7 @@ class AsyncClient:
             core.check_rows_per_request(plan.rows_per_request, await self.workers())
         try:
             while not plan.finished:
+                interruptions = self._retry.outage.interruptions
                 subs = plan.take(time.time())
                 if subs:
                     await self._send(subs)
@@ -328,6 +338,8 @@ class AsyncClient:
                     plan.answered(await self._wait_round(plan.waiter), time.monotonic())
                     await self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
+                if self._retry.outage.interruptions != interruptions:
+                    await self._resend(plan.awaited())
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

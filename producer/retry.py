@@ -19,8 +19,8 @@ an XADD but the connection dropped before the answer arrived, the stream holds t
 That is the contract's at-least-once delivery: a worker may run it twice, but writes a reply only
 when none exists, so callers still see one reply. (If the caller consumed the first reply before
 the second run, the second reply sits unread until its TTL.) Likewise a reply popped by an LPOP or
-BLPOP whose answer was lost in the outage is gone. ``Client.infer`` and ``Client.map`` (and so
-``redbatch run``) hold their requests until answered and send them again, same request id,
+BLPOP whose answer was lost in the outage is gone. ``Client.infer``, ``Client.map`` and
+``AsyncClient.map`` (and so ``redbatch run``) hold their requests until answered and send them again, same request id,
 after any command of theirs needed a retry (``Outage.interruptions``): a popped reply lost in
 flight, or a request a Redis restarted without persistence forgot, is then run again rather
 than ending in ``WaitTimeout``. A plain ``wait`` has no body to send again, so its wait still

@@ -179,3 +179,29 @@ def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
         out = client.infer({"features": np.zeros((1, 16), np.float32)}, timeout_s=10)
     assert lost == [True]
     assert out["probs"].shape == (1, 4)
+
+
+def test_async_map_sends_again_a_request_whose_reply_was_lost_in_flight(
+    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = AsyncClient._lpop
+    lost: list[bool] = []
+
+    async def pop_then_drop(self: AsyncClient, keys: list[bytes]) -> list[object]:
+        answer = await original(self, keys)
+        if any(a is not None for a in answer) and not lost:
+            lost.append(True)
+            raise redis.ConnectionError("connection dropped with the reply in it (test)")
+        return answer
+
+    monkeypatch.setattr(AsyncClient, "_lpop", pop_then_drop)
+    x = np.random.default_rng(5).normal(size=(64, 16)).astype(np.float32)
+
+    async def run() -> list[object]:
+        async with AsyncClient("demo", redis_url) as client:
+            return [c async for c in client.map({"features": x}, rows_per_request=4, timeout_s=10)]
+
+    with running_worker(demo_config):
+        chunks = asyncio.run(run())
+    assert lost == [True]
+    assert [c.error for c in chunks if not c.ok] == []
