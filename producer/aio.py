@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio
@@ -38,6 +38,7 @@ from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 __all__ = ["AsyncClient"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The backlog wait's sleep; a module attribute so tests can see that a submit waited.
 _sleep = asyncio.sleep
@@ -246,11 +247,27 @@ class AsyncClient:
     async def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        results = waiter.take_popped(keys, await self._retry_for(waiter).acall(self._lpop, keys))
+        results = waiter.take_popped(keys, await self._pop(waiter, self._lpop, keys))
         if results:
             return results
-        item = await self._retry_for(waiter).acall(self._blpop, waiter)
+        item = await self._pop(waiter, self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
+
+    async def _pop(
+        self, waiter: window.ReplyWaiter, fn: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        """As ``Client._pop``: a pop that needed a retry marks ``waiter.interrupted``."""
+        tries = 0
+
+        async def counted(*a: Any) -> T:
+            nonlocal tries
+            tries += 1
+            return await fn(*a)
+
+        try:
+            return await self._retry_for(waiter).acall(counted, *args)
+        finally:
+            waiter.interrupted = waiter.interrupted or tries > 1
 
     async def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
         if self._packed:
@@ -327,7 +344,6 @@ class AsyncClient:
             core.check_rows_per_request(plan.rows_per_request, await self.workers())
         try:
             while not plan.finished:
-                interruptions = self._retry.outage.interruptions
                 subs = plan.take(time.time())
                 if subs:
                     await self._send(subs)
@@ -338,8 +354,9 @@ class AsyncClient:
                     plan.answered(await self._wait_round(plan.waiter), time.monotonic())
                     await self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
-                if self._retry.outage.interruptions != interruptions:
-                    await self._resend(plan.awaited())
+                if plan.waiter.interrupted:
+                    plan.waiter.interrupted = False
+                    await self._resend(plan.awaited(time.time()))
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -35,6 +35,7 @@ from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 __all__ = ["Client"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -178,20 +179,36 @@ class Client:
         waiter = window.ReplyWaiter(self._settings, timeout_s)
         waiter.add(rid, since)
         while True:
-            interruptions = self._retry.outage.interruptions
-            item = self._retry_for(waiter).call(self._blpop, waiter)
+            item = self._pop(waiter, self._blpop, waiter)
             results = waiter.take_blpopped(item, time.monotonic())
             if results:
                 return results[0]
-            if sent is not None and self._retry.outage.interruptions != interruptions:
+            if sent is not None and waiter.interrupted:
+                waiter.interrupted = False
                 self._resend([sent], self._retry_for(waiter))
+
+    def _pop(self, waiter: window.ReplyWaiter, fn: Callable[..., T], *args: Any) -> T:
+        """A consuming pop (LPOP, BLPOP) through the retry policy. One that needed a retry may
+        have taken a reply whose answer was lost with its connection: ``waiter.interrupted``
+        then says so, and the shell sends again the requests it has the bodies of."""
+        tries = 0
+
+        def counted(*a: Any) -> T:
+            nonlocal tries
+            tries += 1
+            return fn(*a)
+
+        try:
+            return self._retry_for(waiter).call(counted, *args)
+        finally:
+            waiter.interrupted = waiter.interrupted or tries > 1
 
     def _resend(self, subs: Sequence[core.Submission], retry: RetryPolicy) -> None:
         """Send awaited requests again, same rids, after a command needed a retry: a reply
         popped in flight was lost with its connection, or a Redis restarted without
-        persistence forgot the stream. A worker runs a copy whose reply exists for nothing and
-        writes no second reply; one that finds none answers it. No backlog gate: these are
-        already counted in it, or were lost from it."""
+        persistence forgot the stream. A worker answers a copy whose reply is gone (and one
+        whose reply was read meanwhile: that reply expires unread), and writes nothing for one
+        whose reply is still there. No backlog gate: these are counted in it, or were lost."""
         if subs:
             log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
             retry.call(self._xadd, subs)
@@ -220,10 +237,10 @@ class Client:
     def _wait_round(self, waiter: window.ReplyWaiter) -> list[Result]:
         """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
         keys = waiter.keys()
-        results = waiter.take_popped(keys, self._retry_for(waiter).call(self._lpop, keys))
+        results = waiter.take_popped(keys, self._pop(waiter, self._lpop, keys))
         if results:
             return results
-        item = self._retry_for(waiter).call(self._blpop, waiter)
+        item = self._pop(waiter, self._blpop, waiter)
         return waiter.take_blpopped(item, time.monotonic())
 
     def _lpop(self, keys: Sequence[bytes]) -> list[Any]:
@@ -313,7 +330,6 @@ class Client:
     def _run_map(self, plan: window.MapPlan) -> Iterator[Chunk]:
         try:
             while not plan.finished:
-                interruptions = self._retry.outage.interruptions
                 subs = plan.take(time.time())
                 if subs:
                     self._send(subs)
@@ -323,8 +339,9 @@ class Client:
                     plan.answered(self._wait_round(plan.waiter), time.monotonic())
                     self._cancel_many(plan.waiter.late)
                     plan.waiter.late.clear()
-                if self._retry.outage.interruptions != interruptions:
-                    self._resend(plan.awaited(), self._retry)
+                if plan.waiter.interrupted:
+                    plan.waiter.interrupted = False
+                    self._resend(plan.awaited(time.time()), self._retry)
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

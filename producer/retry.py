@@ -20,11 +20,12 @@ That is the contract's at-least-once delivery: a worker may run it twice, but wr
 when none exists, so callers still see one reply. (If the caller consumed the first reply before
 the second run, the second reply sits unread until its TTL.) Likewise a reply popped by an LPOP or
 BLPOP whose answer was lost in the outage is gone. ``Client.infer``, ``Client.map`` and
-``AsyncClient.map`` (and so ``redbatch run``) hold their requests until answered and send them again, same request id,
-after any command of theirs needed a retry (``Outage.interruptions``): a popped reply lost in
-flight, or a request a Redis restarted without persistence forgot, is then run again rather
-than ending in ``WaitTimeout``. A plain ``wait`` has no body to send again, so its wait still
-ends in ``WaitTimeout`` then.
+``AsyncClient.map`` (and so ``redbatch run``) therefore send the requests they still await
+again, same request ids, when a pop of theirs needed a retry (``ReplyWaiter.interrupted``): a
+reply lost in flight, or a request a Redis restarted without persistence forgot, is run again
+rather than ending in ``WaitTimeout``. A copy of a request whose reply was read in the meantime
+is answered too, and that reply expires unread. A plain ``wait`` has no body to send again, so
+its wait still ends in ``WaitTimeout`` then.
 
 ``RetryPolicy.call`` and ``RetryPolicy.acall`` are the blocking and asyncio shells over the same
 policy (``_options``) and the same error translation (``_error``).
@@ -116,9 +117,6 @@ class Outage:
         self.where = where
         self._lock = threading.Lock()
         self._since: float | None = None  # monotonic start of the current outage
-        #: Commands whose first try failed and were retried: a waiter that sees this change
-        #: may have lost a reply popped in flight, or requests a restarted Redis forgot.
-        self.interruptions = 0
 
     def began(self, exc: BaseException | None, retry_s: float) -> None:
         """Note a failed retry; logs only when it starts an outage."""
@@ -208,7 +206,6 @@ class RetryPolicy:
             except REDIS_ERRORS as exc:
                 if not self._retries(exc):
                     raise
-                self.outage.interruptions += 1
                 result = Retrying(**self._options())(fn, *args, **kwargs)
         except REDIS_ERRORS as exc:
             raise self._failed(exc, started) from exc
@@ -230,7 +227,6 @@ class RetryPolicy:
             except REDIS_ERRORS as exc:
                 if not self._retries(exc):
                     raise
-                self.outage.interruptions += 1
                 result = await AsyncRetrying(**self._options())(attempt)
         except REDIS_ERRORS as exc:
             raise self._failed(exc, started) from exc

@@ -57,6 +57,9 @@ class ReplyWaiter:
         self.timeout_s = check_timeout_s(timeout_s)
         self.late_fails = late_fails
         self.late: list[str] = []  # rids given up on, not yet cancelled by the shell
+        #: Set by the shell when a pop needed a retry: it may have taken a reply whose answer
+        #: was lost with its connection, so the requests still awaited are sent again.
+        self.interrupted = False
         # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
         self._pending: dict[bytes, tuple[str, float]] = {}
 
@@ -173,7 +176,6 @@ class MapPlan:
         self._rows_per_request = 0
         self._next_start = 0
         self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
-        self._subs: dict[str, Submission] = {}  # rid -> its request, to send again if lost
         self._sent_at: dict[str, float] = {}  # rid -> monotonic send time
         self._answered: dict[int, Chunk] = {}  # start -> chunk
         self._next_yield = 0  # start of the next chunk to yield
@@ -229,7 +231,6 @@ class MapPlan:
             inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
             sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
             self._in_flight[sub.rid] = (start, stop)
-            self._subs[sub.rid] = sub
             self._next_start = stop
             self._held += 1
             subs.append(sub)
@@ -246,7 +247,6 @@ class MapPlan:
         """Record replies that arrived by ``now`` (monotonic); failed ones keep ``error``."""
         for result in results:
             start, stop = self._in_flight.pop(result.rid)
-            del self._subs[result.rid]
             latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
             late = result.error is not None and result.error.code == WAIT_TIMEOUT
             self.stopped = self.stopped or (late and self._stop_on_timeout)
@@ -254,10 +254,16 @@ class MapPlan:
                 start, stop, result.rid, result.outputs, result.error, result, latency_ms
             )
 
-    def awaited(self) -> list[Submission]:
-        """The requests whose reply is still awaited (not answered, not given up on), to send
-        again after an interruption: the same rids, so a worker answers each once."""
-        return [self._subs[rid] for rid in self.waiter.rids()]
+    def awaited(self, now_s: float) -> list[Submission]:
+        """The requests whose reply is still awaited (not answered, not given up on), built
+        again from their rows (bodies are not kept: up to ``concurrency`` of them could be
+        large) with the same rids, to send again after an interruption."""
+        subs = []
+        for rid in self.waiter.rids():
+            start, stop = self._in_flight[rid]
+            inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
+            subs.append(build_submission(inputs, outputs=self._outputs, rid=rid, now_s=now_s))
+        return subs
 
     def ready(self) -> list[Chunk]:
         """The answered chunks that come next in input order, removed from the plan."""

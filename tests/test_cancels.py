@@ -362,3 +362,24 @@ def test_replies_received_in_parts_and_an_abandoned_connection(redis_url: str) -
     # the connection with the owed BLPOP reply was dropped, not handed to the next caller
     assert conn.echo(b"next") == b"next"
     conn.close()
+
+
+def test_a_run_that_raises_still_reads_its_recheck_and_frees_the_connection(
+    config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given every run rechecked, and every run failing in the runtime
+    monkeypatch.setattr(cancels_module, "RECHECK_AFTER_S", -1.0)
+
+    def failing(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the runtime broke (test)")
+
+    monkeypatch.setattr(service_module, "run_batch", failing)
+    in_use = []
+    with running_worker(config) as worker:
+        pool = worker.stream.client.connection_pool
+        for i in range(6):
+            send(rconn, MODEL, f"f{i}", _inputs())
+            assert wait_reply(rconn, f"f{i}").error is not None
+            in_use.append(len(pool._in_use_connections))  # type: ignore[attr-defined]
+    # Then each failed run's recheck connection went back to the pool: none piles up
+    assert in_use[-1] <= in_use[0], in_use

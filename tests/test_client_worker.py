@@ -171,6 +171,29 @@ def test_map_sends_again_a_request_whose_reply_was_lost_in_flight(
     assert [c.start for c in chunks] == list(range(0, 64, 4))
 
 
+def test_a_retried_submit_sends_nothing_again(
+    demo_config: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A submit that failed before reaching Redis and was retried lost no reply: no copies, which
+    # a worker would run again and whose replies would sit unread for reply_ttl_s
+    original = Client._xadd
+    failed: list[bool] = []
+
+    def fail_once(self: Client, subs: list[object]) -> None:
+        if not failed:
+            failed.append(True)
+            raise redis.ConnectionError("dropped before it was sent (test)")
+        original(self, subs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Client, "_xadd", fail_once)
+    x = np.zeros((64, 16), np.float32)
+    with running_worker(demo_config), Client("demo", redis_url) as client:
+        chunks = list(client.map({"features": x}, rows_per_request=4, timeout_s=10))
+    assert failed == [True]
+    assert all(c.ok for c in chunks)
+    assert rconn.xinfo_stream("redbatch:{demo}:requests")["entries-added"] == 16
+
+
 def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
     demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

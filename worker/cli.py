@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class _StoppedStarting(BaseException):
     """SIGTERM or SIGINT before the worker serves: nothing was read, so it just exits."""
 
@@ -100,14 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     # Until the worker installs its own (drain, then exit 0), a signal during config, model
     # load or warm-up ends start-up cleanly: exit 0 with a line, as the docs promise.
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _stop_while_starting)
+        previous = {sig: signal.signal(sig, _stop_while_starting) for sig in _STOP_SIGNALS}
     try:
         return _main(args)
     except _StoppedStarting as stop:
         log.info("stopped by %s while starting; nothing was read from Redis", stop)
         return 0
+    finally:  # for in-process callers (tests): their own handlers again
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -183,7 +189,7 @@ def _serve(
     )
     worker = Worker(prepared, client, burst=args.burst, metrics=metrics)
     serving.append(worker)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda *_: worker.request_stop())
     log.info("froze %d start-up objects out of the garbage collector", _freeze_start_up())
     try:

@@ -354,7 +354,9 @@ class Worker:
                     )
                 finally:
                     self._running_since = None
-                finishes += self._finish_run(outcomes, started_ms, recheck.cancelled())
+                    # read also when the run raised, which would leave its connection out
+                    rechecked = recheck.cancelled()
+                finishes += self._finish_run(outcomes, started_ms, rechecked)
         return finishes
 
     def _output_names(self, items: Iterable[WorkItem]) -> list[str]:
