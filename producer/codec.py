@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import reprlib
 import struct
@@ -231,16 +232,16 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         raise WireFormatError(
             f"body is {len(body)} bytes, over max_request_bytes={max_bytes}.", "TOO_LARGE"
         )
-    doc, meta_raw = _unpack_map(body, max_bytes, "body")
-    if not isinstance(doc, dict):
-        raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
     try:
-        return _request(doc, meta_raw)
+        doc, meta_raw = _unpack_body(body, max_bytes, "body")
+        if not isinstance(doc, dict):
+            raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
+        request = _request(doc, meta_raw)
+        _check_meta_size(meta_raw)
+        return request
     except WireFormatError as exc:
         # A body that is a map still names its meta and reply TTL: the error reply keeps them
-        exc.meta_raw = meta_raw
-        with contextlib.suppress(WireFormatError):
-            exc.reply_ttl_s = _optional_int(doc, "reply_ttl_s", minimum=1)
+        exc.meta_raw, exc.reply_ttl_s = _readable_extras(body, max_bytes)
         raise
 
 
@@ -248,6 +249,9 @@ def _request(doc: dict[str, Any], meta_raw: bytes | None) -> RequestBody:
     """Check a body's map (meta already sliced out) and build the request."""
     extra = doc.keys() - _BODY_KEYS
     if extra:
+        odd = next((key for key in extra if not isinstance(key, str)), None)
+        if odd is not None:
+            raise WireFormatError(_key_error("body", odd))
         raise WireFormatError(f"body has unknown key {_names(extra)}.")
     if "inputs" not in doc:
         raise WireFormatError("body is missing 'inputs'.")
@@ -540,7 +544,8 @@ _OK_OUTPUTS = _KEY["ok"] + b"\xc3" + _KEY["outputs"]
 
 def decode_reply(raw: bytes) -> Reply:
     """Decode a reply element; raises WireFormatError when it is not a contract reply."""
-    doc, meta_raw = _unpack_map(raw, len(raw), "reply")
+    doc, meta_raw = _unpack_body(raw, len(raw), "reply")
+    _check_meta_size(meta_raw)
     if not isinstance(doc, dict):
         raise WireFormatError(f"reply must be a map, got {_kind(doc)}.")
     try:
@@ -612,14 +617,83 @@ def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
         return msgpack.unpackb(data, **limits)
 
 
-def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
-    """Unpack a body or reply, and slice its top-level ``meta`` out undecoded: it is only ever
-    echoed, so it may be any msgpack value (ext types such as timestamps, any keys, repeated
-    keys, any string bytes), as the contract has it. Returns (value, meta bytes or None); the
-    value holds no ``meta`` key. Anything but a map is unpacked whole, for the caller to refuse.
+def _unpack_body(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
+    """Unpack a body or reply and slice out its top-level ``meta``: (value, meta bytes or None).
+
+    ``meta`` is only ever echoed, so it may be any msgpack value (ext types such as timestamps,
+    any keys, repeated keys, any string bytes), as the contract has it, which the strict
+    unpacker refuses. Most bodies pass it, at its speed; one it refuses is unpacked again pair
+    by pair with ``meta`` skipped (``_unpack_map``), which also names the fault precisely.
     """
-    if not data or not (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF)):
-        return _unpack(data, max_bytes, what), None
+    try:
+        doc = _unpack(data, max_bytes, what)
+    except WireFormatError:
+        if not _is_map(data):
+            raise
+        return _unpack_map(data, max_bytes, what)
+    return doc, (_meta_span(data, max_bytes) if isinstance(doc, dict) and "meta" in doc else None)
+
+
+def _is_map(data: bytes) -> bool:
+    return bool(data) and (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF))
+
+
+def _meta_span(data: bytes, max_bytes: int) -> bytes:
+    """The top-level meta value's own bytes, sliced out of a map the unpacker accepted."""
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data), **_limits(max_bytes))
+    unpacker.feed(data)
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        start = unpacker.tell()
+        unpacker.skip()
+        if key == "meta":
+            return data[start : unpacker.tell()]
+    raise AssertionError("meta key vanished between two parses")  # pragma: no cover
+
+
+def _check_meta_size(meta: bytes | None) -> None:
+    """After the structure is checked (a body both malformed and with a long meta is
+    MALFORMED): meta is echoed in every reply, so it is kept small."""
+    if meta is not None and len(meta) > MAX_META_BYTES:
+        raise WireFormatError(
+            f"'meta' is {len(meta)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
+        )
+
+
+_EXTRAS_READ = 4096
+
+
+def _readable_extras(body: bytes, max_bytes: int) -> tuple[bytes | None, int | None]:
+    """The meta bytes (at most MAX_META_BYTES) and valid reply_ttl_s of a body that failed,
+    read past whatever broke elsewhere, for its error reply; None where unreadable."""
+    if not _is_map(body):
+        return None, None
+    # Read through a file in small steps: a hostile body is skipped without a copy of it
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(body),
+        read_size=_EXTRAS_READ,
+        max_buffer_size=max(len(body), _EXTRAS_READ),
+        **_limits(max_bytes),
+    )
+    meta: bytes | None = None
+    ttl: int | None = None
+    with contextlib.suppress(ValueError, TypeError, msgpack.UnpackException):
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            start = unpacker.tell()
+            if key == "reply_ttl_s":
+                value = unpacker.unpack()
+                ttl = value if type(value) is int and value >= 1 else None
+                continue
+            unpacker.skip()
+            if key == "meta" and meta is None and unpacker.tell() - start <= MAX_META_BYTES:
+                meta = body[start : unpacker.tell()]
+    return meta, ttl
+
+
+def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
+    """``_unpack_body``'s second pass: the top-level map pair by pair, ``meta`` skipped over
+    (nothing built) and sliced out; every other value as strict as ever."""
     limits = _checked_limits(data, max_bytes, what)
     unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1), **limits)
     unpacker.feed(data)
@@ -640,10 +714,6 @@ def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | No
                 doc[key] = unpacker.unpack()
         if unpacker.tell() != len(data):
             raise ValueError(f"{len(data) - unpacker.tell()} trailing bytes after the {what}'s map")
-    if meta is not None and len(meta) > MAX_META_BYTES:
-        raise WireFormatError(
-            f"'meta' is {len(meta)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
-        )
     return doc, meta
 
 

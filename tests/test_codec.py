@@ -518,6 +518,38 @@ def test_repeated_meta_key_is_malformed() -> None:
     assert refused(raw).code == "MALFORMED"
 
 
+_META_AND_TTL = pack("meta") + pack({"trace": 7}) + pack("reply_ttl_s") + pack(5)
+_REPEATED_SHAPE = b"\x84" + pack("dtype") + pack("float32") + pack("shape") + pack([1, 2])
+_REPEATED_SHAPE += pack("shape") + pack([1, 2]) + pack("data") + pack(b"\0" * 8)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x83" + pack("inputs") + pack({"x": tensor()}) + _META_AND_TTL + b"\xc0",
+        b"\x84" + pack("inputs") + pack({"x": tensor()}) + _META_AND_TTL
+        + pack("outputs") + pack(msgpack.ExtType(1, b"a")),
+        b"\x83" + pack("inputs") + b"\x81" + pack("x") + _REPEATED_SHAPE + _META_AND_TTL,
+        b"\x84" + pack("inputs") + pack({"x": tensor(dtype="complex64")}) + _META_AND_TTL
+        + pack("zz") + pack(1),
+    ],
+    ids=["trailing-byte", "ext-in-outputs", "repeated-tensor-key", "unknown-dtype-and-key"],
+)  # fmt: skip
+def test_a_malformed_map_keeps_its_meta_and_reply_ttl_wherever_the_fault_is(raw: bytes) -> None:
+    err = refused(raw)
+    assert err.code == "MALFORMED"
+    assert err.meta_raw == pack({"trace": 7})
+    assert err.reply_ttl_s == 5
+
+
+def test_a_body_both_malformed_and_with_a_long_meta_is_malformed() -> None:
+    raw = b"\x83" + pack("inputs") + pack({"x": tensor()}) + pack("zz") + pack(1)
+    raw += pack("meta") + pack("a" * 5000)
+    err = refused(raw)
+    assert err.code == "MALFORMED"
+    assert err.meta_raw is None  # too long to echo
+
+
 @pytest.mark.parametrize(
     "raw_meta",
     [
