@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import prometheus_client
+import pytest
 from harness import running_worker, send, wait_reply, write_config
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -147,3 +148,20 @@ def test_an_idle_connection_neither_stops_healthz_nor_holds_up_close() -> None:
         assert time.monotonic() - started < 5.0  # not the client: it never leaves
     finally:
         idle.close()
+
+
+def test_an_idle_client_timed_out_leaves_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from worker import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 0.2)
+    server = MetricsServer(Metrics(), lambda: True, 0, host="127.0.0.1")
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as idle:
+            idle.settimeout(10)
+            assert idle.recv(1) == b""  # the server hung up on it
+    finally:
+        server.close()
+    assert "Traceback" not in capsys.readouterr().err

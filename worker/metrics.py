@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import sys
 import threading
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -255,6 +256,15 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     the kubelet, nor ``close()`` returning at shutdown; daemon threads are never joined."""
 
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or hung up is routine (port scans, TCP health checks): one
+        DEBUG line, not socketserver's traceback on stderr, which bypasses the JSON logs."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # TimeoutError, ConnectionResetError, BrokenPipeError
+            log.debug("metrics client %s: %s", client_address, exc)
+            return
+        log.exception("metrics request from %s failed", client_address)
 
 
 class MetricsServer(threading.Thread):
