@@ -47,7 +47,9 @@ class Client:
     """Submit requests to one model's workers and collect their replies (blocking I/O).
 
     ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
-    or pass ``redis_client`` (then ``close()`` leaves it open). With ``max_backlog`` set,
+    or pass ``redis_client`` (then ``close()`` leaves it open; turn its own retries off,
+    ``retry=Retry(NoBackoff(), 0)``, or a pop it retries after losing a reply goes unseen and
+    that request is not sent again: see ``producer.retry``). With ``max_backlog`` set,
     submits refuse with ``BacklogFull`` while the request stream holds that many entries, or
     wait for it to shrink when ``wait_for_backlog`` is true (``infer`` waits no longer than its
     ``timeout_s``, then raises ``BacklogFull`` with nothing sent).

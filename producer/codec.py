@@ -249,9 +249,9 @@ def _request(doc: dict[str, Any], meta_raw: bytes | None) -> RequestBody:
     """Check a body's map (meta already sliced out) and build the request."""
     extra = doc.keys() - _BODY_KEYS
     if extra:
-        odd = next((key for key in extra if not isinstance(key, str)), None)
-        if odd is not None:
-            raise WireFormatError(_key_error("body", odd))
+        odd = [key for key in extra if not isinstance(key, str)]
+        if odd:
+            raise WireFormatError(_key_error("body", odd[0]))
         raise WireFormatError(f"body has unknown key {_names(extra)}.")
     if "inputs" not in doc:
         raise WireFormatError("body is missing 'inputs'.")
@@ -665,30 +665,72 @@ _EXTRAS_READ = 4096
 
 def _readable_extras(body: bytes, max_bytes: int) -> tuple[bytes | None, int | None]:
     """The meta bytes (at most MAX_META_BYTES) and valid reply_ttl_s of a body that failed,
-    read past whatever broke elsewhere, for its error reply; None where unreadable."""
+    read past whatever broke elsewhere, for its error reply; None where unreadable.
+
+    It runs on every refused body, hostile ones included, so it builds only short str keys
+    and an int TTL (anything else is skipped, which builds nothing), looks at the first
+    ``_EXTRAS_PAIRS`` pairs only, and reads nothing of a body whose headers declare more values
+    than any body needs.
+    """
     if not _is_map(body):
         return None, None
-    # Read through a file in small steps: a hostile body is skipped without a copy of it
+    if len(body) > _SMALL:
+        try:
+            _check_declared(body, "body")
+        except WireFormatError:
+            return None, None
     unpacker = msgpack.Unpacker(
-        io.BytesIO(body),
+        io.BytesIO(body),  # read in small steps: a long body is not copied whole at once
         read_size=_EXTRAS_READ,
         max_buffer_size=max(len(body), _EXTRAS_READ),
         **_limits(max_bytes),
     )
     meta: bytes | None = None
     ttl: int | None = None
-    with contextlib.suppress(ValueError, TypeError, msgpack.UnpackException):
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
+    # IndexError: a body that ends where a key or value should begin
+    with contextlib.suppress(ValueError, TypeError, IndexError, msgpack.UnpackException):
+        for _ in range(min(unpacker.read_map_header(), _EXTRAS_PAIRS)):
+            key: Any = None
+            if body[unpacker.tell()] in _SHORT_STR:
+                key = unpacker.unpack()
+            else:
+                unpacker.skip()  # a key no body has: built, it could be anything
             start = unpacker.tell()
-            if key == "reply_ttl_s":
+            if key == "reply_ttl_s" and body[start] in _INT_HEADS:
                 value = unpacker.unpack()
                 ttl = value if type(value) is int and value >= 1 else None
                 continue
             unpacker.skip()
             if key == "meta" and meta is None and unpacker.tell() - start <= MAX_META_BYTES:
-                meta = body[start : unpacker.tell()]
+                meta = _complete_or_none(body[start : unpacker.tell()])
     return meta, ttl
+
+
+_EXTRAS_PAIRS = 16  # a body has five keys; a few unknown ones may come first
+_SHORT_STR = frozenset(range(0xA0, 0xC0)) | {0xD9}  # fixstr and str 8: every body key fits
+_INT_HEADS = frozenset(range(0x00, 0x80)) | frozenset(range(0xCC, 0xD4))
+
+
+def _complete_or_none(meta: bytes) -> bytes | None:
+    """``meta`` if it is one complete msgpack value: msgpack's skip accepts some headers that
+    declare more bytes than follow (an ext 32 of 4 GiB), which no other decoder would read
+    back from the reply. Unpacked leniently (any keys, repeats, ext, non-UTF-8): it is small."""
+    try:
+        msgpack.unpackb(
+            meta,
+            raw=True,
+            strict_map_key=False,
+            object_pairs_hook=list,
+            ext_hook=lambda code, data: None,
+            max_bin_len=len(meta),
+            max_str_len=len(meta),
+            max_ext_len=len(meta),
+            max_array_len=len(meta),
+            max_map_len=len(meta),
+        )
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return meta
 
 
 def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
@@ -710,6 +752,8 @@ def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | No
                 start = unpacker.tell()
                 unpacker.skip()
                 meta = data[start : unpacker.tell()]
+                if len(meta) <= MAX_META_BYTES and _complete_or_none(meta) is None:
+                    raise ValueError("'meta' declares more bytes than the body holds")
             else:
                 doc[key] = unpacker.unpack()
         if unpacker.tell() != len(data):

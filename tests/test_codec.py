@@ -424,6 +424,11 @@ MALFORMED_CASES = [
         id="bin-body-key",
     ),
     pytest.param(
+        pack({"inputs": {"x": tensor()}, None: 1}),
+        "body keys must be msgpack str, got NoneType None",
+        id="nil-body-key",
+    ),
+    pytest.param(
         b"\x82" + pack("inputs") + pack({"x": tensor()}) + b"\x91\x01\x01",
         "body keys must be msgpack str, got array",
         id="array-body-key",
