@@ -34,6 +34,7 @@ __all__ = [
     "printable",
     "redis_where",
     "status_to_json",
+    "tensor_spec",
 ]
 
 #: How many of the newest dead letters ``gather_status`` reads by default.
@@ -428,12 +429,14 @@ def _format_workers(status: ModelStatus) -> list[str]:
         lines.append(f"  {w.name}:")
         if w.get("error"):
             lines.append(f"    {w.get('error')}")
-        lines += [f"    input  {_tensor_spec(t, ranged=True)}" for t in w.get("inputs") or []]
-        lines += [f"    output {_tensor_spec(t, ranged=False)}" for t in w.get("outputs") or []]
+        lines += [f"    input  {tensor_spec(t, ranged=True)}" for t in w.get("inputs") or []]
+        lines += [f"    output {tensor_spec(t, ranged=False)}" for t in w.get("outputs") or []]
     return lines
 
 
-def _tensor_spec(spec: Any, *, ranged: bool) -> str:
+def tensor_spec(spec: Any, *, ranged: bool) -> str:
+    """One input or output of a worker record, as status shows it and the worker logs it:
+    name, dtype, shape (? for a free dimension) and, with ``ranged``, the configured range."""
     if not isinstance(spec, dict):
         return _show(spec)
     shape = spec.get("shape")

@@ -134,7 +134,7 @@ def test_json_logs_are_one_object_per_line(demo_config: Path) -> None:
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
     # The record's line alone says what was enforced: ranges, limits, delivery
     [record] = [line for line in lines if line["msg"] == "validation record"]
-    assert record["inputs"] == ["features:float32[-1, 16] in [-10.0, 10.0] finite"]
+    assert record["inputs"] == ["features float32 [?, 16] range [-10.0, 10.0] finite only"]
     assert record["limits"]["max_request_bytes"] > 0
     assert record["delivery"]["max_deliveries"] == 3
     assert record["batching"]["adaptive_wait"] is True

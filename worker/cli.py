@@ -19,6 +19,7 @@ import redis
 
 from producer import __version__
 from producer.keys import is_valid_name
+from producer.status import tensor_spec
 from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
 from worker.logs import configure_logging
@@ -233,24 +234,13 @@ def _record_summary(record: dict[str, Any]) -> dict[str, Any]:
         "onnxruntime": runtime["onnxruntime"],
         "providers": runtime["providers"],
         "binding": runtime["binding"],
-        "inputs": [_input_summary(i) for i in record["inputs"]],
-        "outputs": [f"{o['name']}:{o['dtype']}{o['shape']}" for o in record["outputs"]],
+        "inputs": [tensor_spec(i, ranged=True) for i in record["inputs"]],
+        "outputs": [tensor_spec(o, ranged=False) for o in record["outputs"]],
         "batching": record["batching"],
         "limits": record["limits"],
         "delivery": record["delivery"],
         "warmup_ms": record["warmup"]["total_ms"],
     }
-
-
-def _input_summary(spec: dict[str, Any]) -> str:
-    """``name:dtype[shape]`` with its range and whether NaN and infinity are refused."""
-    text = f"{spec['name']}:{spec['dtype']}{spec['shape']}"
-    low, high = spec.get("min"), spec.get("max")
-    if low is not None or high is not None:
-        text += f" in [{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-    if spec.get("reject_non_finite"):
-        text += " finite"
-    return text
 
 
 def _safe_url(url: str) -> str:
