@@ -97,6 +97,16 @@ def test_live_worker_record_is_in_redis_and_removed_on_clean_exit(
     assert not rconn.smembers("redbatch:{demo}:workers")
 
 
+def _worker_process(config: Path, name: str) -> subprocess.Popen[str]:
+    """``python -m worker`` on ``config``, its log on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", name],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
     tmp_path: Path, redis_url: str, rconn, signum: signal.Signals
@@ -107,12 +117,7 @@ def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
     )
     x = np.zeros((1, 512), np.float32)
     rids = _pipelined(rconn, "slow", 1500, lambda i: {"x": x})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", "--config", str(config), "--name", "term"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _worker_process(config, "term")
     try:
         # When the signal arrives while it is serving
         wait_reply(rconn, rids[0], timeout_s=60)
@@ -138,12 +143,7 @@ def test_a_stop_signal_while_starting_exits_zero_with_a_line(
     # Given a worker whose warm-up takes minutes
     config = write_config(tmp_path, "slow", redis_url)
     config.write_text(config.read_text().replace("runs = 1\n", "runs = 10000\n"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker", "--config", str(config), "--name", "early"],
-        cwd=ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _worker_process(config, "early")
     try:
         assert proc.stderr is not None
         for line in proc.stderr:  # When SIGTERM comes once it is loading the model
