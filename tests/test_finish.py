@@ -1,4 +1,5 @@
-"""The per-batch finish step against a real Redis: staged replies, fencing, one ack per batch.
+"""The per-batch finish step against a real Redis: replies, fencing, one ack per batch, and a
+full Redis.
 
 Each test reads entries as consumer ``me`` with raw XREADGROUP (as the worker's intake does),
 then finishes some of them with ``RequestStream.finish`` and checks what Redis holds after.
@@ -9,8 +10,6 @@ from __future__ import annotations
 import pytest
 import redis
 
-from worker import stream as stream_module
-from worker.retry import is_transient
 from worker.stream import Finish, RequestStream
 
 STREAM = "redbatch:{demo}:requests"
@@ -37,8 +36,9 @@ def _reply(rid: str, entry_id: bytes, payload: bytes | None = None, **kw) -> Fin
     return Finish(entry_id, rid, payload if payload is not None else rid.encode(), **kw)
 
 
-def _staging_keys(rconn: redis.Redis) -> list[bytes]:
-    return list(rconn.scan_iter(match="redbatch:{demo}:staging:*"))
+def _keys(rconn: redis.Redis) -> set[bytes]:
+    """Every key but the stream and the dead letters: what a finish left behind."""
+    return set(rconn.scan_iter()) - {STREAM.encode(), DEAD.encode()}
 
 
 def test_replies_are_written_with_their_ttl_and_the_entries_acked_and_deleted(rconn) -> None:
@@ -55,10 +55,10 @@ def test_replies_are_written_with_their_ttl_and_the_entries_acked_and_deleted(rc
     for i, item in enumerate(items):
         assert rconn.lrange(f"redbatch:reply:r{i}", 0, -1) == [item.reply]
         assert 90 + i < rconn.ttl(f"redbatch:reply:r{i}") <= 100 + i
-    # And nothing is left pending, in the stream, or staged
+    # And nothing is left pending or in the stream, and no other key was written
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
     assert rconn.xlen(STREAM) == 0
-    assert _staging_keys(rconn) == []
+    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(32)}
 
 
 def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
@@ -74,7 +74,7 @@ def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
     pending = rconn.xpending_range(STREAM, GROUP, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(e, b"other") for e in theirs]
     assert rconn.xlen(STREAM) == 2
-    assert _staging_keys(rconn) == []
+    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(4)}
 
 
 def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(rconn) -> None:
@@ -89,8 +89,8 @@ def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(rc
     assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"first"]
     assert rconn.get("redbatch:reply:r1") == b"not a list"
     assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
+    assert rconn.ttl("redbatch:reply:r0") == -1  # its TTL untouched too
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
-    assert _staging_keys(rconn) == []
 
 
 def test_entries_of_this_consumer_beyond_one_page_are_still_found(rconn) -> None:
@@ -128,29 +128,7 @@ def test_dead_letters_are_copied_with_their_reason_and_answered_when_asked(rconn
     assert rconn.xlen(STREAM) == 0
 
 
-def test_a_staged_reply_that_is_gone_leaves_its_entry_pending(rconn, monkeypatch) -> None:
-    # Given two entries, and a Redis that loses the first staged reply before the script runs
-    # (as eviction under an allkeys policy would)
-    stream = _stream(rconn)
-    ids = _read(rconn, "me", 2)
-    real_stage = stream_module._stage
-    calls = []
-
-    def stage_first_elsewhere(packer, key: bytes, reply: bytes, ttl_s: int) -> None:
-        calls.append(key)
-        real_stage(packer, key + (b"-lost" if len(calls) == 1 else b""), reply, ttl_s)
-
-    monkeypatch.setattr(stream_module, "_stage", stage_first_elsewhere)
-    # When both are finished
-    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 1
-    # Then the first is neither answered nor acked, so it is delivered again; the second is done
-    assert not rconn.exists("redbatch:reply:r0")
-    assert rconn.lrange("redbatch:reply:r1", 0, -1) == [b"r1"]
-    pending = rconn.xpending_range(STREAM, GROUP, "-", "+", 10)
-    assert [p["message_id"] for p in pending] == [ids[0]]
-
-
-def test_a_script_redis_lost_is_loaded_again_and_the_staged_replies_used(rconn) -> None:
+def test_a_script_redis_lost_is_loaded_again_and_run(rconn) -> None:
     # Given a worker that ran the script once, then a Redis that forgot it (restart, flush)
     stream = _stream(rconn)
     first = _read(rconn, "me", 1)
@@ -159,52 +137,56 @@ def test_a_script_redis_lost_is_loaded_again_and_the_staged_replies_used(rconn) 
     ids = _read(rconn, "me", 3)
     # When it finishes the next batch
     assert stream.finish([_reply(f"r{i + 1}", eid) for i, eid in enumerate(ids)]) == 3
-    # Then every reply is written once and nothing is left staged or pending
+    # Then every reply is written once and nothing is left pending
     assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(4)] == [1, 1, 1, 1]
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
-    assert _staging_keys(rconn) == []
 
 
-def test_a_finish_refused_for_memory_is_raised_and_its_retry_finishes_the_batch(
-    rconn,
-) -> None:
-    # Given two entries, and a Redis at its memory limit under noeviction
+def test_a_full_redis_still_finishes_a_batch_and_frees_its_requests(rconn) -> None:
+    # Given entries read by this consumer and a dead letter among them, on a Redis past its
+    # memory limit under noeviction: a plain write is refused there
     stream = _stream(rconn)
-    ids = _read(rconn, "me", 2)
-    items = [_reply(f"r{i}", eid) for i, eid in enumerate(ids)]
+    ids = _read(rconn, "me", 3)
+    items = [_reply(f"r{i}", eid) for i, eid in enumerate(ids[:2])]
+    items.append(Finish(ids[2], "r2", b"poisoned", dead_reason="delivered 3 times"))
     rconn.config_set("maxmemory-policy", "noeviction")
     rconn.config_set("maxmemory", 1)
     try:
-        # When the batch is finished, the staging pushes are refused (OOM), and the writer
-        # takes that refusal for one worth retrying
-        with pytest.raises(redis.exceptions.OutOfMemoryError) as refused:
-            stream.finish(items)
-        assert is_transient(refused.value)
-        # Then nothing is answered or acked: both entries stay pending for the retry
-        assert rconn.xpending(STREAM, GROUP)["pending"] == 2
-        assert not rconn.exists("redbatch:reply:r0", "redbatch:reply:r1")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            rconn.rpush("redbatch:reply:other", b"x")
+        # When the batch is finished
+        assert stream.finish(items) == 3
     finally:
         rconn.config_set("maxmemory", 0)
-    # And the retry, once memory is back, finishes both
-    assert stream.finish(items) == 2
-    assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(2)] == [1, 1]
+    # Then every reply is written with its TTL, the dead letter copied, and the stream emptied
+    assert [rconn.lrange(f"redbatch:reply:r{i}", 0, -1) for i in range(3)] == [
+        [b"r0"],
+        [b"r1"],
+        [b"poisoned"],
+    ]
+    assert all(rconn.ttl(f"redbatch:reply:r{i}") > 0 for i in range(3))
+    assert rconn.xlen(DEAD) == 1
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
-    assert _staging_keys(rconn) == []
+    assert rconn.xlen(STREAM) == 0
 
 
-def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None:
-    # Given a staged reply left by a worker "me" that died between staging and its script
-    first = _stream(rconn)
-    ids = _read(rconn, "me", 1)
-    leftover = first._staging + b".0"
-    assert leftover.startswith(b"redbatch:{demo}:staging:me:")
-    rconn.rpush(leftover, b"an old reply")
-    # When the worker, restarted under the same name, finishes a request
-    again = _stream(rconn)
-    assert again.finish([_reply("r0", ids[0])]) == 1
-    # Then its reply is its own alone, and the leftover is untouched (its TTL ends it)
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
-    assert rconn.lrange(leftover, 0, -1) == [b"an old reply"]
+def test_the_group_is_made_on_a_full_redis_and_an_existing_one_is_kept(rconn) -> None:
+    # Given a stream that producers filled before any worker existed, on a full Redis
+    rconn.xadd(STREAM, {"rid": "r0", "body": b"b"})
+    rconn.config_set("maxmemory-policy", "noeviction")
+    rconn.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            rconn.xgroup_create(STREAM, GROUP, id="0")
+        # When a worker makes sure of its group, twice (a restart)
+        stream = RequestStream(rconn, "redbatch", "demo", "me")
+        stream.ensure_group()
+        stream.ensure_group()
+        # Then the group exists from 0, so the request sent before it is read
+        got = rconn.xreadgroup(GROUP, "me", {STREAM: ">"}, count=10)
+    finally:
+        rconn.config_set("maxmemory", 0)
+    assert [fields[b"rid"] for _, fields in got[0][1]] == [b"r0"]
 
 
 def test_an_entry_twice_in_one_batch_is_finished_once(rconn) -> None:
@@ -216,18 +198,16 @@ def test_an_entry_twice_in_one_batch_is_finished_once(rconn) -> None:
     assert stream.finish(items) == 1
     assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
     assert rconn.xlen(DEAD) == 1
-    assert _staging_keys(rconn) == []
 
 
-def test_a_group_gone_finishes_nothing_and_leaves_no_staged_reply(rconn) -> None:
+def test_a_group_gone_finishes_nothing_and_writes_no_reply(rconn) -> None:
     # Given entries read, then a FLUSHALL (or a restart without persistence) took the group
     stream = _stream(rconn)
     ids = _read(rconn, "me", 2)
     rconn.flushall()
-    # When they are finished, none is, and their staged replies are dropped
+    # When they are finished, none is, and no reply is written
     assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 0
-    assert not rconn.exists("redbatch:reply:r0", "redbatch:reply:r1")
-    assert _staging_keys(rconn) == []
+    assert set(rconn.scan_iter()) == set()
 
 
 def test_a_request_stream_of_the_wrong_type_is_raised(rconn) -> None:

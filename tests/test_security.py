@@ -185,14 +185,16 @@ def test_a_producer_without_multi_still_adds_its_batches_once(
 
 
 RECLAIM_SOON = "[delivery]\nclaim_idle_ms = 200"
-# The worker's rules before replies were staged (docs/security.md, "Upgrading").
-OLD_WORKER_RULES = (
+# The worker's rules of the release that staged replies (docs/security.md, "Upgrading").
+STAGING_WORKER_RULES = (
     "on >old-worker resetchannels -@all +ping +script|load (~redbatch:{*}:requests "
     "+xgroup|create +xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xautoclaim +xpending "
     "+xrange +xlen +xinfo|groups +xinfo|consumers) (~redbatch:{*}:dead +xadd +xlen) "
-    "(~redbatch:reply:* +exists +rpush +expire) (%R~redbatch:cancel:* +mget) "
+    "(~redbatch:{*}:staging:* +rpush +expire +del) "
+    "(~redbatch:{*}:staging:* %W~redbatch:reply:* +renamenx) (%R~redbatch:cancel:* +mget) "
     "(~redbatch:{*}:workers +sadd +srem) (%W~redbatch:{*}:worker:* +set +del) "
-    "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:reply:* +evalsha +eval)"
+    "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:{*}:staging:* ~redbatch:reply:* "
+    "~redbatch:{*}:workers ~redbatch:{*}:worker:* +evalsha +eval)"
 )
 
 
@@ -207,21 +209,20 @@ def _doc_worker_rules_without(selector: str) -> str:
 @pytest.mark.parametrize(
     ("rules", "refused"),
     [
-        # EVALSHA itself is refused: the script selector lacks the staging keys
-        pytest.param(OLD_WORKER_RULES, "NoPermissionError", id="before-staging"),
-        # The script runs and its RENAMENX is refused (Redis 7.0 words that as a plain ERR)
+        # The script runs and its RPUSH is refused (Redis 7.0 words that as a plain ERR)
+        pytest.param(STAGING_WORKER_RULES, "RPUSH", id="staging-rules"),
         pytest.param(
-            _doc_worker_rules_without("(~redbatch:{*}:staging:* %W~redbatch:reply:* +renamenx)"),
-            "RENAMENX",
-            id="without-renamenx",
+            _doc_worker_rules_without("(%W~redbatch:reply:* +rpush +expire +ltrim)"),
+            "RPUSH",
+            id="without-reply-selector",
         ),
     ],
 )
 def test_a_worker_missing_a_finish_rule_stops_and_leaves_its_batch_pending(
     tmp_path: Path, server: LocalRedis, admin: redis.Redis, rules: str, refused: str
 ) -> None:
-    # Given a worker user with the rules of the release before staged replies, or the doc's
-    # rules less the one that lets the finish script move a staged reply
+    # Given a worker user with the rules of the release that staged replies, or the doc's
+    # rules less the one that lets the finish script write a reply
     admin.execute_command("ACL", "SETUSER", "old-worker", "reset", *rules.split(" "))
     (tmp_path / "old").mkdir()
     old = write_config(tmp_path / "old", MODEL, server.url_for("old-worker", "old-worker"))
@@ -305,8 +306,8 @@ WORKER_REFUSED = [
     ("KEYS", "*"),
     ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
     ("XADD", "redbatch:other", "*", "a", "b"),
-    ("RENAMENX", REPLY, "redbatch:{demo}:staging:w:t.0"),  # moving a reply away
-    ("LRANGE", "redbatch:{demo}:staging:w:t.0", "0", "-1"),  # reading a staged reply
+    ("LRANGE", REPLY, "0", "-1"),  # reading a reply
+    ("RENAMENX", REPLY, "redbatch:{demo}:requests"),  # moving a reply away
 ]
 
 

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from producer.errors import ERROR_CODES
+from worker.stream import StreamStats
 
 __all__ = ["Metrics", "MetricsServer"]
 
@@ -141,6 +142,27 @@ class Metrics:
         self.dead_letters = Gauge(
             "redbatch_dead_letters", "Entries in the dead-letter stream.", registry=r
         )
+        self.backlog_age = Gauge(
+            "redbatch_backlog_oldest_age_seconds",
+            "Age of the oldest entry in the request stream (0 when it is empty).",
+            registry=r,
+        )
+        self.used_memory = Gauge(
+            "redbatch_redis_used_memory_bytes",
+            "Redis used_memory (NaN when INFO is refused to the worker).",
+            registry=r,
+        )
+        self.max_memory = Gauge(
+            "redbatch_redis_maxmemory_bytes",
+            "Redis maxmemory; 0: no limit (NaN when INFO is refused to the worker).",
+            registry=r,
+        )
+        self.memory_headroom = Gauge(
+            "redbatch_redis_memory_headroom_ratio",
+            "1 - used_memory / maxmemory: producers are refused below 1 - their high watermark "
+            "(0.2 by default); negative past maxmemory; NaN without a limit.",
+            registry=r,
+        )
         self.redis_outages = Counter(
             "redbatch_redis_outages",
             "Times Redis became unreachable, one per outage, by what the worker was doing.",
@@ -197,12 +219,19 @@ class Metrics:
         )
         self.warmup.set(record["warmup"]["total_ms"] / 1000.0)
 
-    def stream_seen(self, backlog: int, pending: int, lag: int | None, dead: int) -> None:
-        """Record the stream's state, sampled by the heartbeat."""
-        self.backlog.set(backlog)
-        self.pending.set(pending)
-        self.lag.set(-1 if lag is None else lag)
-        self.dead_letters.set(dead)
+    def stream_seen(self, stats: StreamStats, now_ms: float) -> None:
+        """Record the stream's state and Redis memory, sampled by the heartbeat."""
+        self.backlog.set(stats.backlog)
+        self.pending.set(stats.pending)
+        self.lag.set(-1 if stats.lag is None else stats.lag)
+        self.dead_letters.set(stats.dead)
+        oldest = stats.oldest_ms
+        self.backlog_age.set(0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0)
+        memory, nan = stats.memory, float("nan")
+        self.used_memory.set(nan if memory is None else memory.used_bytes)
+        self.max_memory.set(nan if memory is None else memory.max_bytes)
+        fraction = None if memory is None else memory.used_fraction
+        self.memory_headroom.set(nan if fraction is None else 1.0 - fraction)
 
     def redis_down(self, during: str) -> None:
         """Count one Redis outage noticed while ``during`` (reading or writing)."""

@@ -5,6 +5,10 @@ thread renews, so ``redbatch status`` lists every live worker and forgets dead o
 The heartbeat also runs ``on_beat`` (the worker samples the stream's state for metrics there).
 It beats until ``close()``, not until the worker's stop: a draining worker still answers, so it
 stays listed (as ``draining``) and its stream gauges stay current until the drain ends.
+
+A beat is a script flagged ``allow-oom``: the record replaces itself, so on a full Redis
+(``maxmemory``) the workers draining it stay listed in ``redbatch status``, where operators look
+during the incident. A beat that still fails is logged once and never stops serving.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import redis
 
 from producer.keys import worker_key, workers_key
+from producer.retry import describe_redis_error
 from worker.config import WorkerConfig
 from worker.model import ModelFile, OnnxModel
 from worker.schema import Schema
@@ -28,6 +33,20 @@ from worker.schema import Schema
 __all__ = ["Registry", "build_record", "utc_now"]
 
 log = logging.getLogger(__name__)
+
+# KEYS: the record, the registry set; ARGV: the record, its TTL, the name, "nx" to create only.
+# Returns 1 when the record was written (0: NX found one there).
+_BEAT_LUA = """#!lua flags=allow-oom
+local made
+if ARGV[4] == 'nx' then
+  made = redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX')
+else
+  made = redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+end
+redis.call('SADD', KEYS[2], ARGV[3])
+if made then return 1 end
+return 0
+"""
 
 
 def utc_now() -> str:
@@ -125,6 +144,7 @@ class Registry(threading.Thread):
         model = record["model"]["name"]
         self.key = worker_key(prefix, model, record["name"])
         self.set_key = workers_key(prefix, model)
+        self._beat_script = client.register_script(_BEAT_LUA)
         self._lock = threading.Lock()
         self._wake = threading.Event()  # beat now rather than at the next interval
         self._remove_on_exit = False
@@ -156,9 +176,8 @@ class Registry(threading.Thread):
         only until one answer came; a refusal after a try that failed may be that try's own
         write, so it counts as free."""
         if self._name_free is None:
-            payload, ttl_s = self._payload()
             tried_before, self._nx_tried = self._nx_tried, True
-            created = bool(self.client.set(self.key, payload, ex=ttl_s, nx=True))
+            created = self._publish(only_new=True)
             self._name_free = created or tried_before
             self.published = self.published or created
         self.beat()
@@ -173,12 +192,15 @@ class Registry(threading.Thread):
 
     def beat(self) -> None:
         """Publish the record now, with a TTL of three heartbeats."""
-        payload, ttl_s = self._payload()
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.key, payload, ex=ttl_s)
-        pipe.sadd(self.set_key, self.record["name"])
-        pipe.execute()
+        self._publish(only_new=False)
         self.published = True
+
+    def _publish(self, *, only_new: bool) -> bool:
+        """Write the record and list its name; with ``only_new``, only if no record is there.
+        Returns whether the record was written."""
+        payload, ttl_s = self._payload()
+        args = [payload, ttl_s, self.record["name"], "nx" if only_new else ""]
+        return self._beat_script(keys=[self.key, self.set_key], args=args) == 1
 
     def run(self) -> None:
         try:
@@ -203,7 +225,10 @@ class Registry(threading.Thread):
         except redis.RedisError as exc:  # the record only informs: never stop serving for it
             if not self._down:
                 self._down = True
-                log.warning("heartbeat cannot update Redis (%s); will keep trying", exc)
+                log.warning(
+                    "heartbeat cannot update Redis (%s); will keep trying, and serving",
+                    describe_redis_error(exc),
+                )
 
     def close(self, remove: bool = True, timeout_s: float = 1.0) -> None:
         """End the heartbeat and, with ``remove`` (a clean exit), take the record out of Redis,

@@ -12,7 +12,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponent
 # Unreachable, loading, out of memory (noeviction), busy with a script, TRYAGAIN: worth a retry.
 # A wrong password or a missing permission is not: no retry can fix it, so the worker stops
 # with the error instead of waiting forever. One definition for the client and the worker.
-from producer.retry import is_transient
+from producer.retry import is_oom, is_transient
 
 __all__ = ["Outage", "is_transient"]
 
@@ -71,4 +71,13 @@ class Outage:
             if self.on_down is not None:
                 self.on_down(self.what)
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("Redis unreachable during %s (%s); retrying with backoff", self.what, exc)
+            if exc is not None and is_oom(exc):
+                log.warning(
+                    "Redis is full (maxmemory) during %s (%s); retrying with backoff",
+                    self.what,
+                    exc,
+                )
+            else:
+                log.warning(
+                    "Redis unreachable during %s (%s); retrying with backoff", self.what, exc
+                )

@@ -150,9 +150,8 @@ class Worker:
         self.metrics.describe(prepared.record)
 
     def _sample_stream(self) -> None:
-        """Heartbeat hook: the stream's backlog, pending, lag and dead letters for metrics."""
-        s = self.stream.stats()
-        self.metrics.stream_seen(s.backlog, s.pending, s.lag, s.dead)
+        """Heartbeat hook: the stream's state and Redis memory for metrics."""
+        self.metrics.stream_seen(self.stream.stats(), time.time() * 1000.0)
 
     def stuck(self) -> bool:
         """True while one batch has been running longer than ``delivery.max_run_s``."""

@@ -1,27 +1,24 @@
 """Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
 
-The finish step is one round trip per batch (commands packed by ``producer.resp``). Each reply is
-first pushed, with its TTL, to a staging key of its own (``P:{M}:staging:NAME:TOKEN.N``, the
-token random per process); then one Lua script, atomic and fenced,
-takes the entries still pending on this consumer (one ``XPENDING`` over the batch's id range),
-copies dead letters (their first 64 fields plus ``reason``), moves each staged reply onto its
-reply key with ``RENAMENX`` (so a reply already there stands), drops the staged replies of
-entries it does not finish, and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An
-entry that another consumer has claimed is left to that consumer, so a request never gets two
-different replies.
+The finish step is one round trip per batch: one Lua script, atomic, fenced, and flagged
+``allow-oom`` so that it runs on a full Redis (``maxmemory`` with ``noeviction``). It takes the
+entries still pending on this consumer (one ``XPENDING`` over the batch's id range), writes each
+reply with its TTL unless a reply is already there (``RPUSH``; a second element is trimmed off
+again, so a reply already there stands), copies dead letters (their first 64 fields plus
+``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
+another consumer has claimed is left to that consumer, so a request never gets two different
+replies. Each run frees at least what it writes: a reply replaces its request, which is why it
+may write past ``maxmemory`` and a full Redis still drains (contract section 4).
 
-Why stage: every byte handed to a Lua script costs Redis about 1.2 us per KiB to take in (4 KiB:
-5 us; 1 MiB: 1.2 ms, against 4 us for a plain SET), on the one thread every worker shares. A
-staged reply never enters Lua, and the script only renames it. A staging key left by a finish
-that never ran its script (a dropped connection) expires with the reply's TTL.
-(On Redis 8.2, XACKDEL could replace XACK + XDEL.)
+Replies go into the script as arguments. Redis takes a script's arguments in at about 1.3 ms
+per MiB (docs/design.md, "The finish step"): nothing for the replies of most models, and the
+price of writing on a full Redis for large ones; a plain ``RPUSH`` staged first would be
+refused there, and the queue would wedge. (On Redis 8.2, XACKDEL could replace XACK + XDEL.)
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,15 +32,15 @@ from producer.keys import (
     dead_key,
     reply_key,
     request_stream,
-    staging_key,
 )
+from producer.memory import MemoryReading, parse_info_memory
 from worker.errors import WorkerError
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
-_FINISH_LUA = """
+_FINISH_LUA = """#!lua flags=allow-oom
 local stream, dead, group, me = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
 local n, lo, hi, span = tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
 -- After FLUSHALL, or a restart without persistence, the group is gone (NOGROUP): nothing is
@@ -63,7 +60,7 @@ for _, p in ipairs(page) do mine[p[1]] = true end
 local acked = {}
 local flags = {}  -- per entry, in order: '1' finished here, '0' not this consumer's to finish
 for i = 0, n - 1 do
-  local base = 7 + i * 3
+  local base = 7 + i * 5
   local id, ri, reason = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2]
   local ours = mine[id]
   if ours == nil and #page >= span then  -- a full page may have cut it off: ask for it alone
@@ -73,24 +70,19 @@ for i = 0, n - 1 do
     ours = one[1] ~= nil
   end
   mine[id] = false  -- an id twice in one batch is finished once
-  if ri > 0 then
-    local staged, reply = KEYS[1 + 2 * ri], KEYS[2 + 2 * ri]
-    if ours then
-      -- 1: written; 0: a reply (or a key of another type) was there and stands; "no such
-      -- key": the staged reply is gone (evicted), so the entry stays pending and is delivered
-      -- again. Any other error (a missing ACL rule) stops the script and reaches the worker.
-      local moved = redis.pcall('RENAMENX', staged, reply)
-      if type(moved) == 'table' and moved.err then
-        if not string.find(moved.err, 'no such key', 1, true) then
-          return redis.error_reply(moved.err .. ' (the finish script, at RENAMENX ' .. staged
-            .. ' ' .. reply .. ')')
-        end
-        ours = false
-      elseif moved == 0 then
-        redis.call('DEL', staged)
+  if ours and ri > 0 then
+    -- A reply already there (or a key of another type) stands: ours is trimmed off again.
+    -- Write-only commands, so the worker's ACL user never reads a reply.
+    local reply = KEYS[2 + ri]
+    local length = redis.pcall('RPUSH', reply, ARGV[base + 4])
+    if type(length) == 'table' and length.err then
+      if string.sub(length.err, 1, 9) ~= 'WRONGTYPE' then
+        return redis.error_reply(length.err .. ' (the finish script, at RPUSH ' .. reply .. ')')
       end
+    elseif length == 1 then
+      redis.call('EXPIRE', reply, ARGV[base + 3])
     else
-      redis.call('DEL', staged)
+      redis.call('LTRIM', reply, 0, -2)
     end
   end
   if ours then
@@ -122,27 +114,30 @@ end
 return table.concat(flags)
 """
 
+# XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
+# even when the group exists (BUSYGROUP comes after the memory check): a worker started on a
+# full Redis would never get past start-up.
+_ENSURE_GROUP_LUA = """#!lua flags=allow-oom
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err then
+  if string.sub(made.err, 1, 9) == 'BUSYGROUP' then return 0 end
+  return made
+end
+return 1
+"""
+
 
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
 
 
-def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl_s: int) -> None:
-    """``RPUSH key reply`` and ``EXPIRE key ttl_s``; a small reply is packed with one format (a
-    third of the Python time of packing the two commands apart), a large one is not copied."""
-    ttl = b"%d" % ttl_s
-    if len(reply) < resp.BIG:
-        packer.add_packed(
-            _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl), 2
-        )
-    else:
-        packer.add(b"RPUSH", key, reply)
-        packer.add(b"EXPIRE", key, ttl)
-
-
-_STAGE = (
-    b"*3\r\n$5\r\nRPUSH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-    b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-)
+def _memory(info: Any) -> MemoryReading | None:
+    """A reading from INFO memory's answer; None when it was refused (an ACL without +info)."""
+    if isinstance(info, Exception):
+        return None
+    try:
+        return parse_info_memory(info)
+    except ValueError:
+        return None
 
 
 def _id_order(entry_id: bytes) -> tuple[int, int]:
@@ -166,12 +161,14 @@ class RawEntry:
 
 @dataclass(frozen=True, slots=True)
 class StreamStats:
-    """The request stream as the group sees it."""
+    """The request stream as the group sees it, and Redis memory (None when INFO is refused)."""
 
     backlog: int
     pending: int
     lag: int | None
     dead: int
+    oldest_ms: int | None = None  # the oldest entry's enqueue time, epoch ms
+    memory: MemoryReading | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,11 +235,7 @@ class RequestStream:
         self.consumer = consumer
         self.model = model
         self._finish = client.register_script(_FINISH_LUA)
-        # Unique to this process: a worker restarted under the same name must never push onto a
-        # staging key its previous life left behind.
-        token = uuid.uuid4().hex[:12]
-        self._staging = staging_key(prefix, model, consumer, token).encode()
-        self._serial = itertools.count()
+        self._ensure_group = client.register_script(_ENSURE_GROUP_LUA)
         # Key prefixes for rids that intake has checked already (keys.reply_key would again).
         self._reply = reply_key(prefix, "R")[:-1].encode()
         self._cancel = cancel_key(prefix, "R")[:-1].encode()
@@ -254,13 +247,10 @@ class RequestStream:
         ]
 
     def ensure_group(self) -> None:
-        """Create the group at 0 (so earlier requests are served) unless it exists."""
-        try:
-            self.client.xgroup_create(self.key, CONSUMER_GROUP, id="0", mkstream=True)
+        """Create the group at 0 (so earlier requests are served) unless it exists; on a full
+        Redis too (a script flagged allow-oom)."""
+        if self._ensure_group(keys=[self.key], args=[CONSUMER_GROUP]) == 1:
             log.info("created consumer group %s on %s", CONSUMER_GROUP, self.key)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
 
     def read(self, count: int, block_ms: int) -> list[RawEntry]:
         """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first (0: not
@@ -315,12 +305,15 @@ class RequestStream:
         return []
 
     def stats(self) -> StreamStats:
-        """Backlog, pending and lag of the group, and dead letters: one round trip."""
+        """Backlog, pending and lag of the group, the oldest entry, dead letters and Redis
+        memory: one round trip."""
         pipe = self.client.pipeline(transaction=False)
         pipe.xlen(self.key)
         pipe.xinfo_groups(self.key)
         pipe.xlen(self.dead_key)
-        backlog, groups, dead = pipe.execute(raise_on_error=False)
+        pipe.xrange(self.key, "-", "+", count=1)
+        pipe.info("memory")
+        backlog, groups, dead, oldest, info = pipe.execute(raise_on_error=False)
         group = (
             next(
                 (g for g in groups if g.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
@@ -338,6 +331,10 @@ class RequestStream:
             # group's entries-read on an AOF reload and then reports a stale, larger lag.
             lag=None if lag is None else min(int(lag), backlog),
             dead=int(dead) if isinstance(dead, int) else 0,
+            oldest_ms=RawEntry(oldest[0][0], {}).id_ms
+            if isinstance(oldest, list) and oldest
+            else None,
+            memory=_memory(info),
         )
 
     def cancelled(self, rids: Sequence[str]) -> set[str]:
@@ -356,10 +353,10 @@ class RequestStream:
         return sum(self.finish_each(items))
 
     def finish_each(self, items: Sequence[Finish]) -> list[bool]:
-        """Stage the replies, then reply, dead-letter, ack and delete in one script: one round
-        trip. Returns, per item, whether it was finished here; the others were not this
-        consumer's to finish (claimed by another, flushed), so their replies were not written
-        and must not be counted as served."""
+        """Reply, dead-letter, ack and delete in one script: one round trip. Returns, per item,
+        whether it was finished here; the others were not this consumer's to finish (claimed
+        by another, flushed), so their replies were not written and must not be counted as
+        served."""
         if not items:
             return []
         stream, dead, group, me = self._head
@@ -367,46 +364,37 @@ class RequestStream:
         keys = [stream, dead]
         args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
         args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
-        staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
         for item in items:
-            index = 0
             if item.reply is not None and item.rid is not None:
-                staged = b"%s.%d" % (self._staging, next(self._serial))
-                _stage(staging, staged, item.reply, item.reply_ttl_s)
-                keys += [staged, self._reply + item.rid.encode()]
-                index = len(keys) // 2 - 1
-            args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode()]
-        flags = self._run_finish(staging, keys, args)
+                keys.append(self._reply + item.rid.encode())
+                index, ttl, reply = len(keys) - 2, b"%d" % item.reply_ttl_s, item.reply
+            else:
+                index, ttl, reply = 0, b"0", b""
+            args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode(), ttl, reply]
+        flags = self._run_finish(keys, args)
         done = [flag == ord("1") for flag in flags]
         if len(done) != len(items):
             raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
         if not all(done):
             log.warning(
                 "%d of %d entries were no longer pending on %s (claimed by another worker, "
-                "deleted, flushed, or finished by an earlier try whose answer was lost) or "
-                "their staged reply was gone; this try wrote no reply for them",
+                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
+                "try wrote no reply for them",
                 len(items) - sum(done),
                 len(items),
                 self.consumer,
             )
         return done
 
-    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
-        """Send the staging commands and the script in one round trip; raise what failed.
-
-        The script goes by EVALSHA behind the staging commands (redis-py's script helper would
-        add a round trip per batch to check that it is loaded); when Redis lost it (a restart,
-        SCRIPT FLUSH) it is loaded and run again on the replies already staged. A staging
-        command that failed (OOM under noeviction) is raised after the script ran: the entries
-        it held back stay pending, and the writer's retry finishes them.
-        """
-        staging.add_packed(
-            resp.command(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
-        )
-        *staged, result = resp.round_trip(self.client, staging)
+    def _run_finish(self, keys: list[bytes], args: list[bytes]) -> bytes:
+        """Run the finish script by EVALSHA (redis-py's script helper would add a round trip
+        per batch to check that it is loaded); when Redis lost it (a restart, SCRIPT FLUSH) it
+        is loaded and run again. Raises what failed."""
+        packer = resp.Packer()
+        packer.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
+        [result] = resp.round_trip(self.client, packer)
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
             raise result
-        resp.raise_first_error(staged)
         return result.encode() if isinstance(result, str) else bytes(result)
