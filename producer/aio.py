@@ -31,8 +31,15 @@ from producer import core, resp, window
 from producer.client import DEFAULT_URL
 from producer.coalesce import Coalescer, ReplyHub
 from producer.core import Chunk, Result
-from producer.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
+from producer.errors import BacklogFull, RedbatchError, RedisFull, RedisUnavailable, WaitTimeout
 from producer.keys import DEFAULT_PREFIX
+from producer.memory import (
+    DEFAULT_HIGH_WATERMARK,
+    MemoryWatch,
+    check_watermark,
+    info_memory_async,
+    parse_info_memory,
+)
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["AsyncClient"]
@@ -61,8 +68,10 @@ class AsyncClient:
         wait_for_backlog: bool = False,
         redis_client: redis.asyncio.Redis | None = None,
         retry_s: float = DEFAULT_RETRY_S,
+        memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
     ) -> None:
         self._settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        check_watermark(memory_high_watermark)
         if redis_client is None:
             self._redis = redis.asyncio.Redis.from_url(url, decode_responses=False)
             self._where = core.redact_url(url)
@@ -77,11 +86,13 @@ class AsyncClient:
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
         self._retry = RetryPolicy(self._where, retry_s)
         self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
+        self._memory = MemoryWatch(self._where, memory_high_watermark)
         # Concurrent submit and wait calls (infer from many handlers) share round trips.
         self._submits: Coalescer[core.Submission] = Coalescer(
             self._send, retry_s=retry_s, unsent=self._unsent
         )
         self._backlog_seen: int | None = None  # while a send waits for the backlog to drop
+        self._full_seen: RedisFull | None = None  # while a send waits for Redis memory
         self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._late)
 
     @property
@@ -140,16 +151,40 @@ class AsyncClient:
         """As ``Client._send``; ``until`` is the first deadline among the coalesced calls."""
         settings = self._settings
         gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
-        if gate.active:
-            try:
-                while (
-                    delay_s := gate.delay_s(backlog := await self._xlen(until), time.monotonic())
-                ) is not None:
-                    self._backlog_seen = backlog
+        try:
+            while True:
+                while (delay_s := await self._no_room_s(gate, until)) is not None:
                     await _sleep(delay_s)
-            finally:
-                self._backlog_seen = None
-        await self._retry.until(until, core.INFER_LIMIT).acall(self._xadd, subs)
+                try:
+                    await self._retry.until(until, core.INFER_LIMIT).acall(self._xadd, subs)
+                except RedisFull as exc:  # Redis's own OOM: past the watermark between readings
+                    self._full_seen = self._memory.refused(exc.refused or "")
+                    await _sleep(gate.refused(self._full_seen, time.monotonic()))
+                    continue
+                self._memory.sent(sum(len(sub.body) for sub in subs))
+                return
+        finally:
+            self._backlog_seen = self._full_seen = None
+
+    async def _no_room_s(self, gate: core.BacklogGate, until: float | None) -> float | None:
+        """As ``Client._no_room_s``; notes what holds the send up, for ``_unsent``."""
+        if gate.active:
+            backlog = await self._xlen(until)
+            delay_s = gate.delay_s(backlog, time.monotonic())
+            if delay_s is not None:
+                self._backlog_seen = backlog
+                return delay_s
+        if self._memory.stale(time.monotonic()):
+            retry = self._retry.until(until, core.INFER_LIMIT)
+            info = await retry.acall(info_memory_async, self._redis)
+            if info is None:
+                self._memory.cannot_read()
+            else:
+                self._memory.seen(parse_info_memory(info), time.monotonic())
+        self._full_seen = self._memory.full()
+        if self._full_seen is None:
+            return None
+        return gate.refused(self._full_seen, time.monotonic())
 
     def _unsent(self) -> RedbatchError:
         """The error of an ``infer`` whose timeout_s ran out while its submit waited behind an
@@ -157,6 +192,8 @@ class AsyncClient:
         settings = self._settings
         if self._backlog_seen is not None and settings.max_backlog is not None:
             return BacklogFull(self._backlog_seen, settings.max_backlog, waited=True)
+        if self._full_seen is not None:
+            return self._full_seen.waited_out()
         if self._retry.outage.active:
             return RedisUnavailable(
                 f"Could not talk to Redis at {self._where} within {core.INFER_LIMIT}, while "
@@ -346,8 +383,12 @@ class AsyncClient:
             while not plan.finished:
                 subs = plan.take(time.time())
                 if subs:
-                    await self._send(subs)
-                    plan.sent(subs, time.monotonic())
+                    try:
+                        await self._send(subs)
+                    except RedisFull as exc:  # stop sending; what is in flight is still awaited
+                        plan.refused(subs, exc)
+                    else:
+                        plan.sent(subs, time.monotonic())
                 for chunk in plan.ready():
                     yield chunk
                 if plan.waiter.pending:
@@ -357,6 +398,8 @@ class AsyncClient:
                 if plan.waiter.interrupted:
                     plan.waiter.interrupted = False
                     await self._resend(plan.awaited(time.time()))
+            if plan.refusal is not None:
+                raise plan.refusal
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

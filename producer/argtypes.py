@@ -6,7 +6,14 @@ import argparse
 
 from producer import keys
 
-__all__ = ["model_name", "non_negative_float", "positive_float", "positive_int", "prefix"]
+__all__ = [
+    "model_name",
+    "non_negative_float",
+    "positive_float",
+    "positive_int",
+    "prefix",
+    "watermark",
+]
 
 
 def positive_int(text: str) -> int:
@@ -56,3 +63,16 @@ def prefix(text: str) -> str:
             f"{text!r} is not a key prefix: use a non-empty name without braces or spaces"
         )
     return text
+
+
+def watermark(text: str) -> float | None:
+    """A fraction of Redis ``maxmemory`` in (0, 1], or ``off``."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'off'") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in (0, 1], or 'off'")
+    return value

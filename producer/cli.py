@@ -37,6 +37,7 @@ from producer.job import (
     write_errors,
     write_outputs,
 )
+from producer.memory import DEFAULT_HIGH_WATERMARK
 from producer.retry import DEFAULT_RETRY_S
 
 __all__ = [
@@ -85,7 +86,14 @@ def _run(args: argparse.Namespace) -> int:
     _check_run_paths(input_path, output_path, errors_path)
     summary = None
     try:
-        with Client(args.model, args.redis_url, prefix=args.prefix, retry_s=args.retry_s) as c:
+        with Client(
+            args.model,
+            args.redis_url,
+            prefix=args.prefix,
+            retry_s=args.retry_s,
+            wait_for_backlog=args.wait_for_room,
+            memory_high_watermark=args.memory_high_watermark,
+        ) as c:
             records = [r for r in c.workers() if isinstance(r, dict)]
             arrays = load_inputs(input_path, lambda: _single_input_name(args, records))
             _check_against_workers(args, arrays, records)
@@ -122,6 +130,8 @@ def _finish_run(summary: RunSummary, output_path: Path, errors_path: Path) -> in
         write_errors(errors_path, summary.failures)  # first: it says what the outputs lack
         write_outputs(output_path, summary.outputs)
     print(format_summary(summary, output_path=str(output_path), errors_path=str(errors_path)))
+    if summary.stopped_by is not None:
+        _fail(f"the run stopped early: {summary.stopped_by}")
     if summary.interrupted:
         _fail(
             "interrupted; the rows answered so far are written, the rest listed NOT_ANSWERED "
@@ -452,6 +462,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         metavar="S",
         help="how long to wait for each reply (default: 60)",
+    )
+    run.add_argument(
+        "--memory-high-watermark",
+        type=argtypes.watermark,
+        default=DEFAULT_HIGH_WATERMARK,
+        metavar="F",
+        help="stop sending once Redis used_memory reaches this fraction of maxmemory, leaving "
+        f"the workers room to drain (default: {DEFAULT_HIGH_WATERMARK:g}; off: never)",
+    )
+    run.add_argument(
+        "--wait-for-room",
+        action="store_true",
+        help="when Redis is that full, wait for the workers to free room instead of stopping "
+        "the run (exit 1, the rows not sent listed REDIS_FULL)",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_connection_options(run, top=False)

@@ -28,8 +28,15 @@ from numpy.typing import ArrayLike
 
 from producer import core, resp, window
 from producer.core import Chunk, Result
-from producer.errors import RedbatchError
+from producer.errors import RedbatchError, RedisFull
 from producer.keys import DEFAULT_PREFIX
+from producer.memory import (
+    DEFAULT_HIGH_WATERMARK,
+    MemoryWatch,
+    check_watermark,
+    info_memory,
+    parse_info_memory,
+)
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
 
 __all__ = ["Client"]
@@ -54,6 +61,12 @@ class Client:
     wait for it to shrink when ``wait_for_backlog`` is true (``infer`` waits no longer than its
     ``timeout_s``, then raises ``BacklogFull`` with nothing sent).
 
+    Redis memory is a limit too: once ``used_memory`` reaches ``memory_high_watermark`` of
+    ``maxmemory`` (0.8 by default; None turns it off; nothing applies without a ``maxmemory``),
+    submits refuse with ``RedisFull``, or wait for room with ``wait_for_backlog``, so that the
+    workers keep the rest to answer what is queued. Memory is read with ``INFO memory`` about
+    once a second, not per submit; a write Redis itself refuses for memory is ``RedisFull`` too.
+
     Every Redis command is retried with capped, jittered backoff through outages of up to
     ``retry_s`` seconds (0: no retries), with one log line when an outage starts and one when it
     ends; then ``RedisUnavailable`` is raised. Other Redis errors raise ``ConnectionFailed`` at
@@ -71,8 +84,10 @@ class Client:
         wait_for_backlog: bool = False,
         redis_client: redis.Redis | None = None,
         retry_s: float = DEFAULT_RETRY_S,
+        memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
     ) -> None:
         self._settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        check_watermark(memory_high_watermark)
         if redis_client is None:
             self._redis = redis.Redis.from_url(url, decode_responses=False)
             self._where = core.redact_url(url)
@@ -87,6 +102,7 @@ class Client:
         self._block_cap_s = core.block_cap_s(connection_kwargs.get("socket_timeout"))
         self._retry = RetryPolicy(self._where, retry_s)
         self._packed = resp.supports(self._redis)  # submits and sweeps packed by hand
+        self._memory = MemoryWatch(self._where, memory_high_watermark)
 
     @property
     def model(self) -> str:
@@ -141,14 +157,42 @@ class Client:
         return [sub.rid for sub in subs]
 
     def _send(self, subs: Sequence[core.Submission], until: float | None = None) -> None:
-        """XADD ``subs`` once the backlog allows. ``until`` (monotonic), an ``infer``'s
-        deadline, ends the backlog wait (BacklogFull) and the retries (RedisUnavailable)."""
+        """XADD ``subs`` once the backlog and Redis memory allow. ``until`` (monotonic), an
+        ``infer``'s deadline, ends the wait (BacklogFull, RedisFull) and the retries
+        (RedisUnavailable)."""
         settings = self._settings
         gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
-        if gate.active:
-            while (delay_s := gate.delay_s(self._xlen(until), time.monotonic())) is not None:
+        while True:
+            while (delay_s := self._no_room_s(gate, until)) is not None:
                 _sleep(delay_s)
-        self._retry.until(until, core.INFER_LIMIT).call(self._xadd, subs)
+            try:
+                self._retry.until(until, core.INFER_LIMIT).call(self._xadd, subs)
+            except RedisFull as exc:  # Redis's own OOM: past the watermark between readings
+                _sleep(gate.refused(self._memory.refused(exc.refused or ""), time.monotonic()))
+                continue
+            self._memory.sent(sum(len(sub.body) for sub in subs))
+            return
+
+    def _no_room_s(self, gate: core.BacklogGate, until: float | None) -> float | None:
+        """None when the backlog and Redis memory leave room; else how long to sleep before
+        looking again (or the gate raises BacklogFull or RedisFull)."""
+        if gate.active:
+            delay_s = gate.delay_s(self._xlen(until), time.monotonic())
+            if delay_s is not None:
+                return delay_s
+        if self._memory.stale(time.monotonic()):
+            self._read_memory(until)
+        full = self._memory.full()
+        return None if full is None else gate.refused(full, time.monotonic())
+
+    def _read_memory(self, until: float | None) -> None:
+        """Read ``INFO memory`` (through the retry policy) into the memory watch."""
+        retry = self._retry.until(until, core.INFER_LIMIT)
+        info = retry.call(info_memory, self._redis)
+        if info is None:
+            self._memory.cannot_read()
+        else:
+            self._memory.seen(parse_info_memory(info), time.monotonic())
 
     def _xadd(self, subs: Sequence[core.Submission]) -> None:
         if self._packed:
@@ -312,7 +356,10 @@ class Client:
         ends once the requests already in flight are yielded (its last chunk then stops short
         of the input's end). Stopping the iteration early cancels the requests still in
         flight. Each refill of the window is one pipelined submit, with the same backlog check
-        as ``submit_many``.
+        as ``submit_many``. When Redis is full (``RedisFull``), the sending stops: the requests
+        in flight are still awaited and yielded, and then the refusal is raised; the rows after
+        the last chunk yielded were never sent (with ``wait_for_backlog``, map waits for room
+        instead).
         """
         plan = window.MapPlan(
             self._settings,
@@ -334,8 +381,12 @@ class Client:
             while not plan.finished:
                 subs = plan.take(time.time())
                 if subs:
-                    self._send(subs)
-                    plan.sent(subs, time.monotonic())
+                    try:
+                        self._send(subs)
+                    except RedisFull as exc:  # stop sending; what is in flight is still awaited
+                        plan.refused(subs, exc)
+                    else:
+                        plan.sent(subs, time.monotonic())
                 yield from plan.ready()
                 if plan.waiter.pending:
                     plan.answered(self._wait_round(plan.waiter), time.monotonic())
@@ -344,6 +395,8 @@ class Client:
                 if plan.waiter.interrupted:
                     plan.waiter.interrupted = False
                     self._resend(plan.awaited(time.time()), self._retry)
+            if plan.refusal is not None:
+                raise plan.refusal
         finally:
             # The caller stopped early, or Redis failed: run nothing more (late requests too,
             # when the stop came between giving up on them and cancelling them).

@@ -35,7 +35,7 @@ from redis.typing import EncodableT, FieldT
 
 from producer import codec, keys, resp
 from producer.codec import ErrorInfo, ModelRef
-from producer.errors import BacklogFull, NoWorkerInfo, WireFormatError, error_for_code
+from producer.errors import BacklogFull, NoWorkerInfo, RedisFull, WireFormatError, error_for_code
 
 __all__ = [
     "FIRST_BACKOFF_S",
@@ -434,12 +434,14 @@ def build_submissions(
 
 
 class BacklogGate:
-    """Decides from the stream's length whether a submit goes ahead, fails, or waits.
+    """Decides from the stream's length, and from Redis memory, whether a submit goes ahead,
+    fails, or waits.
 
     One gate serves one submit call: its backoff starts at ``FIRST_BACKOFF_S`` and doubles up to
-    ``MAX_BACKOFF_S``, because Redis has no event that fires when a stream shrinks. ``until``
-    (monotonic) bounds the wait: an ``infer`` waits no longer than its ``timeout_s``, and then
-    gets the ``BacklogFull`` a submit that does not wait gets at once (nothing was sent).
+    ``MAX_BACKOFF_S``, because Redis has no event that fires when a stream shrinks or memory
+    frees. ``until`` (monotonic) bounds the wait: an ``infer`` waits no longer than its
+    ``timeout_s``, and then gets the ``BacklogFull`` or ``RedisFull`` a submit that does not
+    wait gets at once (nothing was sent).
     """
 
     def __init__(self, max_backlog: int | None, wait: bool, until: float | None = None) -> None:
@@ -460,6 +462,18 @@ class BacklogGate:
             return None
         if not self.wait or (self.until is not None and now >= self.until):
             raise BacklogFull(backlog, self.max_backlog, waited=self.wait)
+        return self._backoff_s(now)
+
+    def refused(self, full: RedisFull, now: float) -> float:
+        """How long to sleep before looking again at a Redis too full to submit to; raises
+        ``full`` when not waiting, or once ``now`` reaches ``until``."""
+        if not self.wait:
+            raise full
+        if self.until is not None and now >= self.until:
+            raise full.waited_out()
+        return self._backoff_s(now)
+
+    def _backoff_s(self, now: float) -> float:
         delay = self._next_delay_s
         self._next_delay_s = min(delay * 2, MAX_BACKOFF_S)
         return delay if self.until is None else min(delay, self.until - now)

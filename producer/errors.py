@@ -5,6 +5,8 @@ Every error has one root, so callers can catch ``RedbatchError`` and nothing els
     RedbatchError
     ├── WireFormatError        bytes off the wire format (code MALFORMED or TOO_LARGE)
     ├── BacklogFull            the request stream is at or above the producer's max_backlog
+    ├── RedisFull              Redis memory is at the producers' high watermark, or Redis
+    │                          refused a write for memory (maxmemory with noeviction)
     ├── WaitTimeout            no reply arrived in time (also a builtin TimeoutError)
     ├── ConnectionFailed       Redis could not be reached or refused the command
     │   └── RedisUnavailable   Redis stayed unreachable or busy through the retry budget
@@ -35,6 +37,7 @@ __all__ = [
     "NoWorkerInfo",
     "Poisoned",
     "RedbatchError",
+    "RedisFull",
     "RedisUnavailable",
     "RequestFailed",
     "TooLarge",
@@ -87,6 +90,72 @@ class BacklogFull(RedbatchError):
         )
         self.backlog = backlog
         self.max_backlog = max_backlog
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+class RedisFull(RedbatchError):
+    """Raised by submit when Redis memory is at the producers' high watermark of ``maxmemory``,
+    or when Redis refused a write for memory (``OOM``); nothing was sent."""
+
+    def __init__(
+        self,
+        where: str,
+        used_bytes: int | None,
+        max_bytes: int | None,
+        watermark: float | None,
+        *,
+        refused: str | None = None,
+        waited: bool = False,
+    ) -> None:
+        self.where = where
+        self.used_bytes = used_bytes
+        self.max_bytes = max_bytes
+        self.watermark = watermark
+        self.refused = refused
+        self.waited = waited
+        super().__init__(self._message())
+
+    def waited_out(self) -> RedisFull:
+        """The same refusal, for a call whose timeout_s ran out while it waited for room."""
+        return RedisFull(
+            self.where,
+            self.used_bytes,
+            self.max_bytes,
+            self.watermark,
+            refused=self.refused,
+            waited=True,
+        )
+
+    def _message(self) -> str:
+        used, limit = self.used_bytes, self.max_bytes
+        if used is not None and limit:
+            how_full = f"used_memory {_mib(used)} is {used / limit:.0%} of maxmemory {_mib(limit)}"
+        else:
+            how_full = "it is at maxmemory"
+        if self.refused is not None:
+            head = (
+                f"Redis at {self.where} is full (maxmemory): it refused the write "
+                f"({self.refused.rstrip('.')}); {how_full}."
+            )
+        else:
+            mark = f"{self.watermark:.0%}" if self.watermark is not None else "?"
+            head = (
+                f"Redis at {self.where} is full: {how_full}, at or above the producers' high "
+                f"watermark of {mark}."
+            )
+        advice = (
+            "The call's timeout_s ran out while it waited for room; the request was not sent."
+            if self.waited
+            else "The request was not sent; workers keep draining the backlog. Retry later, or "
+            "submit with wait_for_backlog=True to wait for room."
+        )
+        return (
+            f"{head} {advice} Add workers, read or shorten replies (reply_ttl_s), or raise "
+            "maxmemory (docs/operations.md, 'A full Redis')."
+        )
 
 
 class WaitTimeout(RedbatchError, TimeoutError):

@@ -27,8 +27,11 @@ import numpy as np
 
 from producer.codec import DTYPES, ErrorInfo
 from producer.core import Chunk
-from producer.errors import RedbatchError
+from producer.errors import RedbatchError, RedisFull
 from producer.window import WAIT_TIMEOUT
+
+#: The client-side code of rows a run never sent because Redis was full (``RedisFull``).
+REDIS_FULL = "REDIS_FULL"
 
 __all__ = [
     "FailedRequest",
@@ -57,7 +60,8 @@ class UsageError(RedbatchError):
 class FailedRequest:
     """Rows ``start:stop`` that failed: a request answered ok = false or late (WAIT_TIMEOUT,
     with its rid), or, with no rid, rows never answered: those after a late reply stopped the
-    run (WAIT_TIMEOUT) or left when Redis failed or Ctrl-C came (NOT_ANSWERED)."""
+    run (WAIT_TIMEOUT), never sent because Redis was full (REDIS_FULL), or left when Redis
+    failed or Ctrl-C came (NOT_ANSWERED)."""
 
     start: int
     stop: int
@@ -94,6 +98,7 @@ class RunSummary:
     failures: list[FailedRequest] = field(default_factory=list)
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     interrupted: bool = False  # stopped by Ctrl-C: what came back is kept, the rest listed
+    stopped_by: str | None = None  # the error that stopped the run early (Redis full or gone)
 
     def fail(self, failure: FailedRequest) -> None:
         """Count a failed request and list it, merged into the last entry when it continues
@@ -204,8 +209,12 @@ def run_job(
                 on_rows(chunk.stop - chunk.start)
         if done < n_rows:  # map() stopped sending at a late reply
             summary.fail(_not_sent(done, n_rows, late, timeout_s))
+    except RedisFull as exc:  # map() stopped sending, and awaited what it had sent
+        summary.fail(FailedRequest(done, n_rows, None, REDIS_FULL, one_line(exc)))
+        summary.stopped_by = one_line(exc)
     except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
         summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", one_line(exc)))
+        summary.stopped_by = one_line(exc)
     except KeyboardInterrupt:
         summary.interrupted = True
         message = "the run was interrupted (Ctrl-C) before these rows were answered."

@@ -1,12 +1,15 @@
 """Riding out Redis outages in the client: capped, jittered retries, one log line per outage.
 
 Every Redis command of ``Client`` and ``AsyncClient`` runs through a ``RetryPolicy``. A command
-that fails with a transient error (Redis unreachable, restarting, loading its data, out of memory
-under ``noeviction``, busy with a script, or a cluster slot moving) is retried at once, then with
+that fails with a transient error (Redis unreachable, restarting, loading its data, busy with a
+script, or a cluster slot moving) is retried at once, then with
 exponential backoff from 50 ms up to 2 s plus up to 250 ms of random jitter, for at most
 ``retry_s`` seconds (default 30; 0 turns retrying off). Then ``RedisUnavailable`` is raised. Any
 other Redis error (a wrong password, a missing permission, WRONGTYPE) is not retried and raises
-``ConnectionFailed`` at once. A BLPOP that times out is an empty answer, not an error.
+``ConnectionFailed`` at once. A write Redis refuses for memory (``OOM`` under ``maxmemory`` with
+``noeviction``) is not retried either: nothing frees memory while producers keep trying, so it
+raises ``RedisFull`` at once (the clients wait for room themselves when asked to). A BLPOP that
+times out is an empty answer, not an error.
 
 The first retry is immediate because the commonest failure is one stale pooled connection after a
 Redis restart, which the reconnect of the next try fixes. When the second try fails as well, one
@@ -50,7 +53,7 @@ from tenacity import (
     wait_random,
 )
 
-from producer.errors import ConnectionFailed, RedisUnavailable
+from producer.errors import ConnectionFailed, RedbatchError, RedisFull, RedisUnavailable
 
 __all__ = [
     "DEFAULT_RETRY_S",
@@ -60,6 +63,8 @@ __all__ = [
     "REDIS_ERRORS",
     "Outage",
     "RetryPolicy",
+    "describe_redis_error",
+    "is_oom",
     "is_transient",
 ]
 
@@ -99,6 +104,24 @@ def is_transient(exc: BaseException) -> bool:
         reason = str(exc).partition("because of: ")[2]
         return reason.split(" ", 1)[0] in _TRANSIENT_CODES
     return isinstance(exc, rex.ResponseError) and _error_code(exc) == "BUSY"
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for Redis's refusal of a write for memory (``maxmemory`` with ``noeviction``), also
+    as the reason a transaction was discarded."""
+    if isinstance(exc, rex.OutOfMemoryError):
+        return True
+    if isinstance(exc, rex.ExecAbortError):
+        return str(exc).partition("because of: ")[2].startswith("OOM")
+    return isinstance(exc, rex.ResponseError) and _error_code(exc) == "OOM"
+
+
+def describe_redis_error(exc: BaseException) -> str:
+    """A Redis error as log lines name it: a refusal for memory says that Redis is full, so that
+    an operator does not look for a network fault."""
+    if is_oom(exc):
+        return f"Redis is full (maxmemory): {_describe(exc)}"
+    return _describe(exc)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -198,7 +221,8 @@ class RetryPolicy:
         return self.within(deadline - time.monotonic(), limit)
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(*args, **kwargs)``, retried through transient errors; raises ConnectionFailed."""
+        """``fn(*args, **kwargs)``, retried through transient errors; raises ConnectionFailed,
+        or RedisFull for a write refused for memory."""
         started = time.monotonic()
         try:
             try:
@@ -234,7 +258,7 @@ class RetryPolicy:
         return result
 
     def _retries(self, exc: BaseException) -> bool:
-        return self.retry_s > 0 and is_transient(exc)
+        return self.retry_s > 0 and _retried(exc)
 
     def _options(self) -> dict[str, Any]:
         """Tenacity's settings, shared by the blocking and asyncio shells."""
@@ -242,7 +266,7 @@ class RetryPolicy:
             0, JITTER_S
         )
         return {
-            "retry": retry_if_exception(is_transient),
+            "retry": retry_if_exception(_retried),
             "wait": _within(backoff, self.retry_s),
             "stop": stop_after_delay(self.retry_s),
             "before_sleep": self._before_sleep,
@@ -255,10 +279,12 @@ class RetryPolicy:
         exc = state.outcome.exception() if state.outcome is not None else None
         self.outage.began(exc, self._client_retry_s)
 
-    def _failed(self, exc: BaseException, started: float) -> ConnectionFailed:
+    def _failed(self, exc: BaseException, started: float) -> RedbatchError:
         """The client's error for a redis-py error that ended a command started at ``started``."""
-        if not is_transient(exc) and isinstance(exc, rex.ResponseError):
+        if not _retried(exc) and isinstance(exc, rex.ResponseError):
             self.outage.ended()  # Redis answered, so whatever outage there was is over
+        if is_oom(exc):
+            return RedisFull(self.where, None, None, None, refused=str(exc))
         elapsed_s = time.monotonic() - started
         check = (
             "Check that Redis is running there and that the URL, password and TLS settings "
@@ -279,6 +305,11 @@ class RetryPolicy:
         return ConnectionFailed(
             f"Could not talk to Redis at {self.where}: {_describe(exc)}. {check}"
         )
+
+
+def _retried(exc: BaseException) -> bool:
+    """What a client retries: transient errors, but not a refusal for memory (``RedisFull``)."""
+    return is_transient(exc) and not is_oom(exc)
 
 
 def _within(

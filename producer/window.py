@@ -27,7 +27,7 @@ from producer.core import (
     failed_result,
     parse_reply_or_fail,
 )
-from producer.errors import WaitTimeout
+from producer.errors import RedisFull, WaitTimeout
 
 #: The client-side code of a request whose reply did not come in time (map() and ``redbatch
 #: run``); its request is cancelled, so a worker that has not formed its batch yet skips it.
@@ -155,6 +155,8 @@ class MapPlan:
     With ``stop_on_timeout``, the first late reply stops the sending: the requests already in
     flight are still awaited and yielded, and then the plan is finished with the rows after
     them never sent (a job whose workers are gone ends after one timeout, not one per window).
+    A send refused because Redis is full (``refused``) stops it the same way, whatever
+    ``stop_on_timeout`` says, and the shell raises the refusal once the plan is finished.
     """
 
     def __init__(
@@ -182,6 +184,7 @@ class MapPlan:
         self._held = 0  # requests sent and not yet yielded
         self._stop_on_timeout = stop_on_timeout
         self.stopped = False  # a reply came late under stop_on_timeout: nothing more is sent
+        self.refusal: RedisFull | None = None  # Redis was full: nothing more is sent
         self.waiter = ReplyWaiter(settings, timeout_s, late_fails=True)
         if rows_per_request is not None:
             self.use_row_limit(rows_per_request)
@@ -242,6 +245,16 @@ class MapPlan:
         for sub in subs:
             self.waiter.add(sub.rid, now)
             self._sent_at[sub.rid] = now
+
+    def refused(self, subs: Sequence[Submission], refusal: RedisFull) -> None:
+        """Take back ``subs``, the last ones taken, which Redis was too full to accept, and
+        stop sending; the requests already in flight are still awaited."""
+        for sub in subs:
+            start, _ = self._in_flight.pop(sub.rid)
+            self._next_start = min(self._next_start, start)
+            self._held -= 1
+        self.stopped = True
+        self.refusal = refusal
 
     def answered(self, results: Iterable[Result], now: float) -> None:
         """Record replies that arrived by ``now`` (monotonic); failed ones keep ``error``."""
