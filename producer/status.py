@@ -3,14 +3,14 @@
 ``gather_status`` reads it from Redis into frozen dataclasses (its only side effect is removing
 the names of workers whose validation record has expired from the registry set, as the contract's
 registry requires); ``format_status`` renders it as a table a person reads; ``status_to_json``
-gives the same data as plain JSON values.
+gives the same data as plain JSON values. Both lead with Redis memory against ``maxmemory``: past
+the producers' high watermark new work is refused (``RedisFull``), so operators must see it come.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -18,7 +18,20 @@ from typing import Any
 import redis
 
 from producer import core, keys
+from producer.memory import MemoryReading, parse_info_memory
 from producer.retry import RetryPolicy
+from producer.statusformat import (
+    INFO_REFUSED,
+    ago,
+    ago_or_dash,
+    duration,
+    memory_notes,
+    memory_summary,
+    printable,
+    producers_refused,
+    show,
+    table,
+)
 
 __all__ = [
     "ConsumerInfo",
@@ -120,6 +133,7 @@ class ModelStatus:
     dead: DeadLetters
     workers: tuple[WorkerInfo, ...]
     expired_workers: tuple[str, ...] = field(default=())
+    memory: MemoryReading | None = None  # None: INFO refused to this user
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +153,7 @@ def gather_status(
     ConnectionFailed when Redis cannot be asked."""
     now = time.time() if now_s is None else now_s
     call = RetryPolicy(redis_where(conn), retry_s).call
+    memory = call(_memory, conn)
     requests = call(_requests_info, conn, keys.request_stream(prefix, model), now)
     dead = call(_dead_letters, conn, keys.dead_key(prefix, model), dead_limit, now)
     workers, expired = call(_live_workers, conn, prefix, model)
@@ -150,6 +165,7 @@ def gather_status(
         dead=dead,
         workers=workers,
         expired_workers=expired,
+        memory=memory,
     )
 
 
@@ -160,6 +176,15 @@ def redis_where(conn: redis.Redis) -> str:
     pool = conn.connection_pool
     tls = issubclass(pool.connection_class, redis.SSLConnection)
     return core.describe_connection(pool.connection_kwargs, tls)
+
+
+def _memory(conn: redis.Redis) -> MemoryReading | None:
+    """``INFO memory``; None when this user may not run INFO (ACL without ``+info``) or it lacks
+    ``used_memory``: the rest of the status does not need it."""
+    try:
+        return parse_info_memory(conn.info("memory"))
+    except (redis.exceptions.NoPermissionError, ValueError):
+        return None
 
 
 def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
@@ -329,6 +354,20 @@ def status_to_json(status: ModelStatus) -> dict[str, Any]:
             for w in status.workers
         ],
         "expired_workers": list(status.expired_workers),
+        "redis": _memory_json(status.memory),
+    }
+
+
+def _memory_json(reading: MemoryReading | None) -> dict[str, Any] | None:
+    if reading is None:
+        return None
+    return {
+        "used_memory": reading.used_bytes,
+        "maxmemory": reading.max_bytes,
+        "maxmemory_policy": reading.policy,
+        "used_fraction": reading.used_fraction,
+        "headroom_bytes": reading.headroom_bytes,
+        "producers_refused": producers_refused(reading),
     }
 
 
@@ -339,7 +378,8 @@ def status_to_json(status: ModelStatus) -> dict[str, Any]:
 def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     """Render the status as the readable report ``redbatch status`` prints."""
     where = f" at {redis_url}" if redis_url else ""
-    lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}", ""]
+    lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}"]
+    lines += [*_format_memory(status.memory), ""]
     lines += _format_requests(status.requests)
     lines.append("")
     lines += _format_dead(status.dead)
@@ -348,12 +388,19 @@ def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     return "\n".join(map(printable, lines))
 
 
+def _format_memory(reading: MemoryReading | None) -> list[str]:
+    if reading is None:
+        return [f"Redis memory {INFO_REFUSED}"]
+    notes = [f"  {note}" for note in memory_notes(reading)]
+    return [f"Redis memory: {memory_summary(reading)}", *notes]
+
+
 def _format_requests(req: RequestsInfo) -> list[str]:
     lines = [f"Requests stream {req.key}"]
     if not req.exists:
         return [*lines, "  no requests stream yet (no request sent and no worker started)"]
     oldest = (
-        "" if req.oldest_entry_age_s is None else f", oldest entry {_age(req.oldest_entry_age_s)}"
+        "" if req.oldest_entry_age_s is None else f", oldest entry {ago(req.oldest_entry_age_s)}"
     )
     lines.append(f"  backlog (XLEN): {req.backlog}{oldest}")
     group = req.group
@@ -367,16 +414,16 @@ def _format_requests(req: RequestsInfo) -> list[str]:
     if not group.consumers:
         return [*lines, "  no consumers yet"]
     rows = [["CONSUMER", "PENDING", "IDLE"]]
-    rows += [[c.name, str(c.pending), _duration(c.idle_ms / 1000.0)] for c in group.consumers]
-    return lines + _table(rows, indent="  ", right=frozenset({1, 2}))
+    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
 
 
 def _format_dead(dead: DeadLetters) -> list[str]:
     lines = [f"Dead letters {dead.key}: {dead.count}"]
     if dead.recent:
         rows = [["ENTRY", "AGE", "RID", "REASON"]]
-        rows += [[d.entry_id, _age(d.age_s), d.rid or "-", d.reason] for d in dead.recent]
-        lines += _table(rows, indent="  ")
+        rows += [[d.entry_id, ago(d.age_s), d.rid or "-", d.reason] for d in dead.recent]
+        lines += table(rows, indent="  ")
     return lines
 
 
@@ -411,20 +458,20 @@ def _format_workers(status: ModelStatus) -> list[str]:
         rows.append(
             [
                 w.name,
-                _show(w.get("state")),
-                _show(w.get("model", "version")),
-                _show(w.get("model", "sha256"))[:12],
+                show(w.get("state")),
+                show(w.get("model", "version")),
+                show(w.get("model", "sha256"))[:12],
                 ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
-                f"{_show(w.get('batching', 'max_batch_size'))} rows/"
-                f"{_show(w.get('batching', 'max_wait_ms'))} ms",
-                _show(w.get("runtime", "onnxruntime")),
-                f"{_show(w.get('host'))}:{_show(w.get('pid'))}",
-                _age_or_dash(_iso_age_s(w.get("started_at"), now)),
-                _age_or_dash(_iso_age_s(w.get("heartbeat_at"), now)),
-                f"{_show(served_req)} req/{_show(served_batches)} batches",
+                f"{show(w.get('batching', 'max_batch_size'))} rows/"
+                f"{show(w.get('batching', 'max_wait_ms'))} ms",
+                show(w.get("runtime", "onnxruntime")),
+                f"{show(w.get('host'))}:{show(w.get('pid'))}",
+                ago_or_dash(_iso_age_s(w.get("started_at"), now)),
+                ago_or_dash(_iso_age_s(w.get("heartbeat_at"), now)),
+                f"{show(served_req)} req/{show(served_batches)} batches",
             ]
         )
-    lines += _table(rows, indent="  ")
+    lines += table(rows, indent="  ")
     for w in status.workers:
         lines.append(f"  {w.name}:")
         if w.get("error"):
@@ -438,65 +485,14 @@ def tensor_spec(spec: Any, *, ranged: bool) -> str:
     """One input or output of a worker record, as status shows it and the worker logs it:
     name, dtype, shape (? for a free dimension) and, with ``ranged``, the configured range."""
     if not isinstance(spec, dict):
-        return _show(spec)
+        return show(spec)
     shape = spec.get("shape")
     dims = "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]" if shape else "-"
-    text = f"{_show(spec.get('name'))} {_show(spec.get('dtype'))} {dims}"
+    text = f"{show(spec.get('name'))} {show(spec.get('dtype'))} {dims}"
     if ranged:
         low, high = spec.get("min"), spec.get("max")
         if low is not None or high is not None:
-            text += f" range [{_show(low, '-inf')}, {_show(high, 'inf')}]"
+            text += f" range [{show(low, '-inf')}, {show(high, 'inf')}]"
         if spec.get("reject_non_finite"):
             text += " finite only"
     return text
-
-
-def _table(
-    rows: Sequence[Sequence[str]], *, indent: str = "", right: frozenset[int] = frozenset()
-) -> list[str]:
-    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    out = []
-    for row in rows:
-        cells = [
-            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
-            for i, cell in enumerate(row)
-        ]
-        out.append((indent + "  ".join(cells)).rstrip())
-    return out
-
-
-def printable(text: str) -> str:
-    """``text`` safe to print to a terminal: printable characters as they are, any other (an
-    escape sequence, a line break, a bidi control) escaped as ``repr`` writes it, e.g. ``\\x1b``.
-
-    Request ids, reasons, consumer names and workers' records are written by whoever can write to
-    Redis; printed raw, they could recolour or rewrite an operator's terminal and break tables.
-    JSON output needs none of this: ``json.dumps`` escapes them already."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _show(value: Any, missing: str = "-") -> str:
-    return missing if value is None else str(value)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 1.0:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def _age(seconds: float) -> str:
-    return f"{_duration(seconds)} ago"
-
-
-def _age_or_dash(seconds: float | None) -> str:
-    return "-" if seconds is None else _age(seconds)

@@ -3,10 +3,10 @@
 Each refresh takes a ``Snapshot`` (``producer.watchstats.take_snapshot``): the model's status, the
 stream's and group's counters and, when asked, the workers' ``/metrics``. ``render`` turns two
 snapshots into a frame of plain text: backlog and where it sits, requests in and out per second,
-dead letters, worker-side latency percentiles and batch rows from the metrics histograms, and
-each live worker's model version, providers and requests per second; ``producer.watchstats``
-does the maths. Callers' end-to-end latency is not in Redis; ``redbatch run`` and
-``redbatch bench`` measure it.
+Redis memory against ``maxmemory`` (and whether producers are refused), dead letters, worker-side
+latency percentiles and batch rows from the metrics histograms, and each live worker's model
+version, providers and requests per second; ``producer.watchstats`` does the maths. Callers'
+end-to-end latency is not in Redis; ``redbatch run`` and ``redbatch bench`` measure it.
 
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
 Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.
@@ -27,6 +27,7 @@ import redis
 from producer import argtypes, core, keys
 from producer.errors import ConnectionFailed
 from producer.status import printable
+from producer.statusformat import INFO_REFUSED, memory_notes, memory_summary
 from producer.watchstats import (
     Scrape,
     Snapshot,
@@ -35,6 +36,7 @@ from producer.watchstats import (
     flow_per_s,
     format_seconds,
     histogram_buckets,
+    memory_per_s,
     metrics_window,
     quantile,
     sample_total,
@@ -88,6 +90,7 @@ def render(
         lines.append(f"!! {problem}")
     lines.append("")
     lines += _queue_lines(before, now)
+    lines += _memory_lines(before, now)
     lines += _dead_lines(before, now)
     lines += _metrics_lines(before, now)
     lines.append("")
@@ -130,6 +133,15 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
             parts.append(f"drains in about {format_seconds(req.backlog / -trend)}")
         lines.append(f"flow        {', '.join(parts)} (last {seconds:.1f} s)")
     return lines
+
+
+def _memory_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
+    reading = now.status.memory
+    if reading is None:
+        return [f"memory      {INFO_REFUSED}"]
+    summary = memory_summary(reading, change_bytes_per_s=memory_per_s(before, now))
+    notes = [f"            !! {note}" for note in memory_notes(reading)]
+    return [f"memory      {summary}", *notes]
 
 
 def _dead_lines(before: Snapshot | None, now: Snapshot) -> list[str]:

@@ -4,9 +4,9 @@
 (``XINFO STREAM`` entries-added, ``XINFO GROUPS`` entries-read) and, when asked, the workers'
 ``/metrics``. The functions below turn two snapshots into numbers: requests in and out per second
 (counter deltas, so they cover every worker, registered or not), metrics summed over workers
-since the last scrape, percentiles from the histogram buckets, and (``WorkerRates``) each live
-worker's requests per second from the ``served`` counters its heartbeat publishes every 5 s.
-``producer.watch`` draws them.
+since the last scrape, percentiles from the histogram buckets, Redis ``used_memory``'s change per
+second, and (``WorkerRates``) each live worker's requests per second from the ``served`` counters
+its heartbeat publishes every 5 s. ``producer.watch`` draws them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = [
     "flow_per_s",
     "format_seconds",
     "histogram_buckets",
+    "memory_per_s",
     "metrics_window",
     "quantile",
     "sample_total",
@@ -195,6 +196,17 @@ def flow_per_s(
         answered = (now.entries_read - before.entries_read) - (g_now.pending - g_before.pending)
         finished = max(answered, 0) / seconds
     return added, finished, seconds
+
+
+def memory_per_s(before: Snapshot | None, now: Snapshot) -> float | None:
+    """Bytes per second ``used_memory`` grew (negative: shrank) between two snapshots; None
+    when either could not read it."""
+    if before is None or now.taken_s <= before.taken_s:
+        return None
+    then, current = before.status.memory, now.status.memory
+    if then is None or current is None:
+        return None
+    return (current.used_bytes - then.used_bytes) / (now.taken_s - before.taken_s)
 
 
 def metrics_window(before: Snapshot | None, now: Snapshot) -> tuple[str, dict[SampleKey, float]]:

@@ -1,0 +1,141 @@
+"""Text pieces ``redbatch status`` and its ``--watch`` view share: terminal-safe text, tables,
+durations, byte sizes, and what Redis memory means for producers.
+
+Both reports say the same thing about memory in the same words, so an operator who knows one
+reads the other: how full Redis is against ``maxmemory``, and whether producers are refused
+(``RedisFull`` at ``producer.memory.DEFAULT_HIGH_WATERMARK``) while workers keep draining.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from producer.memory import DEFAULT_HIGH_WATERMARK, MemoryReading, MemoryWatch
+
+__all__ = [
+    "INFO_REFUSED",
+    "ago",
+    "ago_or_dash",
+    "duration",
+    "format_bytes",
+    "memory_notes",
+    "memory_summary",
+    "printable",
+    "producers_refused",
+    "show",
+    "table",
+]
+
+#: What the reports say when ``INFO memory`` cannot be read (an ACL user without ``+info``).
+INFO_REFUSED = "unknown (INFO refused: grant +info)"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print to a terminal: printable characters as they are, any other (an
+    escape sequence, a line break, a bidi control) escaped as ``repr`` writes it, e.g. ``\\x1b``.
+
+    Request ids, reasons, consumer names and workers' records are written by whoever can write to
+    Redis; printed raw, they could recolour or rewrite an operator's terminal and break tables.
+    JSON output needs none of this: ``json.dumps`` escapes them already."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def table(
+    rows: Sequence[Sequence[str]], *, indent: str = "", right: frozenset[int] = frozenset()
+) -> list[str]:
+    """Rows as aligned columns; cells are escaped before they are measured."""
+    rows = [[printable(cell) for cell in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = []
+    for row in rows:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        out.append((indent + "  ".join(cells)).rstrip())
+    return out
+
+
+def show(value: Any, missing: str = "-") -> str:
+    return missing if value is None else str(value)
+
+
+def duration(seconds: float) -> str:
+    if seconds < 1.0:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def ago(seconds: float) -> str:
+    return f"{duration(seconds)} ago"
+
+
+def ago_or_dash(seconds: float | None) -> str:
+    return "-" if seconds is None else ago(seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Redis memory
+
+
+def format_bytes(nbytes: float) -> str:
+    """A size for people, in binary units: ``512 B``, ``3.4 KiB``, ``9.7 MiB``, ``1.5 GiB``."""
+    sign, size = ("-" if nbytes < 0 else ""), abs(nbytes)
+    if size < 1024:
+        return f"{sign}{size:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024 or unit == "GiB":
+            break
+    return f"{sign}{size:.1f} {unit}"
+
+
+def producers_refused(reading: MemoryReading) -> bool:
+    """True when a producer with the default watermark refuses new work at this reading; asks
+    ``MemoryWatch`` itself, so the report cannot disagree with the client."""
+    watch = MemoryWatch("status", DEFAULT_HIGH_WATERMARK)
+    watch.seen(reading, 0.0)
+    return watch.full() is not None
+
+
+def memory_summary(reading: MemoryReading, *, change_bytes_per_s: float | None = None) -> str:
+    """``used ... of maxmemory ... (81%), headroom ...; policy ...``; with the change per second
+    after the used figure when known (``--watch``)."""
+    used = format_bytes(reading.used_bytes)
+    if change_bytes_per_s is not None:
+        sign = "+" if change_bytes_per_s >= 0 else ""
+        used += f" ({sign}{format_bytes(change_bytes_per_s)}/s)"
+    headroom = reading.headroom_bytes
+    if headroom is None:
+        return f"used {used}, no maxmemory (producers are never refused for memory)"
+    # Floored, so that a report never shows the watermark's figure before producers stop.
+    percent = reading.used_bytes * 100 // reading.max_bytes
+    return (
+        f"used {used} of maxmemory {format_bytes(reading.max_bytes)} ({percent}%), "
+        f"headroom {format_bytes(headroom)}; policy {reading.policy}"
+    )
+
+
+def memory_notes(reading: MemoryReading) -> list[str]:
+    """What the reading means: producers refused, or a policy that may lose the queue."""
+    notes = []
+    if producers_refused(reading):
+        notes.append(
+            f"producers are refused (RedisFull) above {DEFAULT_HIGH_WATERMARK:.0%} of maxmemory; "
+            "workers keep draining"
+        )
+    if reading.max_bytes > 0 and reading.policy != "noeviction":
+        notes.append(
+            f"maxmemory-policy {reading.policy}: when full, Redis may evict queued requests or "
+            "replies without a word; set noeviction (docs/security.md)"
+        )
+    return notes
