@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -345,6 +346,13 @@ def test_compose_worker_config_serves_metrics_where_checks_and_scrapes_look(
     assert sd["port"] == config.metrics.port
 
 
+def test_compose_mounts_the_rule_file_where_prometheus_yml_loads_it() -> None:
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text(encoding="utf-8"))
+    volumes = _compose()["services"]["prometheus"]["volumes"]
+    mounts = dict(v.removesuffix(":ro").split(":") for v in volumes if v.startswith("./"))
+    assert prometheus["rule_files"] == [mounts["./deploy/prometheus-rules.yml"]]
+
+
 def test_compose_observability_mounts_files_that_exist() -> None:
     compose = _compose()
     services = compose["services"]
@@ -448,5 +456,135 @@ def test_dashboard_is_grafana_json_on_metrics_the_worker_exports() -> None:
         "redbatch_claims_total",
         "redbatch_lease_renewals_total",
         "redbatch_consumers_removed_total",
+        "redbatch_backlog_oldest_age_seconds",
+        "redbatch_redis_used_memory_bytes",
+        "redbatch_redis_maxmemory_bytes",
+        "redbatch_redis_memory_headroom_ratio",
     ):
         assert needed in used, needed
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus alerting rules
+
+RULES = ROOT / "deploy" / "prometheus-rules.yml"
+SEVERITIES = {"info", "warning", "critical"}
+
+
+def _rules() -> list[dict[str, Any]]:
+    data = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    assert set(data) == {"groups"}
+    rules = []
+    for group in data["groups"]:
+        assert group["name"]
+        assert group["rules"], group["name"]
+        rules += group["rules"]
+    return rules
+
+
+def test_alert_rules_are_complete_and_on_metrics_the_worker_exports() -> None:
+    rules = _rules()
+    alerts = [r["alert"] for r in rules]
+    assert len(alerts) == len(set(alerts))
+    exported = _exported_names()
+    used: set[str] = set()
+    for rule in rules:
+        name = rule["alert"]
+        assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, name
+        assert re.fullmatch(r"(\d+[smh])+", rule["for"]), name
+        assert rule["labels"]["severity"] in SEVERITIES, name
+        for key in ("summary", "description"):
+            assert len(rule["annotations"][key]) > 20, (name, key)
+        names = set(re.findall(r"\bredbatch_[a-z_]+", rule["expr"]))
+        assert names, name
+        assert names <= exported, (name, names - exported)
+        used |= names
+        # Several workers report the same Redis and streams: one alert per job, not per worker.
+        assert re.match(r"(max|min) by \(job\) \(", rule["expr"]), name
+
+    by_name = {r["alert"]: r for r in rules}
+    low = by_name["RedbatchRedisMemoryHeadroomLow"]
+    assert low["expr"].endswith("< 0.3")
+    assert low["labels"]["severity"] == "warning"
+    # Under 0.2 the producers' default high watermark (0.8 x maxmemory) refuses new work.
+    critical = by_name["RedbatchRedisMemoryHeadroomCritical"]
+    assert critical["expr"].endswith("< 0.2")
+    assert critical["labels"]["severity"] == "critical"
+    assert "RedisFull" in critical["annotations"]["description"]
+    assert {
+        "redbatch_redis_memory_headroom_ratio",
+        "redbatch_redis_maxmemory_bytes",
+        "redbatch_backlog_oldest_age_seconds",
+        "redbatch_dead_letters",
+    } <= used
+
+
+# Two workers on one Redis (job w) whose headroom is under 0.2 by the least of them, requests
+# that wait ever longer, a step in dead letters at 5 min; and a Redis with no maxmemory (job n,
+# NaN headroom), which must trip neither headroom alert.
+_SCENARIO = {
+    'redbatch_redis_memory_headroom_ratio{job="w",instance="a"}': "0.25x300",
+    'redbatch_redis_memory_headroom_ratio{job="w",instance="b"}': "0.15x300",
+    'redbatch_redis_memory_headroom_ratio{job="n",instance="c"}': "NaN+0x300",
+    'redbatch_redis_maxmemory_bytes{job="w",instance="a"}': "1e9+0x300",
+    'redbatch_redis_maxmemory_bytes{job="n",instance="c"}': "0x300",
+    'redbatch_backlog_oldest_age_seconds{job="w",instance="a"}': "0+15x300",
+    'redbatch_dead_letters{job="w",instance="a"}': "0x20 2x280",
+}
+_FIRING = {  # eval time: the (alertname, job) pairs firing then
+    "1m": set(),
+    "11m": {
+        ("RedbatchRedisMemoryHeadroomLow", "w"),
+        ("RedbatchRedisMemoryHeadroomCritical", "w"),
+        ("RedbatchBacklogOldestRequestOld", "w"),
+        ("RedbatchDeadLettersGrowing", "w"),
+    },
+    "70m": {  # the dead letters stopped growing; the unlimited Redis has been so for an hour
+        ("RedbatchRedisMemoryHeadroomLow", "w"),
+        ("RedbatchRedisMemoryHeadroomCritical", "w"),
+        ("RedbatchBacklogOldestRequestOld", "w"),
+        ("RedbatchRedisMaxmemoryUnset", "n"),
+    },
+}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_accepts_the_rules_and_they_fire_when_they_should(tmp_path: Path) -> None:
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(RULES)], capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    severity = {r["alert"]: r["labels"]["severity"] for r in _rules()}
+    cases = [
+        {
+            "expr": 'ALERTS{alertstate="firing"}',
+            "eval_time": at,
+            "exp_samples": [
+                {
+                    "labels": f'ALERTS{{alertname="{alert}",alertstate="firing",job="{job}",'
+                    f'severity="{severity[alert]}"}}',
+                    "value": 1,
+                }
+                for alert, job in sorted(firing)
+            ],
+        }
+        for at, firing in _FIRING.items()
+    ]
+    unit = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "15s",
+                "input_series": [{"series": k, "values": v} for k, v in _SCENARIO.items()],
+                "promql_expr_test": cases,
+            }
+        ],
+    }
+    path = tmp_path / "unit.yml"
+    path.write_text(yaml.safe_dump(unit, sort_keys=False), encoding="utf-8")
+    run = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
