@@ -80,28 +80,26 @@ def test_a_batch_run_while_redis_is_down_is_answered_when_it_returns(
 
 
 class _LosesFirstHeartbeat:
-    """A Redis stand-in whose SET NX lands but whose first heartbeat pipeline fails, as when
-    the connection drops just after the first write."""
+    """A Redis stand-in whose first write of the record (SET NX, in the heartbeat script) lands
+    but whose first renewal fails, as when the connection drops just after the first write."""
 
     def __init__(self) -> None:
         self.keys: dict[str, object] = {}
-        self.pipelines = 0
+        self.renewals = 0
 
-    def set(self, key: str, value: object, ex: int | None = None, nx: bool = False) -> bool | None:
-        if nx and key in self.keys:
-            return None
-        self.keys[key] = value
-        return True
+    def register_script(self, _source: str) -> Callable[..., int]:
+        return self._beat
 
-    def pipeline(self, transaction: bool = False) -> _LosesFirstHeartbeat:
-        self.pipelines += 1
-        return self
-
-    def sadd(self, *_args: object) -> None: ...
-
-    def execute(self) -> None:
-        if self.pipelines == 1:
-            raise redis.ConnectionError("connection reset while reading the reply")
+    def _beat(self, keys: list[str], args: list[object]) -> int:
+        key, only_new = keys[0], args[3] == "nx"
+        if only_new and key in self.keys:
+            return 0
+        if not only_new:
+            self.renewals += 1
+            if self.renewals == 1:
+                raise redis.ConnectionError("connection reset while reading the reply")
+        self.keys[key] = args[0]
+        return 1
 
 
 def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_worker() -> None:
@@ -116,4 +114,4 @@ def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_work
 
     assert free  # the retry found its own first write, which is not another worker's
     assert registry.published
-    assert client.pipelines == 2
+    assert client.renewals == 2
