@@ -1,8 +1,8 @@
 """Redis memory as producers and operators see it: readings, the high watermark, and the gate.
 
 Under ``maxmemory`` with ``noeviction`` a full Redis refuses every write that may grow memory.
-Workers finish requests with scripts flagged ``allow-oom`` (each frees at least what it writes),
-so they keep draining; producers must stop first, or nothing frees memory (contract section 4).
+Workers finish requests with scripts flagged ``allow-oom`` (each deletes the requests it
+answers), so they keep draining; producers must stop first, or nothing frees memory (contract section 4).
 A producer therefore refuses new work once ``used_memory`` reaches a high watermark, a fraction
 of ``maxmemory`` (``DEFAULT_HIGH_WATERMARK``), which leaves the workers' replies room.
 

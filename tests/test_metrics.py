@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 import time
@@ -15,7 +16,10 @@ import pytest
 from harness import running_worker, send, wait_reply, write_config
 from prometheus_client import CollectorRegistry, generate_latest
 
+from producer.memory import MemoryReading
+from worker.memalarm import MemoryAlarm
 from worker.metrics import Histogram, Metrics, MetricsServer
+from worker.stream import StreamStats
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -82,6 +86,40 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, 'redbatch_requests_total{code="POISONED"}') == 0
     assert _value(text, 'redbatch_redis_outages_total{during="writing replies"}') == 0
     assert _value(text, 'redbatch_claims_total{kind="reclaimed"}') == 0
+    # Redis memory and the backlog's age, sampled with the stream
+    assert _value(text, "redbatch_redis_used_memory_bytes") > 0
+    assert _value(text, "redbatch_redis_maxmemory_bytes") == 0
+    assert math.isnan(_value(text, "redbatch_redis_memory_headroom_ratio"))  # no limit set
+    assert 0 <= _value(text, "redbatch_backlog_oldest_age_seconds") < 60
+
+
+def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a worker's metrics and memory alarm fed by heartbeat samples
+    metrics, alarm = Metrics(), MemoryAlarm()
+
+    def sample(used: int, limit: int) -> str:
+        stats = StreamStats(
+            3, 1, 2, 0, oldest_ms=1_000, memory=MemoryReading(used, limit, "noeviction")
+        )
+        metrics.stream_seen(stats, now_ms=3_500)
+        alarm.seen(stats.memory)
+        return generate_latest(metrics.registry).decode()
+
+    # When Redis is at 60%, then past maxmemory twice, then back under
+    text = sample(600, 1000)
+    assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(0.4)
+    assert _value(text, "redbatch_backlog_oldest_age_seconds") == 2.5
+    text = sample(1200, 1000)
+    sample(1300, 1000)
+    assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(-0.2)
+    sample(900, 1000)
+    # Then one line said it passed maxmemory, and one that it came back
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.memalarm"]
+    assert len(lines) == 2
+    assert lines[0].startswith("Redis is past maxmemory")
+    assert lines[1].startswith("Redis is back under maxmemory")
 
 
 def test_healthz_fails_while_a_batch_hangs() -> None:

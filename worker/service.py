@@ -28,6 +28,7 @@ from worker.errors import Rejected, WorkerError
 from worker.execute import Outcome, run_batch
 from worker.intake import Intake, WorkItem
 from worker.leases import LeaseKeeper, Leases
+from worker.memalarm import MemoryAlarm
 from worker.metrics import Metrics
 from worker.model import OnnxModel, check_sha256, read_model_file
 from worker.reclaim import Reclaimer
@@ -147,11 +148,14 @@ class Worker:
         self.buffers = FeedBuffers(rows)  # main thread only: batches are assembled there
         self._running_since: float | None = None  # monotonic start of the run in progress
         self.served = {"requests": 0, "batches": 0}
+        self._memory_alarm = MemoryAlarm()
         self.metrics.describe(prepared.record)
 
     def _sample_stream(self) -> None:
-        """Heartbeat hook: the stream's state and Redis memory for metrics."""
-        self.metrics.stream_seen(self.stream.stats(), time.time() * 1000.0)
+        """Heartbeat hook: the stream's state and Redis memory, for metrics and the log."""
+        stats = self.stream.stats()
+        self.metrics.stream_seen(stats, time.time() * 1000.0)
+        self._memory_alarm.seen(stats.memory)
 
     def stuck(self) -> bool:
         """True while one batch has been running longer than ``delivery.max_run_s``."""

@@ -7,8 +7,9 @@ reply with its TTL unless a reply is already there (``RPUSH``; a second element 
 again, so a reply already there stands), copies dead letters (their first 64 fields plus
 ``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
 another consumer has claimed is left to that consumer, so a request never gets two different
-replies. Each run frees at least what it writes: a reply replaces its request, which is why it
-may write past ``maxmemory`` and a full Redis still drains (contract section 4).
+replies. Each run deletes the requests it answers, which is why it may write past
+``maxmemory``: a full Redis still drains (contract section 4). Their replies stay until read or
+expired, and may be larger than the requests were (docs/operations.md, "A full Redis").
 
 Replies go into the script as arguments. Redis takes a script's arguments in at about 1.3 ms
 per MiB (docs/design.md, "The finish step"): nothing for the replies of most models, and the
