@@ -4,9 +4,15 @@
 The scenarios live in tests/chaos/ and are the ones the fast tier (tests/test_faults.py) runs,
 here at full size: 10 SIGKILLs among 4 workers over 2,000+ requests, kills at each fault point,
 Redis killed and restarted with AOF always and everysec, CLIENT KILL every second, FLUSHALL
-mid-run, a crash pill, batches slower than claim_idle_ms, SIGTERM mid-batch, and 100,000 fuzzed
-requests (tests/fuzzing). Each scenario's oracle verdict and figures go into one
+mid-run, a crash pill, batches slower than claim_idle_ms, SIGTERM mid-batch, a Redis filled to
+maxmemory while the workers are stopped, producers at full speed against a small maxmemory, and
+100,000 fuzzed requests (tests/fuzzing). Each scenario's oracle verdict and figures go into one
 table; the exit status is 1 when any scenario failed.
+
+Run some scenarios alone with --only (keys from --list, by spaces or commas) and write their
+report elsewhere, so that docs/reliability.md stays the whole tier's:
+
+    --only stopped_workers_fill,full_speed_small_maxmemory --out /tmp/overload.md
 """
 
 from __future__ import annotations
@@ -118,6 +124,24 @@ def _steps(fuzz_n: int) -> list[Step]:
             "sigterm",
             "SIGTERM mid-batch, grace 20 s",
             lambda d, seed: chaos.sigterm_mid_batch(d, requests=256, seed=seed),
+        ),
+        Step(
+            "stopped_workers_fill",
+            "Redis with 16 MiB of room under maxmemory (noeviction) filled while 3 workers "
+            "are SIGSTOPped: 2 producers until RedisFull, raw XADDs until OOM; then a fresh "
+            "worker and the resumed ones drain it",
+            lambda d, seed: chaos.stopped_workers_fill(
+                d, workers=3, producers=2, maxmemory_mib=16, seed=seed
+            ),
+        ),
+        Step(
+            "full_speed_small_maxmemory",
+            "3 producers at full speed for 15 s against 8 MiB of room under maxmemory, "
+            "2 workers: 2 back off on RedisFull and resend, 1 waits (wait_for_backlog); all "
+            "read their replies",
+            lambda d, seed: chaos.full_speed_small_maxmemory(
+                d, duration_s=15.0, workers=2, refusing=2, waiting=1, maxmemory_mib=8, seed=seed
+            ),
         ),
     ]
     if fuzz_n:
@@ -319,6 +343,42 @@ acked yes; EXEC`, SIGKILL, cut the file a few bytes into that block, start (the 
 it should be; the file still ends in the open block), `SET later 1`, SIGKILL, start: `later` is
 gone too.
 
+## A full Redis: `maxmemory` with `noeviction`
+
+Two scenarios run against a Redis with a small `maxmemory` (set, once the workers are
+connected, to what Redis uses then plus the scenario's room) and `maxmemory-policy noeviction`,
+with requests sent through `producer.Client` (default `memory_high_watermark`, 0.8) and no
+malformed requests. They check that a full Redis never wedges the queue: producers are refused
+early with `RedisFull` and with nothing else (any other error fails the scenario: `other_errors`),
+and workers answer, acknowledge and delete (scripts flagged `allow-oom`) even past `maxmemory`.
+
+- `stopped_workers_fill`: the workers are SIGSTOPped; the producers `submit_many` until each is
+  refused (`refused_by`: at the watermark, or by Redis's own OOM); then raw XADDs, which no
+  watermark stops, fill the room the watermark left until Redis refuses one for memory
+  (`raw_xadds_past_watermark`), and a client with its watermark off must get `RedisFull` there
+  too. A fresh worker started on that Redis, past `maxmemory`, must become ready
+  (`fresh_ready_s`, its registry record) and serve (`answered_by_fresh`); the stopped workers are
+  then SIGCONTed. `drain_s` runs from the fresh worker's start to an empty stream with nothing
+  pending; the oracle then checks every accepted request. `peak_used_mib` is the largest
+  `used_memory` sampled every 20 ms through the fill and the drain, and `used_drained_mib` Redis
+  memory once drained: the replies, written past `maxmemory`, take more room than the requests
+  did, until their producers read them (`used_after_reading_mib`); the producers then submit
+  again. Duplicates are expected here: the first entries reached workers blocked in
+  `XREADGROUP` after they were stopped, so the fresh worker claims them after `claim_idle_ms`
+  and the resumed owner runs them too, its finish then writing nothing (at-least-once).
+- `full_speed_small_maxmemory`: the producers outrun the workers and reach the watermark again
+  and again (`refused_calls`, per producer in `refused_by_producer`); one that is refused backs
+  off 50 ms and sends the same rows again as new requests, one with `wait_for_backlog=True`
+  waits inside `submit_many` (`longest_waiting_submit_s`). Each producer reads its replies as it
+  goes (a reader thread calling `wait_many`), as a real user would: replies nobody reads hold
+  memory for `reply_ttl_s` (the workers keep the default, 3600 s). The oracle here is what the
+  producers read: every accepted request read exactly once with the right output, no reply list
+  left in Redis afterwards (a second reply), an empty stream and nothing pending. `drain_s` runs
+  from the producers' stop to an empty stream; `peak_used_mib` is the largest `used_memory`
+  sampled every 20 ms, against `maxmemory_mib`.
+
+The fast tier runs both at small sizes in CI: `.venv/bin/python -m pytest tests/test_overload.py`.
+
 ## Fault points and what cannot be interrupted
 
 The worker's reply, acknowledgement and deletion are one Lua script, so "after the reply,
@@ -335,7 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=1, help="seed for load, kills and faults")
     parser.add_argument(
-        "--only", nargs="*", default=None, metavar="KEY", help="run only these scenarios"
+        "--only",
+        nargs="*",
+        default=None,
+        metavar="KEY",
+        help="run only these scenarios (keys from --list, by spaces or commas)",
     )
     parser.add_argument(
         "--fuzz", type=int, default=100_000, help="fuzzed requests (0: skip; default 100000)"
@@ -352,9 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = _steps(args.fuzz)
     if args.list:
         for step in steps:
-            print(f"{step.key:16} {step.title}")
+            print(f"{step.key:28} {step.title}")
         return 0
     if args.only:
+        args.only = [key for arg in args.only for key in arg.split(",") if key]
         unknown = set(args.only) - {s.key for s in steps}
         if unknown:
             parser.error(f"unknown scenario(s) {sorted(unknown)}; see --list")

@@ -18,7 +18,8 @@ and the worker knows nothing about it. Expected outputs come from a direct onnxr
 The package, one module a job: ``common`` (names, fault points, the polling wait), ``model``
 (the ONNX model), ``workload`` (requests and their expected answers), ``processes`` (worker
 subprocesses and the restarting pool), ``load`` (the load driver), ``oracle`` (state and
-verdict), ``run`` (one scenario's world), ``worker_scenarios`` and ``redis_scenarios``.
+verdict), ``run`` (one scenario's world), ``worker_scenarios``, ``redis_scenarios`` and
+``overload_scenarios`` (a Redis at ``maxmemory``: producers refused, workers draining).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .common import (
 )
 from .model import build_model, slow_depth
 from .oracle import Result, describe
+from .overload_scenarios import full_speed_small_maxmemory, stopped_workers_fill
 from .processes import Pool, Settings, WorkerProcess, write_config
 from .redis_scenarios import client_kills, flushall, redis_restart
 from .run import Run
@@ -74,12 +76,14 @@ __all__ = [
     "describe",
     "fault_storm",
     "flushall",
+    "full_speed_small_maxmemory",
     "phase_kills",
     "random_kills",
     "redis_restart",
     "sigterm_mid_batch",
     "slow_batch",
     "slow_depth",
+    "stopped_workers_fill",
     "wait_for",
     "write_config",
 ]
@@ -94,4 +98,6 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "crash_pill": crash_pill,
     "slow_batch": slow_batch,
     "sigterm_mid_batch": sigterm_mid_batch,
+    "stopped_workers_fill": stopped_workers_fill,
+    "full_speed_small_maxmemory": full_speed_small_maxmemory,
 }
