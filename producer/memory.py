@@ -2,9 +2,10 @@
 
 Under ``maxmemory`` with ``noeviction`` a full Redis refuses every write that may grow memory.
 Workers finish requests with scripts flagged ``allow-oom`` (each deletes the requests it
-answers), so they keep draining; producers must stop first, or nothing frees memory (contract section 4).
-A producer therefore refuses new work once ``used_memory`` reaches a high watermark, a fraction
-of ``maxmemory`` (``DEFAULT_HIGH_WATERMARK``), which leaves the workers' replies room.
+answers), so they keep draining; producers must stop first, or nothing frees memory (contract
+section 4). A producer therefore refuses new work once ``used_memory`` reaches a high
+watermark, a fraction of ``maxmemory`` (``DEFAULT_HIGH_WATERMARK``), which leaves the workers'
+replies room.
 
 Pure logic, no I/O: the shells send ``INFO memory`` when ``MemoryWatch.stale`` says so (at most
 once per ``MAX_AGE_S``, sooner when the client has sent a quarter of the headroom since the last
