@@ -19,6 +19,7 @@ __all__ = [
     "is_valid_rid",
     "reply_key",
     "request_stream",
+    "staging_key",
     "worker_key",
     "workers_key",
 ]
@@ -99,3 +100,11 @@ def worker_key(prefix: str, model: str, name: str) -> str:
     if not is_valid_name(name):
         raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
     return f"{prefix}:{{{model}}}:worker:{name}"
+
+
+def staging_key(prefix: str, model: str, name: str, serial: str) -> str:
+    """``P:{M}:staging:NAME:SERIAL``, a reply of worker NAME on its way to its reply key."""
+    _check_model(model)
+    if not is_valid_name(name):
+        raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
+    return f"{prefix}:{{{model}}}:staging:{name}:{serial}"

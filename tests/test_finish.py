@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from worker.stream import Finish, RequestStream
+from worker import stream as stream_module
+from worker.stream import INLINE_MAX_BYTES, Finish, RequestStream
 
 STREAM = "redbatch:{demo}:requests"
 DEAD = "redbatch:{demo}:dead"
@@ -34,6 +35,9 @@ def _stream(rconn: redis.Redis, consumer: str = "me") -> RequestStream:
 
 def _reply(rid: str, entry_id: bytes, payload: bytes | None = None, **kw) -> Finish:
     return Finish(entry_id, rid, payload if payload is not None else rid.encode(), **kw)
+
+
+BIG = b"x" * INLINE_MAX_BYTES  # a reply long enough to be staged before the script
 
 
 def _keys(rconn: redis.Redis) -> set[bytes]:
@@ -77,18 +81,22 @@ def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
     assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(4)}
 
 
-def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(rconn) -> None:
+@pytest.mark.parametrize("payload", [None, BIG], ids=["in-the-script", "staged"])
+def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(
+    rconn, payload: bytes | None
+) -> None:
     # Given a reply already written for r0 (a redelivery) and a string under r1's reply key
     stream = _stream(rconn)
     ids = _read(rconn, "me", 3)
     rconn.rpush("redbatch:reply:r0", b"first")
     rconn.set("redbatch:reply:r1", b"not a list")
     # When the three are finished
-    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 3
+    assert stream.finish([_reply(f"r{i}", eid, payload) for i, eid in enumerate(ids)]) == 3
     # Then the first reply and the string stand, the third is written, and all are acked
     assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"first"]
     assert rconn.get("redbatch:reply:r1") == b"not a list"
-    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
+    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [payload or b"r2"]
+    assert _keys(rconn) == {b"redbatch:reply:r0", b"redbatch:reply:r1", b"redbatch:reply:r2"}
     assert rconn.ttl("redbatch:reply:r0") == -1  # its TTL untouched too
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
 
@@ -128,6 +136,43 @@ def test_dead_letters_are_copied_with_their_reason_and_answered_when_asked(rconn
     assert rconn.xlen(STREAM) == 0
 
 
+def test_a_staged_reply_that_is_gone_is_written_inside_the_script(rconn, monkeypatch) -> None:
+    # Given two entries with long replies, and a Redis that loses the first staged reply before
+    # the script runs (as a full Redis refusing the push, or eviction, would)
+    stream = _stream(rconn)
+    ids = _read(rconn, "me", 2)
+    real_stage = stream_module._stage
+    calls = []
+
+    def stage_first_elsewhere(packer, key: bytes, reply: bytes, ttl: bytes) -> None:
+        calls.append(key)
+        real_stage(packer, key + (b"-lost" if len(calls) == 1 else b""), reply, ttl)
+
+    monkeypatch.setattr(stream_module, "_stage", stage_first_elsewhere)
+    # When both are finished
+    assert stream.finish([_reply(f"r{i}", eid, BIG + b"%d" % i) for i, eid in enumerate(ids)]) == 2
+    # Then both are answered, the first through the script itself, and nothing is pending
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [BIG + b"0"]
+    assert rconn.lrange("redbatch:reply:r1", 0, -1) == [BIG + b"1"]
+    assert rconn.ttl("redbatch:reply:r0") > 0
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+
+
+def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None:
+    # Given a staged reply left by a worker "me" that died between staging and its script
+    first = _stream(rconn)
+    ids = _read(rconn, "me", 1)
+    leftover = first._staging + b".0"
+    assert leftover.startswith(b"redbatch:{demo}:staging:me:")
+    rconn.rpush(leftover, b"an old reply")
+    # When the worker, restarted under the same name, finishes a request with a long reply
+    again = _stream(rconn)
+    assert again.finish([_reply("r0", ids[0], BIG)]) == 1
+    # Then its reply is its own alone, and the leftover is untouched (its TTL ends it)
+    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [BIG]
+    assert rconn.lrange(leftover, 0, -1) == [b"an old reply"]
+
+
 def test_a_script_redis_lost_is_loaded_again_and_run(rconn) -> None:
     # Given a worker that ran the script once, then a Redis that forgot it (restart, flush)
     stream = _stream(rconn)
@@ -135,19 +180,21 @@ def test_a_script_redis_lost_is_loaded_again_and_run(rconn) -> None:
     assert stream.finish([_reply("r0", first[0])]) == 1
     rconn.script_flush()
     ids = _read(rconn, "me", 3)
-    # When it finishes the next batch
-    assert stream.finish([_reply(f"r{i + 1}", eid) for i, eid in enumerate(ids)]) == 3
-    # Then every reply is written once and nothing is left pending
+    # When it finishes the next batch, one reply staged
+    items = [_reply(f"r{i + 1}", eid, BIG if i == 0 else None) for i, eid in enumerate(ids)]
+    assert stream.finish(items) == 3
+    # Then every reply is written once and nothing is left pending or staged
     assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(4)] == [1, 1, 1, 1]
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
+    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(4)}
 
 
 def test_a_full_redis_still_finishes_a_batch_and_frees_its_requests(rconn) -> None:
-    # Given entries read by this consumer and a dead letter among them, on a Redis past its
-    # memory limit under noeviction: a plain write is refused there
+    # Given entries read by this consumer, a long reply and a dead letter among them, on a
+    # Redis past its memory limit under noeviction: a plain write (a staged reply) is refused
     stream = _stream(rconn)
     ids = _read(rconn, "me", 3)
-    items = [_reply(f"r{i}", eid) for i, eid in enumerate(ids[:2])]
+    items = [_reply("r0", ids[0]), _reply("r1", ids[1], BIG)]
     items.append(Finish(ids[2], "r2", b"poisoned", dead_reason="delivered 3 times"))
     rconn.config_set("maxmemory-policy", "noeviction")
     rconn.config_set("maxmemory", 1)
@@ -161,9 +208,10 @@ def test_a_full_redis_still_finishes_a_batch_and_frees_its_requests(rconn) -> No
     # Then every reply is written with its TTL, the dead letter copied, and the stream emptied
     assert [rconn.lrange(f"redbatch:reply:r{i}", 0, -1) for i in range(3)] == [
         [b"r0"],
-        [b"r1"],
+        [BIG],
         [b"poisoned"],
     ]
+    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(3)}
     assert all(rconn.ttl(f"redbatch:reply:r{i}") > 0 for i in range(3))
     assert rconn.xlen(DEAD) == 1
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
@@ -205,8 +253,8 @@ def test_a_group_gone_finishes_nothing_and_writes_no_reply(rconn) -> None:
     stream = _stream(rconn)
     ids = _read(rconn, "me", 2)
     rconn.flushall()
-    # When they are finished, none is, and no reply is written
-    assert stream.finish([_reply(f"r{i}", eid) for i, eid in enumerate(ids)]) == 0
+    # When they are finished, none is, and no reply is written or left staged
+    assert stream.finish([_reply(f"r{i}", eid, BIG) for i, eid in enumerate(ids)]) == 0
     assert set(rconn.scan_iter()) == set()
 
 

@@ -194,7 +194,7 @@ STAGING_WORKER_RULES = (
     "(~redbatch:{*}:staging:* %W~redbatch:reply:* +renamenx) (%R~redbatch:cancel:* +mget) "
     "(~redbatch:{*}:workers +sadd +srem) (%W~redbatch:{*}:worker:* +set +del) "
     "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:{*}:staging:* ~redbatch:reply:* "
-    "~redbatch:{*}:workers ~redbatch:{*}:worker:* +evalsha +eval)"
+    "+evalsha +eval)"
 )
 
 
@@ -206,47 +206,65 @@ def _doc_worker_rules_without(selector: str) -> str:
     return rules.replace(f" {selector}", "")
 
 
-@pytest.mark.parametrize(
-    ("rules", "refused"),
-    [
-        # The script runs and its RPUSH is refused (Redis 7.0 words that as a plain ERR)
-        pytest.param(STAGING_WORKER_RULES, "RPUSH", id="staging-rules"),
-        pytest.param(
-            _doc_worker_rules_without("(%W~redbatch:reply:* +rpush +expire +ltrim)"),
-            "RPUSH",
-            id="without-reply-selector",
-        ),
-    ],
-)
-def test_a_worker_missing_a_finish_rule_stops_and_leaves_its_batch_pending(
-    tmp_path: Path, server: LocalRedis, admin: redis.Redis, rules: str, refused: str
-) -> None:
-    # Given a worker user with the rules of the release that staged replies, or the doc's
-    # rules less the one that lets the finish script write a reply
+def _old_worker(tmp_path: Path, server: LocalRedis, admin: redis.Redis, rules: str) -> Worker:
+    """A worker whose user has ``rules`` (an ``ACL SETUSER`` rule string)."""
     admin.execute_command("ACL", "SETUSER", "old-worker", "reset", *rules.split(" "))
     (tmp_path / "old").mkdir()
     old = write_config(tmp_path / "old", MODEL, server.url_for("old-worker", "old-worker"))
     prepared = prepare(load_config(old), "w-old")
-    client = redis.Redis.from_url(load_config(old).redis.url)
-    worker = Worker(prepared, client)
-    rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
-    try:
-        # When it serves a request, it stops at the finish step, naming the refusal
-        with pytest.raises(WorkerError) as stopped:
-            worker.run()
-        refusal = stopped.value.__cause__
-        assert isinstance(refusal, redis.ResponseError)
-        assert refused in f"{type(refusal).__name__}: {refusal}"
-        # Then the request is unanswered and still pending, for a worker with the new rules
-        assert not admin.exists(reply_key("redbatch", rid))
-        assert admin.xpending(STREAM, "workers")["pending"] == 1
-    finally:
-        client.close()
+    return Worker(prepared, redis.Redis.from_url(load_config(old).redis.url))
+
+
+def _answered_by_a_worker_with_the_rules(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis, rid: str
+) -> None:
     new = write_config(tmp_path, MODEL, url(server, "worker"), extra=RECLAIM_SOON)
     with running_worker(new, name="w-new"):
         reply = wait_reply(admin, rid)
     assert reply.ok
     assert reply.worker == "w-new"
+
+
+def test_a_worker_missing_the_reply_rule_stops_and_leaves_its_batch_pending(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    # Given a worker user with the doc's rules less the one that lets the finish script write
+    # a reply
+    rules = _doc_worker_rules_without("(%W~redbatch:reply:* +rpush +expire +ltrim)")
+    worker = _old_worker(tmp_path, server, admin, rules)
+    rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
+    try:
+        # When it serves a request, it stops at the finish step, naming the refusal (Redis 7.0
+        # words a refusal inside a script as a plain ERR)
+        with pytest.raises(WorkerError) as stopped:
+            worker.run()
+        refusal = stopped.value.__cause__
+        assert isinstance(refusal, redis.ResponseError)
+        assert "RPUSH" in str(refusal)
+        # Then the request is unanswered and still pending, for a worker with the new rules
+        assert not admin.exists(reply_key("redbatch", rid))
+        assert admin.xpending(STREAM, "workers")["pending"] == 1
+    finally:
+        worker.stream.client.close()
+    _answered_by_a_worker_with_the_rules(tmp_path, server, admin, rid)
+
+
+def test_a_worker_with_the_previous_release_rules_stops_at_start(
+    tmp_path: Path, server: LocalRedis, admin: redis.Redis
+) -> None:
+    # Given a worker user with the rules of the release before the heartbeat became a script
+    worker = _old_worker(tmp_path, server, admin, STAGING_WORKER_RULES)
+    rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
+    try:
+        # When it starts, it stops before reading, naming the refused script
+        with pytest.raises(WorkerError, match="refused the worker record's script") as stopped:
+            worker.run()
+        assert isinstance(stopped.value.__cause__, redis.exceptions.NoPermissionError)
+        # Then the request waits, unread, for a worker with the new rules
+        assert admin.xpending(STREAM, "workers")["pending"] == 0
+    finally:
+        worker.stream.client.close()
+    _answered_by_a_worker_with_the_rules(tmp_path, server, admin, rid)
 
 
 def test_worker_user_may_run_the_reclaim_commands(
@@ -307,7 +325,8 @@ WORKER_REFUSED = [
     ("CONFIG", "SET", "maxmemory-policy", "allkeys-lru"),
     ("XADD", "redbatch:other", "*", "a", "b"),
     ("LRANGE", REPLY, "0", "-1"),  # reading a reply
-    ("RENAMENX", REPLY, "redbatch:{demo}:requests"),  # moving a reply away
+    ("RENAMENX", REPLY, "redbatch:{demo}:staging:w:t.0"),  # moving a reply away
+    ("LRANGE", "redbatch:{demo}:staging:w:t.0", "0", "-1"),  # reading a staged reply
 ]
 
 

@@ -27,6 +27,7 @@ import redis
 from producer.keys import worker_key, workers_key
 from producer.retry import describe_redis_error
 from worker.config import WorkerConfig
+from worker.errors import WorkerError
 from worker.model import ModelFile, OnnxModel
 from worker.schema import Schema
 
@@ -200,7 +201,14 @@ class Registry(threading.Thread):
         Returns whether the record was written."""
         payload, ttl_s = self._payload()
         args = [payload, ttl_s, self.record["name"], "nx" if only_new else ""]
-        return self._beat_script(keys=[self.key, self.set_key], args=args) == 1
+        try:
+            return self._beat_script(keys=[self.key, self.set_key], args=args) == 1
+        except redis.exceptions.NoPermissionError as exc:
+            raise WorkerError(
+                f"Redis refused the worker record's script ({exc}): the worker's ACL user "
+                f"needs {self.key.rsplit(':', 1)[0]}:* and {self.set_key} in its EVALSHA "
+                "selector (docs/security.md, 'Upgrading')"
+            ) from exc
 
     def run(self) -> None:
         try:
@@ -222,7 +230,7 @@ class Registry(threading.Thread):
             if self._down:
                 self._down = False
                 log.warning("heartbeat reached Redis again")
-        except redis.RedisError as exc:  # the record only informs: never stop serving for it
+        except (redis.RedisError, WorkerError) as exc:  # it only informs: never stop serving
             if not self._down:
                 self._down = True
                 log.warning(

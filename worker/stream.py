@@ -3,23 +3,30 @@
 The finish step is one round trip per batch: one Lua script, atomic, fenced, and flagged
 ``allow-oom`` so that it runs on a full Redis (``maxmemory`` with ``noeviction``). It takes the
 entries still pending on this consumer (one ``XPENDING`` over the batch's id range), writes each
-reply with its TTL unless a reply is already there (``RPUSH``; a second element is trimmed off
-again, so a reply already there stands), copies dead letters (their first 64 fields plus
-``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
+reply with its TTL unless a reply is already there, copies dead letters (their first 64 fields
+plus ``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
 another consumer has claimed is left to that consumer, so a request never gets two different
 replies. Each run deletes the requests it answers, which is why it may write past
 ``maxmemory``: a full Redis still drains (contract section 4). Their replies stay until read or
 expired, and may be larger than the requests were (docs/operations.md, "A full Redis").
 
-Replies go into the script as arguments. Redis takes a script's arguments in at about 1.3 ms
-per MiB (docs/design.md, "The finish step"): nothing for the replies of most models, and the
-price of writing on a full Redis for large ones; a plain ``RPUSH`` staged first would be
-refused there, and the queue would wedge. (On Redis 8.2, XACKDEL could replace XACK + XDEL.)
+How a reply reaches its key depends on its size. Redis takes a script's arguments into Lua at
+about 1.3 us per KiB, on the one thread every worker shares (docs/design.md, "The finish step on
+a full Redis"). A small reply goes into the script itself (``RPUSH``, and ``LTRIM`` of ours when
+a reply stood). A larger one is first pushed, with its TTL, to a staging key of its own
+(``P:{M}:staging:NAME:TOKEN.N``, the token random per process) in the same round trip, and the
+script moves it onto its reply key with ``RENAMENX``. On a full Redis that plain push is refused
+(``OOM``); the script then reports the reply missing and leaves its entry pending, and the same
+call runs the script again at once with that reply inside it. A staging key whose script never
+ran (a dropped connection) expires with the reply's TTL. (On Redis 8.2, XACKDEL could replace
+XACK + XDEL.)
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +40,10 @@ from producer.keys import (
     dead_key,
     reply_key,
     request_stream,
+    staging_key,
 )
 from producer.memory import MemoryReading, parse_info_memory
+from producer.retry import is_oom
 from worker.errors import WorkerError
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
@@ -54,15 +63,45 @@ local function pending(from, to, count)
   end
   return page, nil
 end
+-- A reply inside the script. One already there (or a key of another type) stands: ours is
+-- trimmed off again. Write-only commands, so the worker's ACL user never reads a reply.
+local function push(reply, data, ttl)
+  local length = redis.pcall('RPUSH', reply, data)
+  if type(length) == 'table' and length.err then
+    if string.sub(length.err, 1, 9) ~= 'WRONGTYPE' then
+      return redis.error_reply(length.err .. ' (the finish script, at RPUSH ' .. reply .. ')')
+    end
+  elseif length == 1 then
+    redis.call('EXPIRE', reply, ttl)
+  else
+    redis.call('LTRIM', reply, 0, -2)
+  end
+  return true
+end
+-- A staged reply: moved unless one is there. Returns false when the staged reply is gone
+-- (refused for memory, or evicted): the entry then stays pending and is answered again.
+local function move(staged, reply)
+  local moved = redis.pcall('RENAMENX', staged, reply)
+  if type(moved) == 'table' and moved.err then
+    if string.find(moved.err, 'no such key', 1, true) then return false end
+    return redis.error_reply(moved.err .. ' (the finish script, at RENAMENX ' .. staged
+      .. ' ' .. reply .. ')')
+  elseif moved == 0 then
+    redis.call('DEL', staged)
+  end
+  return true
+end
 local page, failed = pending(lo, hi, span)
 if failed then return failed end
 local mine = {}
 for _, p in ipairs(page) do mine[p[1]] = true end
 local acked = {}
-local flags = {}  -- per entry, in order: '1' finished here, '0' not this consumer's to finish
+-- per entry, in order: '1' finished here, '0' not this consumer's to finish, '2' this
+-- consumer's, but its staged reply is gone: send it again inside the script
+local flags = {}
 for i = 0, n - 1 do
-  local base = 7 + i * 5
-  local id, ri, reason = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2]
+  local base = 7 + i * 6
+  local id, ki, reason, how = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3]
   local ours = mine[id]
   if ours == nil and #page >= span then  -- a full page may have cut it off: ask for it alone
     local one
@@ -71,20 +110,16 @@ for i = 0, n - 1 do
     ours = one[1] ~= nil
   end
   mine[id] = false  -- an id twice in one batch is finished once
-  if ours and ri > 0 then
-    -- A reply already there (or a key of another type) stands: ours is trimmed off again.
-    -- Write-only commands, so the worker's ACL user never reads a reply.
-    local reply = KEYS[2 + ri]
-    local length = redis.pcall('RPUSH', reply, ARGV[base + 4])
-    if type(length) == 'table' and length.err then
-      if string.sub(length.err, 1, 9) ~= 'WRONGTYPE' then
-        return redis.error_reply(length.err .. ' (the finish script, at RPUSH ' .. reply .. ')')
-      end
-    elseif length == 1 then
-      redis.call('EXPIRE', reply, ARGV[base + 3])
-    else
-      redis.call('LTRIM', reply, 0, -2)
-    end
+  local flag = ours and '1' or '0'
+  if how == 's' and not ours then
+    redis.call('DEL', KEYS[ki])
+  elseif how == 's' then
+    local done = move(KEYS[ki], KEYS[ki + 1])
+    if type(done) == 'table' then return done end
+    if not done then ours, flag = false, '2' end
+  elseif how == 'i' and ours then
+    local done = push(KEYS[ki], ARGV[base + 5], ARGV[base + 4])
+    if type(done) == 'table' then return done end
   end
   if ours then
     if reason ~= '' then
@@ -105,7 +140,7 @@ for i = 0, n - 1 do
     end
     acked[#acked + 1] = id
   end
-  flags[i + 1] = ours and '1' or '0'
+  flags[i + 1] = flag
 end
 for first = 1, #acked, 1000 do
   local last = math.min(first + 999, #acked)
@@ -114,6 +149,11 @@ for first = 1, #acked, 1000 do
 end
 return table.concat(flags)
 """
+
+#: Replies this long or longer are staged with a plain RPUSH (cheap for Redis) rather than
+#: handed to the script (about 1.3 us per KiB of Redis's thread); shorter ones cost the worker
+#: less inside the script than as two more commands.
+INLINE_MAX_BYTES = 1024
 
 # XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
 # even when the group exists (BUSYGROUP comes after the memory check): a worker started on a
@@ -129,6 +169,8 @@ return 1
 
 
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
+# The script's flag per entry: finished here, not ours, ours but its staged reply was gone.
+_FLAGS: dict[int, bool | None] = {ord("1"): True, ord("0"): False, ord("2"): None}
 
 
 def _memory(info: Any) -> MemoryReading | None:
@@ -139,6 +181,24 @@ def _memory(info: Any) -> MemoryReading | None:
         return parse_info_memory(info)
     except ValueError:
         return None
+
+
+def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl: bytes) -> None:
+    """``RPUSH key reply`` and ``EXPIRE key ttl``; a small reply is packed with one format (a
+    third of the Python time of packing the two commands apart), a large one is not copied."""
+    if len(reply) < resp.BIG:
+        packer.add_packed(
+            _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl), 2
+        )
+    else:
+        packer.add(b"RPUSH", key, reply)
+        packer.add(b"EXPIRE", key, ttl)
+
+
+_STAGE = (
+    b"*3\r\n$5\r\nRPUSH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+    b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+)
 
 
 def _id_order(entry_id: bytes) -> tuple[int, int]:
@@ -237,6 +297,11 @@ class RequestStream:
         self.model = model
         self._finish = client.register_script(_FINISH_LUA)
         self._ensure_group = client.register_script(_ENSURE_GROUP_LUA)
+        # Unique to this process: a worker restarted under the same name must never push onto a
+        # staging key its previous life left behind.
+        token = uuid.uuid4().hex[:12]
+        self._staging = staging_key(prefix, model, consumer, token).encode()
+        self._serial = itertools.count()
         # Key prefixes for rids that intake has checked already (keys.reply_key would again).
         self._reply = reply_key(prefix, "R")[:-1].encode()
         self._cancel = cancel_key(prefix, "R")[:-1].encode()
@@ -354,48 +419,72 @@ class RequestStream:
         return sum(self.finish_each(items))
 
     def finish_each(self, items: Sequence[Finish]) -> list[bool]:
-        """Reply, dead-letter, ack and delete in one script: one round trip. Returns, per item,
-        whether it was finished here; the others were not this consumer's to finish (claimed
-        by another, flushed), so their replies were not written and must not be counted as
-        served."""
+        """Reply, dead-letter, ack and delete in one script: one round trip (two when Redis is
+        full and refused a staged reply). Returns, per item, whether it was finished here; the
+        others were not this consumer's to finish (claimed by another, flushed), so their
+        replies were not written and must not be counted as served."""
         if not items:
             return []
+        done = self._finish_once(items, stage=True)
+        again = [i for i, flag in enumerate(done) if flag is None]
+        if again:  # staged replies refused for memory (or evicted): inside the script this time
+            log.debug("%d staged replies were gone; writing them inside the script", len(again))
+            for i, flag in zip(again, self._finish_once([items[i] for i in again]), strict=True):
+                done[i] = bool(flag)
+        finished = [bool(flag) for flag in done]
+        if not all(finished):
+            log.warning(
+                "%d of %d entries were no longer pending on %s (claimed by another worker, "
+                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
+                "try wrote no reply for them",
+                len(items) - sum(finished),
+                len(items),
+                self.consumer,
+            )
+        return finished
+
+    def _finish_once(self, items: Sequence[Finish], *, stage: bool = False) -> list[bool | None]:
+        """One run of the finish script; per item True (finished), False (not ours) or None
+        (its staged reply was gone). With ``stage``, long replies are staged first."""
         stream, dead, group, me = self._head
         orders = [_id_order(item.entry_id) for item in items]
         keys = [stream, dead]
         args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
         args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
+        staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
         for item in items:
+            how, index, ttl, data = b"", b"0", b"%d" % item.reply_ttl_s, b""
             if item.reply is not None and item.rid is not None:
+                index = b"%d" % (len(keys) + 1)  # a Lua index: KEYS[1] is keys[0]
+                if stage and len(item.reply) >= INLINE_MAX_BYTES:
+                    staged = b"%s.%d" % (self._staging, next(self._serial))
+                    _stage(staging, staged, item.reply, ttl)
+                    how = b"s"
+                    keys.append(staged)
+                else:
+                    how, data = b"i", item.reply
                 keys.append(self._reply + item.rid.encode())
-                index, ttl, reply = len(keys) - 2, b"%d" % item.reply_ttl_s, item.reply
-            else:
-                index, ttl, reply = 0, b"0", b""
-            args += [item.entry_id, b"%d" % index, (item.dead_reason or "").encode(), ttl, reply]
-        flags = self._run_finish(keys, args)
-        done = [flag == ord("1") for flag in flags]
-        if len(done) != len(items):
+            args += [item.entry_id, index, (item.dead_reason or "").encode(), how, ttl, data]
+        flags = self._run_finish(staging, keys, args)
+        if len(flags) != len(items):
             raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
-        if not all(done):
-            log.warning(
-                "%d of %d entries were no longer pending on %s (claimed by another worker, "
-                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
-                "try wrote no reply for them",
-                len(items) - sum(done),
-                len(items),
-                self.consumer,
-            )
-        return done
+        return [_FLAGS[flag] for flag in flags]
 
-    def _run_finish(self, keys: list[bytes], args: list[bytes]) -> bytes:
-        """Run the finish script by EVALSHA (redis-py's script helper would add a round trip
-        per batch to check that it is loaded); when Redis lost it (a restart, SCRIPT FLUSH) it
-        is loaded and run again. Raises what failed."""
-        packer = resp.Packer()
-        packer.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
-        [result] = resp.round_trip(self.client, packer)
+    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
+        """Send the staging commands and the script in one round trip; raise what failed.
+
+        The script goes by EVALSHA behind the staging commands (redis-py's script helper would
+        add a round trip per batch to check that it is loaded); when Redis lost it (a restart,
+        SCRIPT FLUSH) it is loaded and run again on the replies already staged. A staging push
+        refused for memory is no error: the script reports its reply missing. Any other failed
+        staging command is raised after the script ran: the entries it held back stay pending,
+        and the writer's retry finishes them.
+        """
+        staging.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
+        *staged, result = resp.round_trip(self.client, staging)
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
             raise result
+        resp.raise_first_error([reply for reply in staged if not is_oom(reply)])
         return result.encode() if isinstance(result, str) else bytes(result)
