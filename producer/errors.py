@@ -24,6 +24,8 @@ Every error has one root, so callers can catch ``RedbatchError`` and nothing els
 
 from __future__ import annotations
 
+from producer.units import format_bytes
+
 __all__ = [
     "ERROR_CODES",
     "BacklogFull",
@@ -92,10 +94,6 @@ class BacklogFull(RedbatchError):
         self.max_backlog = max_backlog
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
-
-
 class RedisFull(RedbatchError):
     """Raised by submit when Redis memory is at the producers' high watermark of ``maxmemory``,
     or when Redis refused a write for memory (``OOM``); nothing was sent."""
@@ -132,7 +130,10 @@ class RedisFull(RedbatchError):
     def _message(self) -> str:
         used, limit = self.used_bytes, self.max_bytes
         if used is not None and limit:
-            how_full = f"used_memory {_mib(used)} is {used / limit:.0%} of maxmemory {_mib(limit)}"
+            how_full = (
+                f"used_memory {format_bytes(used)} is {used / limit:.0%} of maxmemory "
+                f"{format_bytes(limit)}"
+            )
         else:
             how_full = "it is at maxmemory"
         if self.refused is not None:
@@ -146,12 +147,14 @@ class RedisFull(RedbatchError):
                 f"Redis at {self.where} is full: {how_full}, at or above the producers' high "
                 f"watermark of {mark}."
             )
-        advice = (
-            "The call's timeout_s ran out while it waited for room; the request was not sent."
-            if self.waited
-            else "The request was not sent; workers keep draining the backlog. Retry later, or "
-            "submit with wait_for_backlog=True to wait for room."
-        )
+        if self.waited:
+            advice = "The call's timeout_s ran out while it waited for room; nothing was sent."
+        else:
+            what = "Nothing was written" if self.refused is not None else "The request was not sent"
+            advice = (
+                f"{what}; workers keep draining the backlog. Retry later, or submit with "
+                "wait_for_backlog=True to wait for room."
+            )
         return (
             f"{head} {advice} Add workers, read or shorten replies (reply_ttl_s), or raise "
             "maxmemory (docs/operations.md, 'A full Redis')."

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from producer.memory import DEFAULT_HIGH_WATERMARK, MemoryReading, MemoryWatch
+from producer.units import format_bytes
 
 __all__ = [
     "INFO_REFUSED",
     "ago",
     "ago_or_dash",
     "duration",
-    "format_bytes",
     "memory_notes",
     "memory_summary",
     "printable",
@@ -85,18 +85,6 @@ def ago_or_dash(seconds: float | None) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Redis memory
-
-
-def format_bytes(nbytes: float) -> str:
-    """A size for people, in binary units: ``512 B``, ``3.4 KiB``, ``9.7 MiB``, ``1.5 GiB``."""
-    sign, size = ("-" if nbytes < 0 else ""), abs(nbytes)
-    if size < 1024:
-        return f"{sign}{size:.0f} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024 or unit == "GiB":
-            break
-    return f"{sign}{size:.1f} {unit}"
 
 
 def producers_refused(reading: MemoryReading) -> bool:

@@ -16,7 +16,8 @@ import redis
 from producer import keys, watch
 from producer.cli import main
 from producer.memory import MemoryReading
-from producer.statusformat import format_bytes, memory_summary
+from producer.statusformat import memory_summary
+from producer.units import format_bytes
 from worker.localredis import LocalRedis
 
 MODEL = "demo"

@@ -6,14 +6,11 @@ from __future__ import annotations
 import logging
 
 from producer.memory import MemoryReading
+from producer.units import format_bytes
 
 __all__ = ["MemoryAlarm"]
 
 log = logging.getLogger(__name__)
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 class MemoryAlarm:
@@ -30,7 +27,7 @@ class MemoryAlarm:
         if past == self.past:
             return
         self.past = past
-        used, limit = _mib(reading.used_bytes), _mib(reading.max_bytes)
+        used, limit = format_bytes(reading.used_bytes), format_bytes(reading.max_bytes)
         if past:
             log.warning(
                 "Redis is past maxmemory (used_memory %s of %s): producers are refused and "
