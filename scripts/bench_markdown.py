@@ -141,7 +141,7 @@ def redis_time(report: dict[str, Any]) -> list[str]:
         rows.append((p["id"], f"{total:.1f}", *cells))
     header = ("phase", "Redis CPU µs / request", "finish script (`evalsha`)", "`xreadgroup`")
     return _table(
-        (*header, "`xadd`", "`exec` (submits)", "`rpush` (in the script)", "`lpop`", "`blpop`"),
+        (*header, "`xadd`", "`exec` (submits)", "`rpush` (replies)", "`lpop`", "`blpop`"),
         rows,
     )
 
