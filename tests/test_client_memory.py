@@ -17,6 +17,7 @@ import redis
 from harness import running_worker, write_config
 
 from producer import AsyncClient, Client, ConnectionFailed, RedisFull, memory
+from producer import aio as aio_module
 from producer import client as client_module
 from producer.cli import main as redbatch
 
@@ -174,6 +175,36 @@ def test_infer_waiting_for_room_ends_within_its_timeout_with_nothing_sent(
         client.infer(X, timeout_s=0.3)
     assert "nothing was sent" in str(refused.value)
     assert full.xlen(STREAM) == 0
+
+
+def test_async_submit_with_wait_for_backlog_waits_for_room_then_sends(
+    full: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_sleep = asyncio.sleep
+    sleeps: list[float] = []
+
+    async def room_appears(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 2:
+            full.config_set("maxmemory", 0)
+        await real_sleep(0)
+
+    monkeypatch.setattr(aio_module, "_sleep", room_appears)
+    monkeypatch.setattr(memory, "MAX_AGE_S", 0.0)  # every send reads memory
+
+    async def main() -> tuple[str, RedisFull]:
+        async with AsyncClient("demo", redis_url, wait_for_backlog=True) as client:
+            rid = await client.submit(X)
+            full.config_set("maxmemory", int(int(full.info("memory")["used_memory"]) / 0.9))
+            with pytest.raises(RedisFull) as waited:
+                await client.infer(X, timeout_s=0.2)
+            return rid, waited.value
+
+    rid, waited = asyncio.run(main())
+    assert len(sleeps) >= 2
+    assert "ran out while it waited for room" in str(waited)
+    [(_, fields)] = full.xrange(STREAM)
+    assert fields[b"rid"] == rid.encode()
 
 
 def test_map_stops_sending_when_redis_fills_and_answers_what_it_sent(
