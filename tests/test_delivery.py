@@ -272,3 +272,32 @@ def test_entries_pending_on_its_own_name_are_never_called_another_workers(
     reclaimer._announce("dead-one")
     assert "adopting entries pending on this worker's name" in caplog.records[0].getMessage()
     assert "redelivering entries of consumer 'dead-one'" in caplog.records[1].getMessage()
+
+
+def test_leases_claims_and_clean_up_run_on_a_full_redis(rconn) -> None:
+    # Given entries read by a dead consumer and by this one, and an idle empty consumer, on a
+    # Redis past its memory limit under noeviction (a plain write is refused there)
+    stream = RequestStream(rconn, "redbatch", "demo", "me")
+    stream.ensure_group()
+    for i in range(3):
+        rconn.xadd(STREAM, {"rid": f"r{i}", "body": b"b"})
+    [[_, dead_ones]] = rconn.xreadgroup("workers", "dead-one", {STREAM: ">"}, count=2)
+    [[_, mine]] = rconn.xreadgroup("workers", "me", {STREAM: ">"}, count=1)
+    rconn.xgroup_createconsumer(STREAM, GROUP, "empty")
+    claims = Claims(stream)
+    rconn.config_set("maxmemory-policy", "noeviction")
+    rconn.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            rconn.xadd(STREAM, {"rid": "more", "body": b"b"})
+        # When this worker renews its lease, claims the dead one's entries and cleans up
+        renewed = claims.renew([mine[0][0]])
+        claimed = claims.claim([eid for eid, _ in dead_ones], min_idle_ms=0)
+        gone = claims.forget_consumers(0)
+    finally:
+        rconn.config_set("maxmemory", 0)
+    # Then each step ran: every entry is this worker's, and the empty consumers are gone
+    assert renewed == 1
+    assert [c.entry_id for c in claimed] == [eid for eid, _ in dead_ones]
+    assert sorted(gone) == ["dead-one", "empty"]
+    assert rconn.xpending(STREAM, GROUP)["pending"] == 3
