@@ -302,6 +302,7 @@ def test_compose_services_profiles_and_health_checks() -> None:
     assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     assert "--appendonly yes" in redis["command"]
     assert "--maxmemory-policy noeviction" in redis["command"]
+    assert "--maxmemory 1gb" in redis["command"]  # producers have a watermark to stop at
 
     for name in ("worker", "worker-gpu"):
         worker = services[name]
