@@ -115,3 +115,24 @@ def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_work
     assert free  # the retry found its own first write, which is not another worker's
     assert registry.published
     assert client.renewals == 2
+
+
+def test_a_write_refused_for_memory_is_logged_as_redis_full_not_unreachable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from worker.retry import Outage
+
+    # A write refused twice: the second refusal starts an outage, which is logged once
+    calls = iter([redis.exceptions.OutOfMemoryError("OOM command not allowed")] * 2 + [None])
+
+    def twice_refused() -> str:
+        refusal = next(calls)
+        if refusal is not None:
+            raise refusal
+        return "written"
+
+    caplog.set_level(logging.WARNING, logger="worker.retry")
+    assert Outage("writing replies", max_wait_s=0.01).call(twice_refused) == "written"
+    messages = [r.getMessage() for r in caplog.records if r.name == "worker.retry"]
+    assert messages[0].startswith("Redis is full (maxmemory) during writing replies")
+    assert not any("unreachable" in m for m in messages)
