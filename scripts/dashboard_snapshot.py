@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     panels = flatten(dashboard)
     work = Path(tempfile.mkdtemp(prefix="redbatch-dashboard-"))
     progress(f"working directory {work}")
-    server = LocalRedis("--appendonly", "yes")  # AOF: the mid-run restart keeps the stream
+    # AOF: the mid-run restart keeps the stream; a maxmemory, so the memory panels have one
+    server = LocalRedis(
+        "--appendonly", "yes", "--maxmemory", "64mb", "--maxmemory-policy", "noeviction"
+    )
     prom: PrometheusProc | None = None
     workers: list[WorkerProc] = []
     try:
