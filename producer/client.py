@@ -143,7 +143,10 @@ class Client:
         meta: Any = None,
         reply_ttl_s: int | None = None,
     ) -> list[str]:
-        """Queue many requests in one pipelined round trip; returns their rids in order."""
+        """Queue many requests in one pipelined round trip; returns their rids in order. They go
+        in transactions of up to 256 requests (or about 1 MiB), each added whole or not at all:
+        an error raised by a larger call (Redis refusing for memory part-way, an outage) may
+        leave its first transactions queued."""
         subs = core.build_submissions(
             requests,
             outputs=outputs,

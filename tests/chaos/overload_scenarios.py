@@ -216,10 +216,12 @@ def _raw_fill(run: Run, chunk: int = 256) -> tuple[list[str], Exception | None]:
         for rid in rids:
             pipe.xadd(STREAM, {"rid": rid, "body": run.requests.bodies[rid]})
         answers = pipe.execute(raise_on_error=False)
-        for rid, answer in zip(rids, answers, strict=True):
-            if isinstance(answer, Exception):
-                return accepted, answer
-            accepted.append(rid)
+        # Every XADD of the pipeline ran: one after a refusal may still be accepted, when
+        # used_memory dropped in between (a client's buffers freed), and is then queued too.
+        accepted += [r for r, a in zip(rids, answers, strict=True) if not isinstance(a, Exception)]
+        refusals = [a for a in answers if isinstance(a, Exception)]
+        if refusals:
+            return accepted, refusals[0]
     return accepted, None
 
 
