@@ -13,9 +13,12 @@ COPY pyproject.toml README.md ./
 COPY producer ./producer
 COPY worker ./worker
 COPY configs ./configs
+# tools/ is not installed: the demo producer (compose's demo profile) and the model builder run
+# from /app, the checkout's layout.
+COPY tools ./tools
 RUN pip install ".[demo]" \
  && if [ -n "$ORT_EXTRAS" ]; then pip install "onnxruntime-gpu[$ORT_EXTRAS]"; fi \
- && python -c "from worker.synthetic import save; save('demo', 'models/demo.onnx')"
+ && python -c "from tools.synthetic import save; save('demo', 'models/demo.onnx')"
 
 USER 65534:65534
 ENTRYPOINT ["redbatch-worker"]

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import redis
 
-from producer import __version__, argtypes, bench, core, keys, replay, status, watch
+from producer import __version__, argtypes, core, keys, replay, status, watch
 from producer.errors import ConnectionFailed, RedbatchError
 from producer.job import (
     RunSummary,
@@ -318,7 +318,6 @@ examples:
   redbatch status --model demo --watch
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
   redbatch replay --model demo --from-dead --new-ids --delete
-  redbatch bench --scenario all --json bench.json
 """
 
 _RUN_HELP = """\
@@ -507,11 +506,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_options(replay_cmd, top=False)
     replay_cmd.set_defaults(handler=replay.run_command)
 
-    bench_cmd = commands.add_parser(
-        "bench", help="load-test workers against their ceilings", formatter_class=formatter
-    )
-    bench.add_arguments(bench_cmd)
-    bench_cmd.set_defaults(handler=bench.run_command)
     return parser
 
 

@@ -6,7 +6,7 @@ snapshots into a frame of plain text: backlog and where it sits, requests in and
 Redis memory against ``maxmemory`` (and whether producers are refused), dead letters, worker-side
 latency percentiles and batch rows from the metrics histograms, and each live worker's model
 version, providers and requests per second; ``producer.watchstats`` does the maths. Callers'
-end-to-end latency is not in Redis; ``redbatch run`` and ``redbatch bench`` measure it.
+end-to-end latency is not in Redis; ``redbatch run`` and ``python -m tools.bench`` measure it.
 
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
 Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.

@@ -1,4 +1,4 @@
-"""Render a ``redbatch bench --json`` report as the Markdown tables of docs/benchmarks.md.
+"""Render a ``python -m tools.bench --json`` report as the Markdown tables of docs/benchmarks.md.
 
     python scripts/bench_markdown.py docs/bench.json > /tmp/tables.md
 
@@ -213,11 +213,13 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Render a redbatch bench --json report as the Markdown tables of "
+        description="Render a python -m tools.bench --json report as the Markdown tables of "
         "docs/benchmarks.md.",
         epilog="example: python scripts/bench_markdown.py docs/bench.json > /tmp/tables.md",
     )
-    parser.add_argument("report", type=Path, help="a report written by redbatch bench --json")
+    parser.add_argument(
+        "report", type=Path, help="a report written by python -m tools.bench --json"
+    )
     args = parser.parse_args(argv)
     try:
         report = json.loads(args.report.read_text(encoding="utf-8"))

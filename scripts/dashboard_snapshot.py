@@ -50,8 +50,8 @@ from dashboard.report import render  # noqa: E402
 from dashboard.stack import PrometheusProc, WorkerProc, make_workers  # noqa: E402
 from dashboard.timeline import drive  # noqa: E402
 
-from worker.localredis import LocalRedis  # noqa: E402
-from worker.synthetic import save  # noqa: E402
+from tools.localredis import LocalRedis  # noqa: E402
+from tools.synthetic import save  # noqa: E402
 
 
 def flatten(dashboard: dict[str, Any]) -> list[dict[str, Any]]:

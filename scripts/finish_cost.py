@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # after PYTHONPATH, so another checkout given there wins
 
-from worker.localredis import LocalRedis  # noqa: E402
+from tools.localredis import LocalRedis  # noqa: E402
 from worker.stream import Finish, RequestStream  # noqa: E402
 
 STREAM = "redbatch:{demo}:requests"

@@ -9,7 +9,7 @@
 #   1 preflight   nvidia-smi lists a GPU                                             10 s
 #   2 install     the carried wheels (--wheels), or check the environment has all    45 s
 #   3 probe       onnxruntime starts CUDAExecutionProvider on the tiny model          45 s
-#   4 heavy       redbatch bench --model heavy --providers cuda,cpu, closed loop     130 s
+#   4 heavy       python -m tools.bench --model heavy --providers cuda,cpu, closed loop     130 s
 #   5 graphs      the heavy model again, workers with [model.cuda] cuda_graph = true  50 s
 #   6 resnet18    the same as 4 with the resnet18 model                              150 s
 #   7 summary     every session of the reports ran on CUDA; summary.txt               15 s
@@ -248,8 +248,8 @@ if "CUDAExecutionProvider" not in names:
     sys.exit(f"gpu_check: FAILED: this onnxruntime ({ort.__version__}) has no CUDA provider: it "
              "is the CPU build. Carry onnxruntime-gpu (scripts/gpu_check.sh --pack DIR "
              "--ort-parts PARTS; docs/benchmarks.md, GPU check).")'
-  "$py" -m worker.benchkit build tiny "$work/tiny.onnx" >/dev/null
-  "$py" -m worker.benchkit bare --model-file "$work/tiny.onnx" --providers cuda,cpu \
+  "$py" -m tools.benchkit build tiny "$work/tiny.onnx" >/dev/null
+  "$py" -m tools.benchkit bare --model-file "$work/tiny.onnx" --providers cuda,cpu \
     --batch-sizes 1 --duration-s 0.5 >"$work/probe.json" 2>"$work/probe.err" \
     || fail "benchkit bare on the CUDA provider failed: $(tail -n 5 "$work/probe.err")"
   if ! "$py" - "$work/probe.json" <<'EOF'
@@ -275,13 +275,13 @@ EOF
 }
 
 bench() {  # bench MODEL WARMUP_S: the model's report and table, with its ceilings
-  "$py" -m producer bench --model "$1" --providers cuda,cpu --concurrency "$CONCURRENCY" \
+  "$py" -m tools.bench --model "$1" --providers cuda,cpu --concurrency "$CONCURRENCY" \
     --max-batch-size "$MAX_BATCH_SIZE" --duration-s "$DURATION_S" --warmup-s "$2" \
     --json "$out/$1.json" >"$out/$1.txt"
 }
 
 graphs() {  # heavy with CUDA graphs; no ceilings (the summary uses heavy's), table to the log
-  "$py" -m producer bench --model heavy --providers cuda,cpu --binding cuda_graph \
+  "$py" -m tools.bench --model heavy --providers cuda,cpu --binding cuda_graph \
     --concurrency 1,64 --max-batch-size "$MAX_BATCH_SIZE" --duration-s "$DURATION_S" \
     --warmup-s 1 --no-ceilings --json "$out/heavy-graphs.json"
 }

@@ -169,7 +169,7 @@ def _fuzz(workdir: Path, n: int, seed: int) -> chaos.Result:
     import onnxruntime as ort
     from harness import write_config
 
-    from worker.localredis import LocalRedis
+    from tools.localredis import LocalRedis
 
     target = fuzzing.FuzzTarget("demo", max_request_bytes=16384, max_batch_size=32)
     home = workdir / "fuzz"

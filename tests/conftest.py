@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 
 @pytest.fixture(scope="module")

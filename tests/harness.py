@@ -14,10 +14,10 @@ import redis
 
 from producer.codec import Reply, decode_reply, encode_request
 from producer.keys import reply_key, request_stream
+from tools.synthetic import save
 from worker.config import load_config
 from worker.metrics import Metrics
 from worker.service import Prepared, Worker, prepare
-from worker.synthetic import save
 
 PREFIX = "redbatch"
 

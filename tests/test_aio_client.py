@@ -35,7 +35,7 @@ from producer.errors import (
     RedisUnavailable,
     WaitTimeout,
 )
-from worker.localredis import free_port
+from tools.localredis import free_port
 
 MODEL = "demo"
 PREFIX = keys.DEFAULT_PREFIX

@@ -1,4 +1,5 @@
-"""``redbatch bench``: a short real run (tiny model, a started worker, real Redis) and its parts.
+"""The load test (``python -m tools.bench``): a short real run (tiny model, a started worker,
+real Redis) and its parts.
 
 The figures themselves are not asserted: speed targets are what the benchmark measures, on the
 machine it runs on. These tests check that a run produces a complete, self-consistent report.
@@ -15,12 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer import bench
-from producer.bench import cli, load
-from producer.cli import main
 from producer.job import UsageError
-from worker import benchkit, synthetic
-from worker.localredis import LocalRedis
+from tools import bench, benchkit, synthetic
+from tools.bench import cli, load
+from tools.bench.__main__ import main
+from tools.localredis import LocalRedis
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def report(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -
     """One short bench run shared by the tests below: tiny model, 4 closed-loop callers, then
     Poisson arrivals, against a worker the bench starts on this module's Redis."""
     path = tmp_path_factory.mktemp("bench") / "report.json"
-    argv = ["bench", "--redis-url", redis_server.url, "--model", "tiny", "--concurrency", "4"]
+    argv = ["--redis-url", redis_server.url, "--model", "tiny", "--concurrency", "4"]
     argv += ["--rate", "150", "--duration-s", "1.5", "--warmup-s", "0.3", "--json", str(path)]
     assert main(argv) == 0
     result: dict[str, Any] = json.loads(path.read_text())
@@ -313,7 +313,7 @@ def test_rounds_measure_ceiling_and_phase_again(redis_url: str, tmp_path: Path) 
     # Given --rounds 1 on tiny-closed, the protocol ceiling and the phase are measured once
     # more, back to back; the round judges the target, and the run's own tables are unchanged.
     path = tmp_path / "rounds.json"
-    argv = ["bench", "--redis-url", redis_url, "--scenario", "tiny-closed", "--rounds", "1"]
+    argv = ["--redis-url", redis_url, "--scenario", "tiny-closed", "--rounds", "1"]
     argv += ["--duration-s", "0.5", "--warmup-s", "0.2", "--json", str(path)]
     assert main(argv) == 0
     report = json.loads(path.read_text())
@@ -330,7 +330,7 @@ def test_rounds_measure_ceiling_and_phase_again(redis_url: str, tmp_path: Path) 
 
 
 def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--help"]) == 0
+    assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "examples:" in out
     assert "--scenario all" in out
@@ -340,15 +340,15 @@ def test_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "--scenario", "nope"],
-        ["bench", "--scenario", "all", "--concurrency", "4"],
-        ["bench", "--no-start", "--scenario", "drain"],
-        ["bench", "--duration-s", "0"],
-        ["bench", "--providers", "gpu"],
-        ["bench", "--providers", "cuda,cuda"],
-        ["bench", "--rounds", "2"],
-        ["bench", "--scenario", "drain", "--rounds", "2"],
-        ["bench", "--scenario", "tiny-closed", "--rounds", "2", "--no-ceilings"],
+        ["--scenario", "nope"],
+        ["--scenario", "all", "--concurrency", "4"],
+        ["--no-start", "--scenario", "drain"],
+        ["--duration-s", "0"],
+        ["--providers", "gpu"],
+        ["--providers", "cuda,cuda"],
+        ["--rounds", "2"],
+        ["--scenario", "drain", "--rounds", "2"],
+        ["--scenario", "tiny-closed", "--rounds", "2", "--no-ceilings"],
     ],
 )
 def test_bad_options_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -367,7 +367,7 @@ def test_an_unknown_model_is_a_usage_error_naming_the_known_ones(
 ) -> None:
     # Given a model the bench would have to build but has no builder for, then it says so
     # before starting anything, instead of a benchkit traceback squeezed into one line.
-    argv = ["bench", "--model", "nosuchmodel", "--concurrency", "2", "--duration-s", "0.5"]
+    argv = ["--model", "nosuchmodel", "--concurrency", "2", "--duration-s", "0.5"]
     assert main([*argv, "--warmup-s", "0.1", "--no-ceilings"]) == 2
     err = capsys.readouterr().err
     assert "'nosuchmodel'" in err
@@ -395,7 +395,7 @@ def test_a_producer_only_install_hears_what_the_bench_needs_before_it_starts(
     monkeypatch.setattr(
         cli.importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
     )
-    assert main(["bench", "--scenario", "tiny-closed"]) == 2
+    assert main(["--scenario", "tiny-closed"]) == 2
     err = capsys.readouterr().err
     assert "needs onnxruntime and onnx" in err
     assert "'redbatch[demo]'" in err
@@ -424,14 +424,14 @@ def test_the_bench_knows_every_synthetic_model() -> None:
 def test_seconds_out_of_range_name_the_real_bounds(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["bench", *argv]) == 2
+    assert main([*argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_a_redis_that_does_not_answer_is_one_line_not_a_traceback(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["bench", "--no-start", "--redis-url", "redis://127.0.0.1:1/0", "--model", "demo"]
+    argv = ["--no-start", "--redis-url", "redis://127.0.0.1:1/0", "--model", "demo"]
     assert main([*argv, "--concurrency", "1", "--duration-s", "0.5"]) == 2
     err = capsys.readouterr().err
     assert "could not talk to Redis at redis://127.0.0.1:1/0: " in err
@@ -443,7 +443,7 @@ def test_a_run_without_warmup_measures_from_the_first_request(
 ) -> None:
     # Given --warmup-s 0, the window opens with the load: every request counts, none is lost.
     path = tmp_path / "cold.json"
-    argv = ["bench", "--redis-url", redis_url, "--model", "tiny", "--concurrency", "2"]
+    argv = ["--redis-url", redis_url, "--model", "tiny", "--concurrency", "2"]
     argv += ["--duration-s", "0.5", "--warmup-s", "0", "--no-ceilings", "--json", str(path)]
     assert main(argv) == 0
     report = json.loads(path.read_text())
@@ -460,7 +460,7 @@ def test_drain_reports_rate_and_memory(redis_url: str, tmp_path: Path) -> None:
     # Given a backlog of 2,000 tiny requests, when a fresh worker drains it, then every request
     # is answered and the worker's peak and idle memory are read from /proc.
     path = tmp_path / "drain.json"
-    argv = ["bench", "--redis-url", redis_url, "--scenario", "drain", "--drain-requests", "2000"]
+    argv = ["--redis-url", redis_url, "--scenario", "drain", "--drain-requests", "2000"]
     assert main([*argv, "--json", str(path)]) == 0
     drain = json.loads(path.read_text())["drain"]
     assert drain["ok"] == drain["requests"] == 2000

@@ -21,7 +21,7 @@ from producer.cli import main
 from producer.codec import ErrorInfo, ModelRef
 from producer.core import Chunk, Result
 from producer.job import RunSummary, format_summary, run_job, write_errors, write_outputs
-from worker.localredis import free_port
+from tools.localredis import free_port
 
 MODEL = "demo"
 PREFIX = keys.DEFAULT_PREFIX

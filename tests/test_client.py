@@ -33,7 +33,7 @@ from producer.errors import (
     NoWorkerInfo,
     WaitTimeout,
 )
-from worker.localredis import free_port
+from tools.localredis import free_port
 
 MODEL = "demo"
 PREFIX = keys.DEFAULT_PREFIX

@@ -27,7 +27,7 @@ from producer.errors import ConnectionFailed, RedisUnavailable
 from producer.replay import replay
 from producer.retry import RetryPolicy, is_transient
 from producer.status import gather_status
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 MODEL = "demo"
 STREAM = keys.request_stream(keys.DEFAULT_PREFIX, MODEL)

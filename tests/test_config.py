@@ -9,11 +9,11 @@ import pytest
 import redis
 from harness import write_config
 
+from tools.synthetic import save
 from worker.cli import main
 from worker.config import load_config, parse_config
 from worker.errors import ConfigError, ModelError
 from worker.service import prepare
-from worker.synthetic import save
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from producer import keys
+from tools.synthetic import save
 from worker.config import parse_config
 from worker.metrics import Metrics, MetricsServer
-from worker.synthetic import save
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import redis
 
-from producer import bench
-from producer.bench import cli as bench_cli
-from producer.bench import runner
-from producer.bench.processes import WorkerProcess, WorkerSetup
-from producer.bench.wire import Sender, row_bytes
 from producer.job import UsageError
-from worker import benchkit, synthetic
+from tools import bench, benchkit, synthetic
+from tools.bench import cli as bench_cli
+from tools.bench import runner
+from tools.bench.processes import WorkerProcess, WorkerSetup
+from tools.bench.wire import Sender, row_bytes
 from worker.config import PROVIDERS, load_config
 
 ROOT = Path(__file__).resolve().parent.parent

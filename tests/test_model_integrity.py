@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from harness import write_config
 
+from tools.synthetic import save
 from worker import service
 from worker.cli import main
 from worker.config import load_config, parse_config
 from worker.errors import ConfigError
 from worker.model import check_sha256, read_model_file
-from worker.synthetic import save
 
 
 @pytest.fixture

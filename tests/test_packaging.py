@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -109,7 +110,7 @@ def test_a_plain_install_is_the_producer_and_the_worker_extra_brings_the_runtime
 
 
 def test_a_worker_without_onnxruntime_says_what_to_install(tmp_path: Path) -> None:
-    from worker.synthetic import save
+    from tools.synthetic import save
 
     save("demo", tmp_path / "demo.onnx")
     (tmp_path / "w.toml").write_text(
@@ -123,11 +124,8 @@ def test_a_worker_without_onnxruntime_says_what_to_install(tmp_path: Path) -> No
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(
-    "path", sorted(PRODUCER.rglob("*.py")), ids=lambda p: str(p.relative_to(PRODUCER))
-)
-def test_no_producer_module_imports_worker_anywhere(path: Path) -> None:
-    # Lazy imports inside functions count too: the producer never depends on the worker.
+def _top_level_imports(path: Path) -> set[str]:
+    """Every package a module imports, lazy imports inside functions included."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     imported: set[str] = set()
     for node in ast.walk(tree):
@@ -135,8 +133,59 @@ def test_no_producer_module_imports_worker_anywhere(path: Path) -> None:
             imported.update(alias.name.partition(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             imported.add(node.module.partition(".")[0])
-    never = {"worker", "onnxruntime"}
+    return imported
+
+
+@pytest.mark.parametrize(
+    "path", sorted(PRODUCER.rglob("*.py")), ids=lambda p: str(p.relative_to(PRODUCER))
+)
+def test_no_producer_module_imports_worker_anywhere(path: Path) -> None:
+    # The producer never depends on the worker, nor on the checkout's tools.
+    never = {"worker", "onnxruntime", "tools"}
+    imported = _top_level_imports(path)
     assert not imported & never, f"{path.name} imports {sorted(imported & never)}"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "worker").rglob("*.py")), ids=lambda p: p.name)
+def test_no_worker_module_imports_the_tools(path: Path) -> None:
+    assert "tools" not in _top_level_imports(path), f"{path.name} imports tools"
+
+
+def test_the_wheel_holds_the_client_and_the_worker_and_no_tooling(tmp_path: Path) -> None:
+    # Given the wheel a plain `pip install redbatch` would install
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    [wheel] = tmp_path.glob("redbatch-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        modules = {n for n in zf.namelist() if n.endswith(".py")}
+    # Then it holds producer and worker, every module of each, and nothing else of the checkout
+    packages = {m.split("/", 1)[0] for m in modules}
+    assert packages == {"producer", "worker"}
+    on_disk = {
+        str(p.relative_to(ROOT))
+        for top in ("producer", "worker")
+        for p in (ROOT / top).rglob("*.py")
+    }
+    assert modules == on_disk
+    # And no load test, demo runner, model builder or throwaway Redis among them
+    tooling = ("bench", "benchkit", "demo", "synthetic", "localredis")
+    assert not [m for m in modules if any(t in Path(m).stem for t in tooling)]
 
 
 def _public_names(module: ModuleType) -> set[str]:

@@ -21,9 +21,9 @@ from producer import AsyncClient, Client, core
 from producer.errors import ConnectionFailed
 from producer.keys import cancel_key, dead_key, reply_key, request_stream, worker_key, workers_key
 from producer.status import gather_status
+from tools.localredis import LocalRedis, TlsFiles
 from worker.config import load_config
 from worker.errors import WorkerError
-from worker.localredis import LocalRedis, TlsFiles
 from worker.service import Worker, prepare
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from producer.cli import main
 from producer.memory import MemoryReading
 from producer.statusformat import memory_summary
 from producer.units import format_bytes
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 MODEL = "demo"
 STREAM = keys.request_stream(keys.DEFAULT_PREFIX, MODEL)

@@ -24,7 +24,7 @@ from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
 from producer.status import WorkerInfo, format_status, gather_status, printable
-from worker.localredis import free_port
+from tools.localredis import free_port
 from worker.metrics import Metrics, MetricsServer
 
 MODEL = "demo"

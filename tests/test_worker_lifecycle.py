@@ -27,8 +27,8 @@ from harness import (
     write_config,
 )
 
+from tools.localredis import free_port
 from worker.config import load_config
-from worker.localredis import free_port
 from worker.metrics import Metrics
 from worker.service import Worker, prepare
 

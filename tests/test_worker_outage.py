@@ -14,7 +14,7 @@ import pytest
 import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The processes: a real worker per ``WorkerProc`` and a real ``prometheus`` scraping them.
 
-The throwaway redis-server is ``worker.localredis.LocalRedis``; the workers' configs point at it.
+The throwaway redis-server is ``tools.localredis.LocalRedis``; the workers' configs point at it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.localredis import free_port
+from tools.localredis import free_port
 
 from .common import CLAIM_IDLE_MS, JOB, MODEL, PREFIX, ROOT, SCRAPE_S
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from producer.keys import CONSUMER_GROUP, request_stream
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 from .common import MODEL, PREFIX, progress
 from .load import Load

@@ -13,7 +13,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 from .common import STREAM, ScenarioTimeout
 from .workload import Requests

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from worker.localredis import LocalRedis
+from tools.localredis import LocalRedis
 
 from .load import LoadDriver
 from .model import build_model

@@ -21,7 +21,7 @@ class ModelSpec:
     outputs: Mapping[str, tuple[str, tuple[int, ...]]]
 
 
-#: The synthetic models of ``worker.synthetic`` that the fuzzers know how to feed.
+#: The synthetic models of ``tools.synthetic`` that the fuzzers know how to feed.
 SPECS = {
     "demo": ModelSpec(
         {"features": ("float32", (16,))}, {"probs": ("float32", (4,)), "label": ("int64", ())}

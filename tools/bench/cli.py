@@ -1,8 +1,9 @@
-"""``redbatch bench`` on the command line: its options, read once into ``Options``, and the run.
+"""The load test's command line: its options, read once into ``Options``, and the run.
 
-``producer.cli`` registers the subcommand with ``add_arguments`` and calls ``run_command``,
-which checks the options, starts a private redis-server unless told to use another Redis, runs
-``Bench`` in a temporary directory, prints the table and writes ``--json`` and ``--plot``.
+``python -m tools.bench`` (``__main__``) builds its parser with ``add_arguments`` and calls
+``run_command``, which checks the options, starts a private redis-server unless told to use
+another Redis, runs ``Bench`` in a temporary directory, prints the table and writes ``--json``
+and ``--plot``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from pathlib import Path
 import redis
 
 from producer import argtypes, core, keys
-from producer.bench.load import CALLERS
-from producer.bench.processes import private_redis
-from producer.bench.report import format_report, plot, pyplot, write_json
-from producer.bench.runner import Bench, Options
-from producer.bench.scenarios import SCENARIOS
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
+from tools.bench.load import CALLERS
+from tools.bench.processes import private_redis
+from tools.bench.report import format_report, plot, pyplot, write_json
+from tools.bench.runner import Bench, Options
+from tools.bench.scenarios import SCENARIOS
 
 BINDINGS = ("off", "io_binding", "cuda_graph")  # the workers' [model.cuda] keys, or neither
 
@@ -47,14 +48,14 @@ Without --scenario it runs a custom load: --model with --concurrency (closed loo
 --rate (open loop, --arrivals poisson or bursty); several values make a sweep for --plot.
 
 examples:
-  redbatch bench --scenario all --json docs/bench.json --plot docs/latency-throughput.png
-  redbatch bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
-  redbatch bench --scenario tiny-closed,heavy-closed --rounds 5   # ratios robust to drift
-  redbatch bench --scenario heavy-closed --duration-s 5
-  redbatch bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
-  redbatch bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
-  redbatch bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
-  redbatch bench --no-start --redis-url redis://127.0.0.1:6379/0 --model demo \\
+  python -m tools.bench --scenario all --json docs/bench.json --plot docs/latency-throughput.png
+  python -m tools.bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
+  python -m tools.bench --scenario tiny-closed,heavy-closed --rounds 5   # ratios robust to drift
+  python -m tools.bench --scenario heavy-closed --duration-s 5
+  python -m tools.bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
+  python -m tools.bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
+  python -m tools.bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
+  python -m tools.bench --no-start --redis-url redis://127.0.0.1:6379/0 --model demo \\
       --concurrency 64 --metrics-url http://127.0.0.1:9100/metrics
 """
 
@@ -95,7 +96,7 @@ def _scenario_list(text: str) -> tuple[str, ...]:
 #: The worker's provider names (``worker.config.PROVIDERS``; the producer does not import it).
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 
-#: The models ``benchkit build`` can write (``worker.synthetic.BUILDERS``; the producer does not
+#: The models ``benchkit build`` can write (``tools.synthetic.BUILDERS``; the producer does not
 #: import the worker, and tests check the two agree): an unknown name is a usage error here, up
 #: front, not a traceback from the child process that builds it.
 SYNTHETIC_MODELS = (
@@ -151,7 +152,7 @@ def _warmup_seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``redbatch bench`` options (``producer.cli`` registers the subcommand)."""
+    """The ``python -m tools.bench`` options, and its help."""
     parser.description = HELP.format(
         scenarios="\n".join(f"  {name:<14} {s.about}" for name, s in SCENARIOS.items())
     )
@@ -345,7 +346,7 @@ def _check_worker_side(options: Options) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """``redbatch bench``: run, print the table, write --json and --plot; returns 0."""
+    """``python -m tools.bench``: run, print the table, write --json and --plot; returns 0."""
     options = _options(args)
     _check_worker_side(options)
     for path in (args.json, args.plot):

@@ -2,7 +2,7 @@
 
 The report is a plain dict (``runner.Bench`` builds it) so that it can be written as JSON and
 read back; everything here reads that dict and nothing else. ``targets`` sets the figures
-against the goals of the performance issue, ``format_report`` is the table ``redbatch bench``
+against the goals of the performance issue, ``format_report`` is the table ``python -m tools.bench``
 prints, ``plot`` the latency-throughput chart of a sweep, and ``say`` the progress lines on
 stderr while a run goes.
 """
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from producer.bench.errors import BenchError
-from producer.bench.load import CALLERS
+from tools.bench.errors import BenchError
+from tools.bench.load import CALLERS
 
 __all__ = [
     "CELERY_REQUESTS_PER_S",

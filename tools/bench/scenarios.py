@@ -1,6 +1,6 @@
 """The fixed presets (``SCENARIOS``): what each runs, and the ceilings it is compared with.
 
-Each preset is fixed, so runs on different days or commits compare. ``redbatch bench
+Each preset is fixed, so runs on different days or commits compare. ``python -m tools.bench
 --scenario NAME`` runs one; ``Bench`` first measures the union of the chosen presets' ceilings
 (bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio batcher),
 then calls each preset's ``run`` with itself. The drain preset lives in ``drain.py``.
@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from producer.bench.drain import drain
-from producer.bench.load import CALLERS
-from producer.bench.processes import WorkerSetup
+from tools.bench.drain import drain
+from tools.bench.load import CALLERS
+from tools.bench.processes import WorkerSetup
 
 if TYPE_CHECKING:
-    from producer.bench.runner import Bench
+    from tools.bench.runner import Bench
 
 __all__ = ["SCENARIOS", "Paired", "Scenario"]
 

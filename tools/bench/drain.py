@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING
 import redis
 
 from producer import core, keys
-from producer.bench.errors import BenchError
-from producer.bench.load import LoadSpec, batch_rows_summary
-from producer.bench.metrics import cpu_cores, cpu_sample, memory_kib, scrape, worker_view
-from producer.bench.processes import POLL_S, PREFIX, WorkerProcess, WorkerSetup
-from producer.bench.report import say
-from producer.bench.wire import ProducerTally, Sender
+from tools.bench.errors import BenchError
+from tools.bench.load import LoadSpec, batch_rows_summary
+from tools.bench.metrics import cpu_cores, cpu_sample, memory_kib, scrape, worker_view
+from tools.bench.processes import POLL_S, PREFIX, WorkerProcess, WorkerSetup
+from tools.bench.report import say
+from tools.bench.wire import ProducerTally, Sender
 
 if TYPE_CHECKING:
-    from producer.bench.runner import Bench
+    from tools.bench.runner import Bench
 
 __all__ = ["drain"]
 

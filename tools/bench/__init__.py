@@ -1,10 +1,10 @@
-"""``redbatch bench``: a fixed load test of the workers, every figure set against its ceiling.
+"""The load test, ``python -m tools.bench``: every figure set against its ceiling.
 
 The producer never imports the worker or onnxruntime, so the bench orchestrates processes:
 
 - ``python -m worker`` workers it starts from a generated config (metrics port on), or workers
   already serving (``--no-start``);
-- ``python -m worker.benchkit``: model files, and the ceilings measured in the same run (bare
+- ``python -m tools.benchkit``: model files, and the ceilings measured in the same run (bare
   ``session.run``, the Redis protocol alone, an in-process asyncio batcher), each as JSON;
 - producer processes (``multiprocessing``, spawn) that drive the load: closed loop (C callers,
   one reply in, one request out) or open loop (Poisson or bursty arrivals at a rate), pipelining
@@ -18,20 +18,20 @@ The modules, from the bottom up:
   redis-server, workers and benchkit runs the bench starts; ``provenance``: what the figures
   depend on (machine, versions, commit);
 - ``runner``: one run (ceilings, phases, the report); ``scenarios`` and ``drain``: the presets;
-- ``report``: targets, tables, JSON, chart; ``cli``: the ``redbatch bench`` options.
+- ``report``: targets, tables, JSON, chart; ``cli``: the ``python -m tools.bench`` options.
 
-This package exports what ``producer.cli`` registers (``add_arguments``, ``run_command``), the
-pure pieces the tests check, and what ``worker.benchkit`` drives its protocol-only ceiling with
+This package exports what ``tools.bench.__main__`` runs (``add_arguments``, ``run_command``), the
+pure pieces the tests check, and what ``tools.benchkit`` drives its protocol-only ceiling with
 (``LoadSpec``, ``run_load``, ``input_rows``).
 """
 
 from __future__ import annotations
 
-from producer.bench.cli import add_arguments, run_command
-from producer.bench.load import LoadSpec, arrivals, percentiles, run_load
-from producer.bench.metrics import cpu_cores, worker_view
-from producer.bench.report import format_report, plot, targets
-from producer.bench.wire import input_rows
+from tools.bench.cli import add_arguments, run_command
+from tools.bench.load import LoadSpec, arrivals, percentiles, run_load
+from tools.bench.metrics import cpu_cores, worker_view
+from tools.bench.report import format_report, plot, targets
+from tools.bench.wire import input_rows
 
 __all__ = [
     "LoadSpec",

@@ -2,7 +2,7 @@
 
 The producer never imports the worker or onnxruntime, so everything that needs them runs in a
 child process: workers from a generated config with the metrics port on (``WorkerProcess``),
-and ``python -m worker.benchkit``, which builds the synthetic models, measures the ceilings and
+and ``python -m tools.benchkit``, which builds the synthetic models, measures the ceilings and
 prints each result as one JSON line (``benchkit``), or runs a redis-server on a free loopback
 port for as long as its stdin stays open (``private_redis``).
 """
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from producer.bench.errors import BenchError
+from tools import child_env
+from tools.bench.errors import BenchError
 
 __all__ = [
     "POLL_S",
@@ -50,10 +51,10 @@ def flags(**options: object) -> list[str]:
 
 
 def benchkit(*args: str, timeout_s: float, redis_url: str | None = None) -> dict[str, Any]:
-    """Run ``python -m worker.benchkit ARGS`` and return the JSON it prints; ``redis_url``
+    """Run ``python -m tools.benchkit ARGS`` and return the JSON it prints; ``redis_url``
     goes in the environment, where no process listing shows its password."""
-    command = [sys.executable, "-m", "worker.benchkit", *args]
-    env = {**os.environ, "REDIS_URL": redis_url} if redis_url else None
+    command = [sys.executable, "-m", "tools.benchkit", *args]
+    env = child_env(REDIS_URL=redis_url) if redis_url else child_env()
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=timeout_s, check=False, env=env
@@ -71,7 +72,8 @@ def benchkit(*args: str, timeout_s: float, redis_url: str | None = None) -> dict
 def private_redis() -> Iterator[str]:
     """A redis-server on a free loopback port, via ``benchkit redis``; stopped on exit."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.benchkit", "redis"],
+        [sys.executable, "-m", "tools.benchkit", "redis"],
+        env=child_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

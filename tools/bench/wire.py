@@ -4,7 +4,7 @@ A load generator shares the cores with the worker and Redis it measures, so it d
 ``Client``: bodies are encoded once and reused under fresh rids, submits go out pipelined, and
 replies are swept up many keys per round trip (``LPOP``s packed by hand) and read for two
 fields only (``outcome``). What each reply says is counted in a ``ProducerTally``;
-``producer.bench.load`` drives these pieces in the closed and open loops.
+``tools.bench.load`` drives these pieces in the closed and open loops.
 """
 
 from __future__ import annotations

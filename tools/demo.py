@@ -1,4 +1,4 @@
-"""``python -m worker.demo``: the main job end to end on the bundled demo model.
+"""``python -m tools.demo``: the main job end to end on the bundled demo model.
 
 Builds the demo model, uses REDIS_URL when it answers (or starts a throwaway redis-server on a
 free port), starts a worker, sends a few thousand rows through ``redbatch run`` with a progress
@@ -23,8 +23,8 @@ import numpy as np
 import redis
 
 from producer.keys import DEFAULT_PREFIX, workers_key
-from worker.localredis import LocalRedis, RedisNotInstalled
-from worker.synthetic import save
+from tools.localredis import LocalRedis, RedisNotInstalled
+from tools.synthetic import save
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo.toml"
@@ -33,7 +33,7 @@ MODEL = ROOT / "models" / "demo.onnx"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.demo",
+        prog="python -m tools.demo",
         description="Run the redbatch demo job end to end and print its summary.",
     )
     parser.add_argument("--requests", type=int, default=5000, help="rows to send (default 5000)")

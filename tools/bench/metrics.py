@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from producer.bench.errors import BenchError
+from tools.bench.errors import BenchError
 
 __all__ = [
     "cpu_cores",

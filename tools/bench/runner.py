@@ -21,9 +21,9 @@ from typing import Any
 import redis
 
 from producer import core, keys
-from producer.bench import provenance
-from producer.bench.load import CALLERS, LoadSpec, run_load
-from producer.bench.metrics import (
+from tools.bench import provenance
+from tools.bench.load import CALLERS, LoadSpec, run_load
+from tools.bench.metrics import (
     cpu_cores,
     cpu_sample,
     machine_busy_s,
@@ -33,7 +33,7 @@ from producer.bench.metrics import (
     scrape,
     worker_view,
 )
-from producer.bench.processes import (
+from tools.bench.processes import (
     PREFIX,
     WorkerProcess,
     WorkerSetup,
@@ -41,8 +41,8 @@ from producer.bench.processes import (
     flags,
     worker_records,
 )
-from producer.bench.report import say, targets
-from producer.bench.scenarios import SCENARIOS, Paired
+from tools.bench.report import say, targets
+from tools.bench.scenarios import SCENARIOS, Paired
 
 __all__ = ["Bench", "Options", "Workers"]
 

@@ -1,9 +1,9 @@
-"""The ceilings ``redbatch bench`` compares the worker with, each printed as one JSON object.
+"""The ceilings ``python -m tools.bench`` compares the worker with, each printed as one JSON object.
 
-``redbatch bench`` (``producer/bench/``) never imports the worker or onnxruntime, so it runs
-this module as a process, ``python -m worker.benchkit COMMAND``, and reads the JSON it prints:
+``python -m tools.bench`` (``tools/bench/``) never imports the worker or onnxruntime, so it runs
+this module as a process, ``python -m tools.benchkit COMMAND``, and reads the JSON it prints:
 
-- ``build NAME PATH``: write a synthetic model (``worker.synthetic``).
+- ``build NAME PATH``: write a synthetic model (``tools.synthetic``).
 - ``bare``: bare ``session.run`` at given batch sizes, the worker's session options and providers.
 - ``protocol``: the Redis protocol alone: an echo worker (read, reply, ack and delete with the
   worker's own ``RequestStream``; no decoding, no model) driven by one pipelining producer process
@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer import bench
 from producer.codec import ModelRef, Reply, encode_reply
 from producer.keys import is_valid_rid, request_stream
+from tools import bench
 from worker.config import PROVIDERS, ModelConfig, ProviderConfig
 from worker.errors import WorkerError
 from worker.stream import Finish, RawEntry, RequestStream
@@ -305,8 +305,8 @@ def measure_asyncio(
 
 
 def _cmd_build(args: argparse.Namespace) -> dict[str, Any]:
+    from tools.synthetic import save
     from worker.model import read_model_file
-    from worker.synthetic import save
 
     path = save(args.name, args.path)
     return {"model": args.name, "path": str(path), "sha256": read_model_file(path).sha256}
@@ -348,7 +348,7 @@ def _cmd_asyncio(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_redis(args: argparse.Namespace) -> dict[str, Any] | None:
-    from worker.localredis import LocalRedis
+    from tools.localredis import LocalRedis
 
     def stop(*_: Any) -> None:
         raise SystemExit(0)
@@ -362,15 +362,15 @@ def _cmd_redis(args: argparse.Namespace) -> dict[str, Any] | None:
 
 _EPILOG = """\
 examples:
-  python -m worker.benchkit build heavy /tmp/heavy.onnx
-  python -m worker.benchkit bare --model-file /tmp/heavy.onnx --batch-sizes 1,32 --duration-s 2
-  python -m worker.benchkit bare --model-file /tmp/resnet18.onnx --providers cuda,cpu
-  python -m worker.benchkit protocol --redis-url redis://127.0.0.1:6379/0 \\
+  python -m tools.benchkit build heavy /tmp/heavy.onnx
+  python -m tools.benchkit bare --model-file /tmp/heavy.onnx --batch-sizes 1,32 --duration-s 2
+  python -m tools.benchkit bare --model-file /tmp/resnet18.onnx --providers cuda,cpu
+  python -m tools.benchkit protocol --redis-url redis://127.0.0.1:6379/0 \\
       --model-file /tmp/tiny.onnx --concurrency 64 --duration-s 3
-  python -m worker.benchkit asyncio --model-file /tmp/heavy.onnx --callers 64 --window-ms 10
-  python -m worker.benchkit redis        # prints {"url": ...}; stops when stdin closes
+  python -m tools.benchkit asyncio --model-file /tmp/heavy.onnx --callers 64 --window-ms 10
+  python -m tools.benchkit redis        # prints {"url": ...}; stops when stdin closes
 
-Each command prints one JSON object on stdout. 'redbatch bench' runs these for its ceilings.
+Each command prints one JSON object on stdout. 'python -m tools.bench' runs these for its ceilings.
 """
 
 
@@ -392,11 +392,11 @@ def _providers(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m worker.benchkit`` argument parser."""
+    """The ``python -m tools.benchkit`` argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m worker.benchkit",
-        description="Ceilings for 'redbatch bench': bare session.run, the Redis protocol alone, "
-        "and an in-process asyncio batcher. Prints JSON.",
+        prog="python -m tools.benchkit",
+        description="Ceilings for 'python -m tools.bench': bare session.run, the Redis protocol "
+        "alone, and an in-process asyncio batcher. Prints JSON.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

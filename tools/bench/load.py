@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.bench.errors import BenchError
-from producer.bench.wire import ProducerTally, Replies, Sender
 from producer.errors import WaitTimeout
+from tools.bench.errors import BenchError
+from tools.bench.wire import ProducerTally, Replies, Sender
 
 __all__ = [
     "CALLERS",
