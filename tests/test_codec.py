@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
+from wire_strategies import DTYPE_NAMES, RID, a_reply, arrays, meta_values, names
 
 from producer import codec
 from producer.errors import ERROR_CODES, WireFormatError
 
 MAX_BYTES = 1 << 20
-DTYPE_NAMES = list(codec.DTYPES)
-RID = r"[A-Za-z0-9_.:-]{1,128}"
 CONTRACT_EXAMPLE = bytes.fromhex(
     "81a6696e7075747381a17883a56474797065a7666c6f61743332a57368617065920102"
     "a464617461c4080000803f000020c0"
@@ -52,56 +50,6 @@ def refused(raw: bytes, max_bytes: int = MAX_BYTES) -> WireFormatError:
     with pytest.raises(WireFormatError) as info:
         codec.decode_request(raw, max_bytes)
     return info.value
-
-
-def a_reply(**changes: Any) -> codec.Reply:
-    fields: dict[str, Any] = {
-        "rid": "r1",
-        "ok": True,
-        "model": codec.ModelRef("demo", "1", "ab" * 32),
-        "worker": "host-1",
-        "timings_ms": {"queued": 1.0, "inference": 2.0},
-        "outputs": {"y": np.arange(3, dtype=np.float32).reshape(1, 3)},
-        "batch_rows": 1,
-    }
-    fields.update(changes)
-    return codec.Reply(**fields)
-
-
-# ---------------------------------------------------------------------------------------------
-# Strategies
-
-names = st.text(min_size=1, max_size=8)
-meta_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(width=32)  # fits float 32 too, so a sender may write either width
-    | st.text(max_size=16)
-    | st.binary(max_size=16),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
-    ),
-    max_leaves=10,
-)
-
-
-@st.composite
-def arrays(draw: st.DrawFn, min_dims: int = 1) -> tuple[str, np.ndarray]:
-    """(dtype name, array) in any layout: C, Fortran, transposed, strided, and/or big-endian."""
-    name = draw(st.sampled_from(DTYPE_NAMES))
-    shape = draw(hnp.array_shapes(min_dims=min_dims, max_dims=4, min_side=0, max_side=3))
-    arr = draw(hnp.arrays(np.dtype(name), shape))
-    layout = draw(st.sampled_from(["c", "fortran", "transposed", "strided"]))
-    if layout == "fortran":
-        arr = np.asfortranarray(arr)
-    elif layout == "transposed":
-        arr = arr.T
-    elif layout == "strided":
-        arr = np.stack([arr, arr], axis=-1)[..., 0]
-    if draw(st.booleans()):
-        arr = arr.astype(arr.dtype.newbyteorder(">"))
-    return name, arr
 
 
 def assert_same_array(decoded: np.ndarray, name: str, original: np.ndarray) -> None:
@@ -247,43 +195,6 @@ def test_replies_round_trip_and_echo_meta_bytes(
         assert got.outputs is None
         assert got.error == error
     assert codec.encode_reply(got) == raw  # a relay that decodes and re-encodes changes nothing
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    requests=st.lists(
-        st.tuples(
-            st.from_regex(RID, fullmatch=True),
-            st.dictionaries(names, arrays(), max_size=2),
-            st.floats(0, 1e6),
-            st.none() | meta_values.map(codec.pack_meta),
-        ),
-        max_size=5,
-    ),
-    batch_rows=st.integers(1, 4096),
-    inference_ms=st.floats(0, 1e6),
-)
-def test_a_runs_replies_encoded_together_are_the_bytes_encoded_one_by_one(
-    requests: list[tuple[str, dict[str, tuple[str, np.ndarray]], float, bytes | None]],
-    batch_rows: int,
-    inference_ms: float,
-) -> None:
-    encoder = codec.ReplyEncoder(codec.ModelRef("m", "1", "0" * 64), "w")
-    together = encoder.encode_run(
-        [(rid, {k: a for k, (_, a) in outs.items()}, q, meta) for rid, outs, q, meta in requests],
-        batch_rows=batch_rows,
-        inference_ms=inference_ms,
-    )
-    assert together == [
-        encoder.encode(
-            rid,
-            outputs={k: a for k, (_, a) in outs.items()},
-            batch_rows=batch_rows,
-            timings_ms={"queued": q, "inference": inference_ms},
-            meta_raw=meta,
-        )
-        for rid, outs, q, meta in requests
-    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,6 +380,35 @@ def test_long_string_is_malformed() -> None:
     err = refused(body_with_raw("outputs", pack(["a" * 70_000])))
     assert err.code == "MALFORMED"
     assert "max_str_len" in str(err)
+
+
+# nil is read in one pass; a timestamp (ext) sends meta through the pair-by-pair second pass
+INNERMOST = {"nil": b"\xc0", "timestamp": b"\xd6\xff\x00\x00\x00\x01"}
+
+
+@pytest.mark.parametrize("innermost", INNERMOST.values(), ids=INNERMOST.keys())
+def test_nesting_is_malformed_past_1024_levels_counting_the_body_map(innermost: bytes) -> None:
+    # docs/protocol.md: more than 1,024 levels of arrays and maps, the body map the first
+    at_limit = b"\x91" * 1023 + innermost  # the body map and 1,023 arrays: 1,024 levels
+    assert codec.decode_request(body_with_raw("meta", at_limit), MAX_BYTES).meta_raw == at_limit
+    err = refused(body_with_raw("meta", b"\x91" + at_limit))
+    assert (err.code, err.message) == (
+        "MALFORMED",
+        "body is nested too deeply to be msgpack we accept.",
+    )
+    # A refused body's meta is echoed only where a reply could hold it; the reply map counts too
+    assert err.meta_raw is None
+    assert codec.decode_reply(codec.encode_reply(a_reply(meta_raw=at_limit))).meta_raw == at_limit
+    with pytest.raises(WireFormatError, match="reply is nested too deeply"):
+        codec.decode_reply(codec.encode_reply(a_reply(meta_raw=b"\x91" + at_limit)))
+
+
+def test_a_body_malformed_elsewhere_echoes_meta_nested_to_the_limit() -> None:
+    at_limit = b"\x91" * 1023 + b"\xc0"
+    raw = b"\x83" + pack("inputs") + pack({"x": tensor()}) + pack("meta") + at_limit
+    err = refused(raw + pack("typo") + b"\x01")
+    assert "unknown key 'typo'" in err.message
+    assert err.meta_raw == at_limit
 
 
 def test_fault_in_second_input_names_that_input() -> None:

@@ -33,7 +33,7 @@ from harness import running_worker, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import codec
+from producer import codec, guards
 from producer.errors import WireFormatError
 from worker.intake import admit
 from worker.stream import RawEntry
@@ -281,12 +281,12 @@ def test_a_meta_whose_header_declares_more_than_follows_is_malformed() -> None:
     ids=["array16-of-4095", "array16-of-1023", "map16-of-511", "fixarray-of-15"],
 )
 def test_small_msgpack_is_bounded_without_the_header_walk(level: bytes) -> None:
-    # At most 1 KiB is not walked first (codec._SMALL); containers are capped at its length,
+    # At most 1 KiB is not walked first (guards._SMALL); containers are capped at its length,
     # so a hostile one nests at most a third of a KiB of them: a few MB at worst.
     body = with_raw("meta", b"")
-    body += (level * 1024)[: codec._SMALL - len(body)]
-    raw = (level * 1024)[: codec._SMALL]
-    assert len(body) == len(raw) == codec._SMALL
+    body += (level * 1024)[: guards._SMALL - len(body)]
+    raw = (level * 1024)[: guards._SMALL]
+    assert len(body) == len(raw) == guards._SMALL
     assert decode_or_code(body, BIG) == "MALFORMED"
     assert peak_bytes(lambda: decode_or_code(body, BIG)) < 4_000_000
     assert reply_or_code(raw) == "MALFORMED"
@@ -296,7 +296,7 @@ def test_small_msgpack_is_bounded_without_the_header_walk(level: bytes) -> None:
 def test_a_container_as_long_as_a_small_body_allows_is_accepted() -> None:
     meta = [0] * 900  # 900 values in 903 bytes: the cap is the body's length, never below it
     body = with_raw("meta", pack(meta))
-    assert len(body) <= codec._SMALL
+    assert len(body) <= guards._SMALL
     assert codec.decode_request(body, BIG).meta_raw == pack(meta)
 
 

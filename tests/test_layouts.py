@@ -20,6 +20,7 @@ from worker.intake import WorkItem, admit
 from worker.layouts import Layouts
 from worker.model import TensorSpec
 from worker.schema import Schema
+from worker.spans import body_spans
 from worker.stream import RawEntry
 
 MAX_BYTES = 1 << 20
@@ -191,6 +192,6 @@ def test_body_spans_point_at_each_inputs_data() -> None:
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.full((1, 300), 7, dtype=np.int64)  # a bin of over 255 bytes: a 2-byte length
     body = codec.encode_request({"a": a, "b": b}, outputs=["total"], reply_ttl_s=5)
-    spans = codec.body_spans(body).data
+    spans = body_spans(body).data
     assert body[spans["a"][0] : sum(spans["a"])] == a.tobytes()
     assert body[spans["b"][0] : sum(spans["b"])] == b.tobytes()

@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from producer.codec import RequestBody, body_spans
+from producer.codec import RequestBody
 from worker.schema import Signature, ValidRequest
+from worker.spans import body_spans
 
 __all__ = ["Known", "Layouts"]
 

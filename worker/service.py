@@ -17,7 +17,7 @@ from typing import Any
 
 import redis
 
-from producer.codec import ErrorInfo, ModelRef, ReplyEncoder
+from producer.codec import ErrorInfo, ModelRef
 from worker import faults
 from worker.assemble import FeedBuffers
 from worker.batcher import Batcher
@@ -33,6 +33,7 @@ from worker.metrics import Metrics
 from worker.model import OnnxModel, check_sha256, read_model_file
 from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
+from worker.replies import ReplyEncoder
 from worker.retry import Outage, is_transient
 from worker.schema import Schema
 from worker.stream import Finish, RequestStream
