@@ -1,19 +1,40 @@
-"""Argument types shared by the ``redbatch`` commands, so each rule and message exists once."""
+"""What the ``redbatch`` commands share, so each rule and message exists once: argument types,
+the usage error, the exit statuses and the way an error is printed."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from producer import keys
+from producer.errors import RedbatchError
 
 __all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "UsageError",
     "model_name",
     "non_negative_float",
     "positive_float",
     "positive_int",
     "prefix",
+    "print_error",
     "watermark",
 ]
+
+#: Every row succeeded; some rows failed; the command could not run as asked; Ctrl-C.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(RedbatchError):
+    """Raised when the command cannot run as asked (bad option, unreadable file); exit 2."""
+
+
+def print_error(message: str) -> None:
+    """``redbatch: error: MESSAGE`` on stderr, as argparse prints its own usage errors."""
+    print(f"redbatch: error: {message}", file=sys.stderr)
 
 
 def positive_int(text: str) -> int:

@@ -32,7 +32,8 @@ import redis
 from producer import argtypes, codec, keys
 from producer.errors import WireFormatError
 from producer.retry import RetryPolicy
-from producer.status import printable, redis_where
+from producer.status import redis_where
+from producer.statusformat import printable, table
 
 __all__ = [
     "PAGE_SIZE",
@@ -347,19 +348,13 @@ def format_report(report: ReplayReport) -> str:
             ]
             for r in report.resent
         ]
-        lines += _table(rows)
+        lines += table(rows, indent="  ")
     if report.skipped:
         lines.append("skipped:")
         rows = [["DEAD ENTRY", "RID", "REASON"]]
         rows += [[s.dead_entry, s.rid or "-", s.reason] for s in report.skipped]
-        lines += _table(rows)
+        lines += table(rows, indent="  ")
     return "\n".join(map(printable, lines))
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------

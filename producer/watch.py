@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, TextIO
+from typing import TextIO
 from urllib.parse import urlsplit
 
 import redis
 
 from producer import argtypes, core, keys
+from producer.argtypes import UsageError
 from producer.errors import ConnectionFailed
-from producer.status import printable
-from producer.statusformat import INFO_REFUSED, memory_notes, memory_summary
+from producer.statusformat import INFO_REFUSED, memory_notes, memory_summary, printable, show, table
 from producer.watchstats import (
     Scrape,
     Snapshot,
@@ -208,9 +207,9 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
         rows.append(
             [
                 w.name,
-                _show(w.get("state")),
-                _show(w.get("model", "version")),
-                _show(w.get("model", "sha256"))[:12],
+                show(w.get("state")),
+                show(w.get("model", "version")),
+                show(w.get("model", "sha256"))[:12],
                 ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
                 "-" if consumer is None else f"{consumer.pending:,}",
                 "-" if rate is None else f"{rate[0]:,.0f}",
@@ -219,21 +218,11 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
                 _age(epoch_s(w.get("heartbeat_at")), s.observed_at),
             ]
         )
-    return lines + _table(rows)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measured
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    return lines + table(rows, indent="  ")
 
 
 def _age(at_s: float | None, now_s: float) -> str:
     return "-" if at_s is None else f"{format_seconds(max(now_s - at_s, 0.0))} ago"
-
-
-def _show(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,8 +287,6 @@ def _refresh(conn: redis.Redis, args: argparse.Namespace, *, first: bool) -> Sna
 
 def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``redbatch status --watch``: redraw until Ctrl-C or ``--iterations``; returns 0."""
-    from producer.job import UsageError
-
     if getattr(args, "json", False):
         raise UsageError("--watch draws a live view; leave out --json (or drop --watch).")
     stream = sys.stdout if out is None else out

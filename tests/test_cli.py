@@ -774,7 +774,7 @@ def test_rewriting_an_output_keeps_its_permissions(tmp_path: Path) -> None:
 
 
 def test_a_ctrl_c_while_results_are_written_is_held_and_a_second_goes_through() -> None:
-    from producer.cli import _sigint_deferred
+    from producer.runcmd import _sigint_deferred
 
     with _sigint_deferred() as held:
         os.kill(os.getpid(), signals.SIGINT)
@@ -800,7 +800,7 @@ def test_a_ctrl_c_after_the_job_still_writes_everything(
         def close(self) -> None:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("producer.cli._progress_bar", lambda *_a, **_kw: Bar())
+    monkeypatch.setattr("producer.runcmd._progress_bar", lambda *_a, **_kw: Bar())
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
 

@@ -11,7 +11,17 @@ from harness import write_config
 
 from tools.synthetic import save
 from worker.cli import main
-from worker.config import load_config, parse_config
+from worker.config import (
+    BatchingConfig,
+    DeliveryConfig,
+    LimitsConfig,
+    MetricsConfig,
+    ProviderConfig,
+    RedisConfig,
+    WarmupConfig,
+    load_config,
+    parse_config,
+)
 from worker.errors import ConfigError, ModelError
 from worker.service import prepare
 
@@ -504,3 +514,60 @@ def test_one_requests_nan_does_not_wave_another_requests_out_of_range_value_thro
     rejected = schema.screen(feeds, requests)
     assert sorted(rejected) == [1]
     assert "below the minimum 0" in rejected[1].message
+
+
+def test_inputs_with_different_fixed_leading_sizes_name_the_inputs_key_and_fix(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Silero VAD's fixed-batch export: audio [1, 576] and state [2, 1, 128] (batch on axis 1)
+    onnx = pytest.importorskip("onnx")
+    f32 = onnx.TensorProto.FLOAT
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Identity", ["input"], ["output"]),
+            onnx.helper.make_node("Identity", ["state"], ["stateN"]),
+        ],
+        "silero_fixed",
+        [
+            onnx.helper.make_tensor_value_info("input", f32, [1, 576]),
+            onnx.helper.make_tensor_value_info("state", f32, [2, 1, 128]),
+        ],
+        [
+            onnx.helper.make_tensor_value_info("output", f32, [1, 576]),
+            onnx.helper.make_tensor_value_info("stateN", f32, [2, 1, 128]),
+        ],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, tmp_path / "vad.onnx")
+    config = tmp_path / "vad.toml"
+    config.write_text(
+        f'[redis]\nurl = "{redis_url}"\n[model]\nname = "vad"\npath = "vad.onnx"\n'
+        'providers = ["cpu"]\n[batching]\nmax_batch_size = 1\n'
+    )
+    with pytest.raises(ModelError) as caught:
+        prepare(load_config(config, environ={}), "w")
+    message = str(caught.value)
+    assert "\n" not in message
+    for words in (
+        "'input' [1, 576] leads with 1",
+        "'state' [2, 1, 128] leads with 2",
+        "batching.max_batch_size <= K",
+        "Export the model with the batch first in every input",
+    ):
+        assert words in message
+
+
+def test_left_out_keys_take_the_dataclass_defaults(model_dir: Path) -> None:
+    config = parse_config(
+        {"model": {"name": "demo", "path": "m.onnx", "cpu": {}}}, base_dir=model_dir
+    )
+    assert config.redis == RedisConfig()
+    assert config.model.version == "1"
+    assert config.model.providers == (ProviderConfig("cpu"),)
+    assert (config.model.intra_op_threads, config.model.allow_spinning) == (0, False)
+    assert config.batching == BatchingConfig()
+    assert config.limits == LimitsConfig()
+    assert config.delivery == DeliveryConfig()
+    assert config.warmup == WarmupConfig()
+    assert config.metrics == MetricsConfig()

@@ -22,7 +22,7 @@ import redis
 from producer.job import UsageError
 from tools import bench, benchkit, synthetic
 from tools.bench import cli as bench_cli
-from tools.bench import runner
+from tools.bench import phases, runner
 from tools.bench.processes import WorkerProcess, WorkerSetup
 from tools.bench.wire import Sender, row_bytes
 from worker.config import PROVIDERS, load_config
@@ -148,7 +148,7 @@ def test_bench_passes_providers_to_workers_and_ceilings(
             "throughput_per_s": 1.0,
         }
 
-    monkeypatch.setattr(runner, "benchkit", fake_benchkit)
+    monkeypatch.setattr(phases, "benchkit", fake_benchkit)
     options = runner.Options(model="resnet18", providers=("cuda", "cpu"))
     b = runner.Bench(options, redis_url, tmp_path)
     assert b.workers.providers == ("cuda", "cpu")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from worker.errors import ModelError
-from worker.model import TensorSpec
+from worker.tensorspec import TensorSpec
 
 __all__ = ["BoundRunner", "buckets_for", "check_graph_shapes"]
 

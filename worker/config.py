@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -21,6 +21,7 @@ from redis.connection import Connection, parse_url
 
 from producer.core import redact_url
 from producer.keys import DEFAULT_PREFIX, is_valid_model_name, is_valid_prefix
+from worker.configtable import Table
 from worker.errors import ConfigError
 
 __all__ = [
@@ -54,7 +55,6 @@ PROVIDERS: dict[str, frozenset[str]] = {
     ),
     "tensorrt": frozenset({"require", "device_id", "engine_cache_path", "fp16"}),
 }
-_DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _ARENA_STRATEGIES = ("kNextPowerOfTwo", "kSameAsRequested")
 _SHA256_RE = re.compile(r"[0-9A-Fa-f]{64}")
 
@@ -72,7 +72,7 @@ _URL_FORMS = (
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    url: str = _DEFAULT_REDIS_URL
+    url: str = "redis://127.0.0.1:6379/0"
     prefix: str = DEFAULT_PREFIX
 
 
@@ -173,7 +173,7 @@ def parse_config(
     data: Mapping[str, Any], base_dir: Path, redis_url: str | None = None
 ) -> WorkerConfig:
     """Build a WorkerConfig from parsed TOML; paths are relative to ``base_dir``."""
-    root = _Table(data, "")
+    root = Table(data, "")
     root.check_keys(
         {"redis", "model", "batching", "limits", "delivery", "warmup", "metrics", "inputs"}
     )
@@ -190,9 +190,9 @@ def parse_config(
     )
 
 
-def _redis(t: _Table, url_override: str | None) -> RedisConfig:
+def _redis(t: Table, url_override: str | None) -> RedisConfig:
     t.check_keys({"url", "prefix"})
-    url = url_override or t.get_str("url", _DEFAULT_REDIS_URL)
+    url = url_override or t.get_str("url", _default(RedisConfig, "url"))
     where = (
         "Environment variable REDIS_URL (it overrides config 'redis.url')"
         if url_override
@@ -201,7 +201,7 @@ def _redis(t: _Table, url_override: str | None) -> RedisConfig:
     problem = _redis_url_problem(url)
     if problem is not None:
         raise ConfigError(f"{where} has value {redact_url(url)!r}: {problem}. {_URL_FORMS}")
-    prefix = t.get_str("prefix", DEFAULT_PREFIX)
+    prefix = t.get_str("prefix", _default(RedisConfig, "prefix"))
     if not is_valid_prefix(prefix):
         raise ConfigError(
             f"Config 'redis.prefix' has value {prefix!r}. Use a non-empty name without braces "
@@ -257,7 +257,7 @@ def _scrub(message: str, url: str) -> str:
     return re.sub(r"'([^']+)'", lambda m: "'***'" if m.group(1) in secret else m.group(0), message)
 
 
-def _model(t: _Table, base_dir: Path) -> ModelConfig:
+def _model(t: Table, base_dir: Path) -> ModelConfig:
     t.check_keys(
         {
             "name",
@@ -282,7 +282,7 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
         raise ConfigError(
             f"Config 'model.path' points to {path}, {what}. Paths are relative to the config file."
         )
-    names = t.get_str_list("providers", ["cpu"])
+    names = t.get_str_list("providers", [p.name for p in _default(ModelConfig, "providers")])
     if not names:
         raise ConfigError("Config 'model.providers' is empty. List at least one, e.g. ['cpu'].")
     for n in names:
@@ -297,7 +297,7 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
                 f"{extra!r}. Add it to providers or remove the table."
             )
     providers = tuple(_provider(n, t.table(n), base_dir) for n in names)
-    version = t.data.get("version", "1")
+    version = t.data.get("version", _default(ModelConfig, "version"))
     if not isinstance(version, str | int) or isinstance(version, bool):
         raise ConfigError(f"Config 'model.version' has value {version!r}. Use a string.")
     if not str(version).strip() or not str(version).isprintable():
@@ -306,19 +306,20 @@ def _model(t: _Table, base_dir: Path) -> ModelConfig:
             "such as '2', and change it with every model file: replies, metrics and status "
             "name it."
         )
+    d = _defaults(ModelConfig)
     return ModelConfig(
         name=name,
         path=path,
         version=str(version),
         providers=providers,
-        intra_op_threads=t.get_int("intra_op_threads", 0, minimum=0),
-        inter_op_threads=t.get_int("inter_op_threads", 0, minimum=0),
-        allow_spinning=t.get_bool("allow_spinning", False),
+        intra_op_threads=t.get_int("intra_op_threads", d["intra_op_threads"], minimum=0),
+        inter_op_threads=t.get_int("inter_op_threads", d["inter_op_threads"], minimum=0),
+        allow_spinning=t.get_bool("allow_spinning", d["allow_spinning"]),
         sha256=_sha256(t),
     )
 
 
-def _sha256(t: _Table) -> str | None:
+def _sha256(t: Table) -> str | None:
     """The pinned model hash, so a swapped or corrupted file is refused rather than served."""
     if "sha256" not in t.data:
         return None
@@ -331,13 +332,13 @@ def _sha256(t: _Table) -> str | None:
     return value.lower()
 
 
-def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:
+def _provider(name: str, t: Table, base_dir: Path) -> ProviderConfig:
     t.check_keys(PROVIDERS[name])
     options: dict[str, Any] = {}
     if "device_id" in t.data:
-        options["device_id"] = t.get_int("device_id", 0, minimum=0)
+        options["device_id"] = t.get_int("device_id", None, minimum=0)
     if "gpu_mem_limit" in t.data:
-        options["gpu_mem_limit"] = t.get_int("gpu_mem_limit", 0, minimum=1)
+        options["gpu_mem_limit"] = t.get_int("gpu_mem_limit", None, minimum=1)
     if "arena_extend_strategy" in t.data:
         strategy = t.get_str("arena_extend_strategy", None)
         if strategy not in _ARENA_STRATEGIES:
@@ -351,55 +352,64 @@ def _provider(name: str, t: _Table, base_dir: Path) -> ProviderConfig:
             (base_dir / t.get_str("engine_cache_path", None)).resolve()
         )
     if "fp16" in t.data:
-        options["fp16"] = t.get_bool("fp16", False)
-    cuda_graph = t.get_bool("cuda_graph", False)
+        options["fp16"] = t.get_bool("fp16", None)
+    d = _defaults(ProviderConfig)
+    cuda_graph = t.get_bool("cuda_graph", d["cuda_graph"])
     return ProviderConfig(
         name=name,
-        require=t.get_bool("require", False),
+        require=t.get_bool("require", d["require"]),
         options=options,
-        io_binding=t.get_bool("io_binding", False) or cuda_graph,
+        io_binding=t.get_bool("io_binding", d["io_binding"]) or cuda_graph,
         cuda_graph=cuda_graph,
     )
 
 
-def _batching(t: _Table) -> BatchingConfig:
+def _batching(t: Table) -> BatchingConfig:
     t.check_keys({"max_batch_size", "max_wait_ms", "adaptive_wait"})
+    d = _defaults(BatchingConfig)
     return BatchingConfig(
-        max_batch_size=t.get_int("max_batch_size", 32, minimum=1, maximum=1_000_000),
-        max_wait_ms=t.get_number("max_wait_ms", 5.0, minimum=0.0, maximum=60_000.0),
-        adaptive_wait=t.get_bool("adaptive_wait", True),
+        max_batch_size=t.get_int(
+            "max_batch_size", d["max_batch_size"], minimum=1, maximum=1_000_000
+        ),
+        max_wait_ms=t.get_number("max_wait_ms", d["max_wait_ms"], minimum=0.0, maximum=60_000.0),
+        adaptive_wait=t.get_bool("adaptive_wait", d["adaptive_wait"]),
     )
 
 
-def _limits(t: _Table) -> LimitsConfig:
+def _limits(t: Table) -> LimitsConfig:
     t.check_keys({"max_request_bytes", "reject_non_finite"})
+    d = _defaults(LimitsConfig)
     return LimitsConfig(
         max_request_bytes=t.get_int(
-            "max_request_bytes", 16 * 1024 * 1024, minimum=64, maximum=2**31
+            "max_request_bytes", d["max_request_bytes"], minimum=64, maximum=2**31
         ),
-        reject_non_finite=t.get_bool("reject_non_finite", True),
+        reject_non_finite=t.get_bool("reject_non_finite", d["reject_non_finite"]),
     )
 
 
-def _delivery(t: _Table) -> DeliveryConfig:
+def _delivery(t: Table) -> DeliveryConfig:
     t.check_keys({"claim_idle_ms", "max_deliveries", "reply_ttl_s", "max_run_s"})
+    d = _defaults(DeliveryConfig)
     return DeliveryConfig(
-        claim_idle_ms=t.get_int("claim_idle_ms", 30_000, minimum=100, maximum=_MAX_CLAIM_IDLE_MS),
-        max_deliveries=t.get_int("max_deliveries", 3, minimum=1),
+        claim_idle_ms=t.get_int(
+            "claim_idle_ms", d["claim_idle_ms"], minimum=100, maximum=_MAX_CLAIM_IDLE_MS
+        ),
+        max_deliveries=t.get_int("max_deliveries", d["max_deliveries"], minimum=1),
         # Redis refuses an EXPIRE whose milliseconds overflow; ten years is past any use.
-        reply_ttl_s=t.get_int("reply_ttl_s", 3600, minimum=1, maximum=_MAX_REPLY_TTL_S),
-        max_run_s=t.get_number("max_run_s", 300.0, minimum=0.0, maximum=_MAX_RUN_S),
+        reply_ttl_s=t.get_int("reply_ttl_s", d["reply_ttl_s"], minimum=1, maximum=_MAX_REPLY_TTL_S),
+        max_run_s=t.get_number("max_run_s", d["max_run_s"], minimum=0.0, maximum=_MAX_RUN_S),
     )
 
 
-def _warmup(t: _Table) -> WarmupConfig:
+def _warmup(t: Table) -> WarmupConfig:
     t.check_keys({"runs"})
-    return WarmupConfig(runs=t.get_int("runs", 5, minimum=0, maximum=10_000))
+    runs = t.get_int("runs", _default(WarmupConfig, "runs"), minimum=0, maximum=10_000)
+    return WarmupConfig(runs=runs)
 
 
-def _metrics(t: _Table) -> MetricsConfig:
+def _metrics(t: Table) -> MetricsConfig:
     t.check_keys({"port", "host"})
-    host = t.get_str("host", "0.0.0.0")
+    host = t.get_str("host", _default(MetricsConfig, "host"))
     try:
         if host != "localhost":
             ipaddress.IPv4Address(host)
@@ -408,10 +418,11 @@ def _metrics(t: _Table) -> MetricsConfig:
             f"Config '{t.where('host')}' has value {host!r}. Use the IPv4 address to listen on: "
             "0.0.0.0 (every interface), localhost, or one of this host's, such as 127.0.0.1."
         ) from None
-    return MetricsConfig(port=t.get_int("port", 0, minimum=0, maximum=65535), host=host)
+    port = t.get_int("port", _default(MetricsConfig, "port"), minimum=0, maximum=65535)
+    return MetricsConfig(port=port, host=host)
 
 
-def _inputs(t: _Table) -> dict[str, InputConfig]:
+def _inputs(t: Table) -> dict[str, InputConfig]:
     result = {}
     for name in t.data:
         it = t.table(name)
@@ -436,7 +447,7 @@ def _inputs(t: _Table) -> dict[str, InputConfig]:
     return result
 
 
-def _bound(t: _Table, key: str) -> float | None:
+def _bound(t: Table, key: str) -> float | None:
     """``inputs.NAME.min`` or ``.max``; left out, or infinite on its own side, is no bound."""
     value = t.data.get(key)
     if type(value) is float and not math.isfinite(value):
@@ -452,101 +463,16 @@ def _bound(t: _Table, key: str) -> float | None:
     return result
 
 
-class _Table:
-    """One TOML table with its dotted name, so every error names the exact key."""
+def _defaults(cls: type) -> dict[str, Any]:
+    """The field defaults of config dataclass ``cls``: each default is written once, there."""
+    result = {}
+    for f in fields(cls):
+        if f.default is not MISSING:
+            result[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            result[f.name] = f.default_factory()
+    return result
 
-    def __init__(self, data: Any, dotted: str) -> None:
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"Config '{dotted}' must be a table, got {data!r}.")
-        self.data = data
-        self.dotted = dotted
 
-    def where(self, key: str) -> str:
-        return f"{self.dotted}.{key}" if self.dotted else key
-
-    def check_keys(self, allowed: set[str] | frozenset[str]) -> None:
-        for key in self.data:
-            if key not in allowed:
-                section = f"[{self.dotted}]" if self.dotted else "the top level"
-                raise ConfigError(
-                    f"Config key '{self.where(key)}' is not known. "
-                    f"Valid keys in {section}: {', '.join(sorted(allowed))}."
-                )
-
-    def table(self, key: str, required: bool = False) -> _Table:
-        if key not in self.data:
-            if required:
-                raise ConfigError(f"Config needs a [{self.where(key)}] table.")
-            return _Table({}, self.where(key))
-        return _Table(self.data[key], self.where(key))
-
-    def _value(self, key: str, default: Any) -> Any:
-        if key in self.data:
-            return self.data[key]
-        if default is None:
-            raise ConfigError(f"Config needs '{self.where(key)}'.")
-        return default
-
-    def get_str(self, key: str, default: str | None) -> str:
-        value = self._value(key, default)
-        if not isinstance(value, str):
-            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use a string.")
-        return value
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self._value(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use true or false.")
-        return value
-
-    def get_int(
-        self,
-        key: str,
-        default: int,
-        minimum: int | None = None,
-        maximum: int | None = None,
-    ) -> int:
-        value = self._value(key, default)
-        if type(value) is not int:
-            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use an integer.")
-        self._check_range(key, value, minimum, maximum)
-        return value
-
-    def get_number(
-        self,
-        key: str,
-        default: float | None,
-        minimum: float | None = None,
-        maximum: float | None = None,
-    ) -> Any:
-        if key not in self.data:
-            return default
-        value = self.data[key]
-        if type(value) not in (int, float):
-            raise ConfigError(f"Config '{self.where(key)}' has value {value!r}. Use a number.")
-        if not math.isfinite(value):
-            raise ConfigError(
-                f"Config '{self.where(key)}' has value {value!r}. Use a finite number."
-            )
-        self._check_range(key, value, minimum, maximum)
-        return float(value)
-
-    def get_str_list(self, key: str, default: list[str]) -> list[str]:
-        value = self.data.get(key, default)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(
-                f"Config '{self.where(key)}' has value {value!r}. Use a list of strings."
-            )
-        return value
-
-    def _check_range(
-        self, key: str, value: float, minimum: float | None, maximum: float | None
-    ) -> None:
-        if minimum is not None and value < minimum:
-            raise ConfigError(
-                f"Config '{self.where(key)}' has value {value!r}. It must be >= {minimum}."
-            )
-        if maximum is not None and value > maximum:
-            raise ConfigError(
-                f"Config '{self.where(key)}' has value {value!r}. It must be <= {maximum}."
-            )
+def _default(cls: type, name: str) -> Any:
+    return _defaults(cls)[name]

@@ -13,15 +13,14 @@ import io
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from worker.binding import BoundRunner, buckets_for
 from worker.config import ModelConfig, ProviderConfig
 from worker.errors import ConfigError, ModelError
-
-if TYPE_CHECKING:
-    from worker.binding import BoundRunner
+from worker.tensorspec import TensorSpec
 
 __all__ = [
     "Model",
@@ -55,22 +54,6 @@ _ORT_TYPES = {
     "tensor(float)": "float32",
     "tensor(double)": "float64",
 }
-
-Dim = int | str | None  # fixed size, symbolic name, or unnamed free dimension
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One model input or output as the model file declares it."""
-
-    name: str
-    dtype: np.dtype[Any]
-    dims: tuple[Dim, ...]
-
-    @property
-    def shape(self) -> list[int]:
-        """The shape with -1 for every free dimension, as error messages and records show it."""
-        return [d if isinstance(d, int) else -1 for d in self.dims]
 
 
 class Model(Protocol):
@@ -178,8 +161,6 @@ class OnnxModel:
     ) -> None:
         """Route runs through a BoundRunner when [model.cuda] asks for it and CUDA is active;
         ``device`` is "cuda" but for tests, which bind host memory."""
-        from worker.binding import BoundRunner, buckets_for
-
         cuda = next((p for p in providers if p.name == "cuda" and p.io_binding), None)
         if cuda is None:
             return

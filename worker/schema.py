@@ -293,6 +293,7 @@ def _check_batchable(
 ) -> int | None:
     """Return the fixed batch size the model needs padding to, or None when it is free."""
     fixed: set[int] = set()
+    leading: list[str] = []
     for spec in inputs:
         if not spec.dims:
             raise ModelError(
@@ -301,8 +302,16 @@ def _check_batchable(
             )
         if isinstance(spec.dims[0], int):
             fixed.add(spec.dims[0])
+            leading.append(f"{spec.name!r} {spec.shape} leads with {spec.dims[0]}")
     if len(fixed) > 1:
-        raise ModelError(f"Model inputs have different fixed batch sizes {sorted(fixed)}.")
+        raise ModelError(
+            f"Model inputs fix different leading sizes ({', '.join(leading)}); redbatch "
+            "batches every input along its first dimension, so that dimension must be the "
+            "batch for every input (a per-input batch axis is not supported yet). Export the "
+            "model with the batch first in every input, either free (e.g. ['batch', ...]) or "
+            "one fixed size K in all of them with batching.max_batch_size <= K (K = 1 and "
+            "batching.max_batch_size = 1 serves one request per run)."
+        )
     fixed_batch = fixed.pop() if fixed else None
     if fixed_batch is not None and fixed_batch < max_batch_size:
         raise ConfigError(

@@ -9,7 +9,6 @@ known rids, so every reply is collected afterwards and counted.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import redis
 
@@ -17,17 +16,15 @@ from producer import core, keys
 from tools.bench.errors import BenchError
 from tools.bench.load import LoadSpec, batch_rows_summary
 from tools.bench.metrics import cpu_cores, cpu_sample, memory_kib, scrape, worker_view
+from tools.bench.phases import Phases
 from tools.bench.processes import POLL_S, PREFIX, WorkerProcess, WorkerSetup
 from tools.bench.report import say
 from tools.bench.wire import ProducerTally, Sender
 
-if TYPE_CHECKING:
-    from tools.bench.runner import Bench
-
 __all__ = ["drain"]
 
 
-def drain(b: Bench) -> None:
+def drain(b: Phases) -> None:
     """A backlog of tiny requests enqueued first, then a fresh worker started to drain it."""
     n = b.o.drain_requests
     setup = WorkerSetup("tiny", 32, b.o.max_wait_ms, name="tiny-drain")

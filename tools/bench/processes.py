@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 from tools import child_env
 from tools.bench.errors import BenchError
+from tools.localredis import free_port
 
 __all__ = [
     "POLL_S",
@@ -96,12 +96,6 @@ def private_redis() -> Iterator[str]:
             proc.wait(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerSetup:
     """What a started worker serves: a synthetic model under a name, and its batching."""
@@ -136,7 +130,7 @@ class WorkerProcess:
     ) -> None:
         self.setup = setup
         self.url = url
-        self.port = _free_port()
+        self.port = free_port()
         self.name = f"bench-{setup.served}-{setup.max_batch_size}-{uuid.uuid4().hex[:6]}"
         self.config = workdir / f"{self.name}.toml"
         self.log = workdir / f"{self.name}.log"

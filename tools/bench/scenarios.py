@@ -1,9 +1,10 @@
 """The fixed presets (``SCENARIOS``): what each runs, and the ceilings it is compared with.
 
 Each preset is fixed, so runs on different days or commits compare. ``python -m tools.bench
---scenario NAME`` runs one; ``Bench`` first measures the union of the chosen presets' ceilings
-(bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio batcher),
-then calls each preset's ``run`` with itself. The drain preset lives in ``drain.py``.
+--scenario NAME`` runs one; ``runner.Bench`` first measures the union of the chosen presets'
+ceilings (bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio
+batcher), then calls each preset's ``run`` with itself, typed as the ``phases.Phases`` it
+drives. The drain preset lives in ``drain.py``.
 
 A preset whose targets set a phase against a ceiling names them as ``Paired``: with
 ``--rounds N`` the bench measures each such ceiling and its phase again N times, back to back,
@@ -14,14 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tools.bench.drain import drain
 from tools.bench.load import CALLERS
+from tools.bench.phases import Phases
 from tools.bench.processes import WorkerSetup
-
-if TYPE_CHECKING:
-    from tools.bench.runner import Bench
 
 __all__ = ["SCENARIOS", "Paired", "Scenario"]
 
@@ -33,14 +32,14 @@ class Paired:
 
     target: str
     phase: str
-    ceiling: Callable[[Bench], float]
+    ceiling: Callable[[Phases], float]
 
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
     """A fixed preset: what it runs, and the ceilings it is compared with."""
 
-    run: Callable[[Bench], None]
+    run: Callable[[Phases], None]
     about: str
     bare: tuple[tuple[str, tuple[int, ...]], ...] = ()
     protocol: tuple[str, ...] = ()
@@ -52,22 +51,22 @@ def _closed(callers: int) -> dict[str, Any]:
     return {"mode": "closed", "concurrency": callers}
 
 
-def _tiny_closed(b: Bench) -> None:
+def _tiny_closed(b: Phases) -> None:
     b.phase("tiny-closed", WorkerSetup("tiny", 32, b.o.max_wait_ms), _closed(CALLERS))
 
 
-def _single_caller(b: Bench) -> None:
+def _single_caller(b: Phases) -> None:
     for model in ("tiny", "heavy"):
         b.phase(f"single-caller/{model}", WorkerSetup(model, 32, b.o.max_wait_ms), _closed(1))
 
 
-def _heavy_closed(b: Bench) -> None:
+def _heavy_closed(b: Phases) -> None:
     for size in (1, 32):
         setup = WorkerSetup("heavy", size, b.o.max_wait_ms)
         b.phase(f"heavy-closed/mbs{size}", setup, _closed(CALLERS))
 
 
-def _poisson_half(b: Bench) -> None:
+def _poisson_half(b: Phases) -> None:
     setup = WorkerSetup("heavy", 32, b.o.max_wait_ms)
     rate = b.closed_max(setup, "poisson-half") / 2
     b.phase("poisson-half/poisson", setup, {"mode": "poisson", "rate_per_s": rate})
@@ -75,7 +74,7 @@ def _poisson_half(b: Bench) -> None:
     b.phase("poisson-half/bursty", setup, load)
 
 
-def _sweep(b: Bench) -> None:
+def _sweep(b: Phases) -> None:
     setup = WorkerSetup("heavy", 32, b.o.max_wait_ms)
     top = b.closed_max(setup, "sweep")
     for callers in (1, 4, 16, 64, 128):
@@ -85,18 +84,18 @@ def _sweep(b: Bench) -> None:
         b.phase(f"sweep/poisson-{share:g}", setup, load, series="heavy Poisson")
 
 
-def _protocol_again(b: Bench) -> float:
+def _protocol_again(b: Phases) -> float:
     """The protocol ceiling again, for a round of tiny-closed."""
     source = ("--model-file", str(b.model_file("tiny")))
     return float(b.protocol("tiny", source, 32, keep=False)["throughput_per_s"])
 
 
-def _bare_again(b: Bench) -> float:
+def _bare_again(b: Phases) -> float:
     """Bare heavy at batch 32 again, for a round of heavy-closed."""
     return float(b.bare("heavy", [32], keep=False)["batch"]["32"]["rows_per_s"])
 
 
-def _asyncio_again(b: Bench) -> float:
+def _asyncio_again(b: Phases) -> float:
     """The asyncio batcher again, for a round of heavy-closed."""
     return float(b.asyncio_batcher("heavy", keep=False)["throughput_per_s"])
 

@@ -1,0 +1,120 @@
+"""No import cycles among the modules of producer/, worker/ and tools/.
+
+The graph is read with ``ast``, not by importing: every ``import`` and ``from ... import``
+anywhere in a module counts, at the top, inside a function (a lazy import hides a cycle, it does
+not break one) or under ``if TYPE_CHECKING:``. ``from package import name`` is an edge to the
+submodule when ``name`` is one, else to the package's ``__init__``. The implicit import of a
+module's parent package is not an edge: a package that re-exports its submodules is not a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("producer", "worker", "tools")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the checked packages, by dotted name."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            found[_module_name(path)] = path
+    return found
+
+
+def _imported(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The known modules that module ``name`` (at ``path``) imports, wherever in the file."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                here = name.split(".") if is_package else name.split(".")[:-1]
+                base_parts = here[: len(here) - (node.level - 1)]
+                base = ".".join([*base_parts, *([node.module] if node.module else [])])
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:
+                    yield sub
+                elif base in known:
+                    yield base
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {
+        name: {m for m in _imported(name, path, known) if m != name} for name, path in known.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_graph_sees_the_modules_and_their_imports() -> None:
+    graph = import_graph()
+    assert {"producer.cli", "worker.config", "tools.bench.runner"} <= set(graph)
+    assert "worker.errors" in graph["worker.config"]
+
+
+def test_cycles_are_found_wherever_the_import_is() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+if __name__ == "__main__":
+    for component in cycles(import_graph()) or [["no cycles"]]:
+        print(" <-> ".join(component))
