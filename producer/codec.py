@@ -41,6 +41,7 @@ __all__ = [
     "ModelRef",
     "Reply",
     "RequestBody",
+    "decode_meta",
     "decode_reply",
     "decode_request",
     "decode_tensor",
@@ -122,8 +123,18 @@ class Reply:
 
     @property
     def meta(self) -> Any:
-        """The request's ``meta`` value, or None when none was sent."""
-        return None if self.meta_raw is None else msgpack.unpackb(self.meta_raw, raw=False)
+        """The request's ``meta`` value, or None when none was sent. ``meta`` may be any msgpack
+        value: maps keep integer and bin keys; a map with a key Python cannot hash (an array,
+        a map) comes back as a list of ``(key, value)`` pairs."""
+        return None if self.meta_raw is None else decode_meta(self.meta_raw)
+
+
+def decode_meta(raw: bytes) -> Any:
+    """A ``meta`` value from its msgpack bytes, whatever its map keys (see ``Reply.meta``)."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except TypeError:  # unhashable keys: pairs instead of a dict
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_pairs_hook=list)
 
 
 # ---------------------------------------------------------------------------------------------

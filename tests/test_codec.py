@@ -536,3 +536,23 @@ def test_errors_quote_an_input_name_as_reprlib_cuts_it(name: str) -> None:
     quoted = codec._quote(name)
     assert info.value.message.startswith(f"input {quoted}: data has 0 bytes")
     assert len(quoted) <= 104  # a hostile name cannot make the message long
+
+
+@pytest.mark.parametrize(
+    ("meta", "decoded"),
+    [
+        ({1: "a", 2: "b"}, {1: "a", 2: "b"}),  # integer keys, as Go or JS may send
+        ({b"k": 1}, {b"k": 1}),  # a bin key
+        ({(1, 2): "x"}, [((1, 2), "x")]),  # an array key: pairs, since Python cannot hash it
+    ],
+    ids=["int-keys", "bin-key", "array-key"],
+)
+def test_a_replys_meta_decodes_whatever_its_map_keys(meta: Any, decoded: Any) -> None:
+    raw = msgpack.packb(meta, use_bin_type=True)
+    reply = codec.decode_reply(codec.encode_reply(a_reply(meta_raw=raw)))
+    assert reply.meta_raw == raw
+    got = reply.meta
+    if isinstance(decoded, list):
+        assert [(list(k), v) for k, v in got] == [(list(k), v) for k, v in decoded]
+    else:
+        assert got == decoded

@@ -157,8 +157,9 @@ class Schema:
             raise Rejected(
                 "TOO_LARGE",
                 f"the request has {rows} rows; this worker's max_batch_size is "
-                f"{self.max_batch_size}. Send at most {self.max_batch_size} rows a request "
-                "(Client.map splits an array so when rows_per_request is left out).",
+                f"{self.max_batch_size}. Send at most {self.max_batch_size} rows a request: "
+                "split larger inputs into several requests (each live worker's record, "
+                "P:{M}:worker:NAME, gives its batching.max_batch_size).",
             )
         return rows
 
