@@ -1,9 +1,9 @@
 """Round trips shared by an ``AsyncClient``'s concurrent calls.
 
 A web back end calls ``infer`` from many handlers at once. With its own ``XADD`` and its own
-``BLPOP`` per call, 64 concurrent calls cost the client 0.46 to 0.55 CPU ms a request here and
-reached 1,750 to 2,050 requests/s (tiny model), where ``map()`` with as many in flight cost 0.1
-ms and reached 6,800/s; sharing the round trips as below, 0.23 ms and 3,900/s.
+``BLPOP`` per call, each call pays a round trip's Python and system-call cost twice, where
+``map()`` pays it once per window; sharing the round trips as below brings concurrent calls
+close to that (docs/design.md has the figures).
 
 - ``Coalescer``: submits made while one is on the wire go together in the next round trip. A
   caller cancelled before its turn is taken out; one cancelled while its round trip is on the
@@ -81,8 +81,8 @@ class Coalescer(Generic[T]):
         self._queue: list[_Queued[T]] = []
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        # One timer, at the first deadline among the queued calls (not one per call: a timer
-        # per infer cost the client about a tenth of its CPU per request).
+        # One timer, at the first deadline among the queued calls, not one per call: a timer per
+        # infer is a heap entry and a callback per request (docs/design.md has its cost).
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 

@@ -1,17 +1,16 @@
-"""The client's logic with no I/O: what to send, what a reply means, and which workers are live.
+"""The client's logic with no I/O: what a request and a reply are, and how a submit is gated.
 
 ``Client`` (``client.py``) and ``AsyncClient`` (``aio.py``) are thin shells in the sans-I/O
-style: they run the Redis commands this module (and ``window.py``, which waits for replies and
-runs map()'s window) asks for and feed the answers back, so the logic exists once and can be
-tested without Redis. Pieces:
+style: ``plans.py`` says which Redis commands a call runs, built from the pieces here and in
+``window.py`` (waiting for replies, map()'s window), ``workers.py`` (the worker registry) and
+``connection.py`` (where a client connects; re-exported here). Pieces:
 
+- ``Result`` and ``Chunk``: what callers get back; ``parse_reply`` reads a reply element.
 - ``Settings``: a client's validated settings and the keys it uses.
-- ``check_timeout_s`` and ``check_ttl_s``: the per-call arguments the shells check themselves.
-- ``build_submission``: a request as a stream entry (``rid``, ``body``).
-- ``BacklogGate``: from ``XLEN``, go ahead, raise ``BacklogFull``, or sleep and look again.
-- ``WorkerRoster`` and ``row_limit``: live worker records and the model's row limit.
-- ``check_connection_kwargs`` and ``block_cap_s``: what a redis-py client must be, how long it
-  may block; ``redact_url`` and ``describe_connection``: where it connects, without passwords.
+- ``check_timeout_s`` and ``check_ttl_s``: the per-call arguments checked before any I/O.
+- ``build_submission``: a request as a stream entry (``rid``, ``body``); ``pack_xadds`` and
+  ``pack_lpops``: submits and reply sweeps as one hand-packed round trip.
+- ``BacklogGate``: from ``XLEN`` and Redis memory, go ahead, refuse, or sleep and look again.
 
 Retrying through Redis outages, and turning redis-py errors into ``ConnectionFailed``, is
 ``producer.retry``'s job.
@@ -19,15 +18,12 @@ Retrying through Redis outages, and turning redis-py errors into ``ConnectionFai
 
 from __future__ import annotations
 
-import json
 import logging
 import numbers
-import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -35,7 +31,14 @@ from redis.typing import EncodableT, FieldT
 
 from producer import codec, keys, resp
 from producer.codec import ErrorInfo, ModelRef
-from producer.errors import BacklogFull, NoWorkerInfo, RedisFull, WireFormatError, error_for_code
+from producer.connection import (
+    MAX_BLOCK_S,
+    block_cap_s,
+    check_connection_kwargs,
+    describe_connection,
+    redact_url,
+)
+from producer.errors import BacklogFull, RedisFull, WireFormatError, error_for_code
 
 __all__ = [
     "FIRST_BACKOFF_S",
@@ -48,7 +51,6 @@ __all__ = [
     "Result",
     "Settings",
     "Submission",
-    "WorkerRoster",
     "as_bytes",
     "block_cap_s",
     "build_submission",
@@ -59,10 +61,11 @@ __all__ = [
     "check_xadds",
     "describe_connection",
     "failed_result",
+    "pack_lpops",
     "pack_xadds",
     "parse_reply",
+    "parse_reply_or_fail",
     "redact_url",
-    "row_limit",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,9 +73,6 @@ log = logging.getLogger(__name__)
 #: Backoff while waiting for the backlog to shrink; Redis has no event for a stream shrinking.
 FIRST_BACKOFF_S = 0.005
 MAX_BACKOFF_S = 0.2
-#: The longest single blocking command. redis-py's default socket timeout is 5 s, and a BLPOP that
-#: outlasts the socket timeout fails, so long waits are made of several short blocks.
-MAX_BLOCK_S = 2.0
 #: The longest deadline or TTL a client takes, in seconds (about 31 years): past any real one,
 #: yet small enough that now plus it, in milliseconds, fits the wire format's and Redis's
 #: integers, so a typo is a ValueError here, not an OverflowError or a Redis refusal later.
@@ -477,135 +477,3 @@ class BacklogGate:
         delay = self._next_delay_s
         self._next_delay_s = min(delay * 2, MAX_BACKOFF_S)
         return delay if self.until is None else min(delay, self.until - now)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker registry
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRoster:
-    """The members of a model's worker set, split into names to look up and names to drop."""
-
-    names: list[str]
-    record_keys: list[str]
-    junk: list[bytes]
-
-    @classmethod
-    def from_members(cls, settings: Settings, members: Iterable[bytes | str]) -> WorkerRoster:
-        """Sort the set's members; ones that are not valid names can hold no record."""
-        names, junk = [], []
-        for member in sorted(as_bytes(m) for m in members):
-            name = member.decode("utf-8", "replace")
-            if keys.is_valid_name(name):
-                names.append(name)
-            else:
-                junk.append(member)
-        record_keys = [keys.worker_key(settings.prefix, settings.model, n) for n in names]
-        return cls(names, record_keys, junk)
-
-    def read(self, raws: Sequence[bytes | str | None]) -> tuple[list[dict[str, Any]], list[bytes]]:
-        """The live records for ``raws`` (one per record key), and the set members to SREM."""
-        records: list[dict[str, Any]] = []
-        stale = list(self.junk)
-        for name, raw in zip(self.names, raws, strict=True):
-            if raw is None:
-                stale.append(name.encode())
-                continue
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                log.warning("worker %s has a record that is not JSON; skipped", name)
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
-                log.warning("worker %s has a record that is not a JSON object; skipped", name)
-        return records, stale
-
-
-def _row_limits(records: Iterable[Mapping[str, Any]]) -> list[int]:
-    limits = []
-    for record in records:
-        batching = record.get("batching")
-        size = batching.get("max_batch_size") if isinstance(batching, dict) else None
-        if type(size) is int and size >= 1:
-            limits.append(size)
-    return limits
-
-
-def check_rows_per_request(rows: int | None, records: Iterable[Mapping[str, Any]]) -> None:
-    """Refuse a ``rows_per_request`` over the live workers' row limit, which would have every
-    request answered TOO_LARGE; nothing to check when none has registered."""
-    limits = _row_limits(records)
-    if rows is not None and limits and rows > min(limits):
-        raise ValueError(
-            f"rows_per_request={rows} is over the live workers' max_batch_size={min(limits)}: "
-            f"every request would be answered TOO_LARGE. Use {min(limits)} or less, or leave "
-            "it out to use the workers' limit."
-        )
-
-
-def row_limit(records: Iterable[Mapping[str, Any]], settings: Settings) -> int:
-    """The smallest ``batching.max_batch_size`` among live worker records."""
-    limits = _row_limits(records)
-    if not limits:
-        raise NoWorkerInfo(
-            f"No live worker of model {settings.model!r} has registered under prefix "
-            f"{settings.prefix!r} (set {settings.workers_key}), so its row limit "
-            "(batching.max_batch_size) is unknown. Start a worker first, or pass "
-            "rows_per_request= to map()."
-        )
-    return min(limits)
-
-
-# ---------------------------------------------------------------------------------------------
-# Connections
-
-
-def check_connection_kwargs(connection_kwargs: Mapping[str, Any]) -> None:
-    """Refuse a redis-py client that decodes responses to text: bodies and replies are bytes."""
-    if connection_kwargs.get("decode_responses"):
-        raise ValueError(
-            "The Redis client was created with decode_responses=True; redbatch needs raw bytes. "
-            "Create it with decode_responses=False (the default)."
-        )
-
-
-def block_cap_s(socket_timeout_s: float | None) -> float:
-    """The longest blocking command that cannot trip the connection's socket timeout."""
-    if socket_timeout_s is None or socket_timeout_s <= 0:
-        return MAX_BLOCK_S
-    return min(MAX_BLOCK_S, socket_timeout_s / 2)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without its password (in the authority or a ``password=`` query value)."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:  # a bad port or host: shown as written, less what could be a password
-        scheme, sep, rest = url.partition("://")
-        if sep and "@" in rest:
-            rest = "***@" + rest.rpartition("@")[2]
-        return re.sub(r"([?&]password=)[^&#]*", r"\1***", scheme + sep + rest)
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{port}" if port is not None else "")
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "password"])
-    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-
-
-def describe_connection(connection_kwargs: Mapping[str, Any], tls: bool) -> str:
-    """A URL-like description of a redis-py connection pool's settings, without a password."""
-    if connection_kwargs.get("path"):
-        return f"unix://{connection_kwargs['path']}?db={connection_kwargs.get('db', 0)}"
-    scheme = "rediss" if tls else "redis"
-    user = connection_kwargs.get("username")
-    host = connection_kwargs.get("host", "localhost")
-    port = connection_kwargs.get("port", 6379)
-    db = connection_kwargs.get("db", 0)
-    return f"{scheme}://{f'{user}@' if user else ''}{host}:{port}/{db}"

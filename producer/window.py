@@ -1,9 +1,9 @@
 """Waiting for replies and map()'s window: the client's two state machines, with no I/O.
 
 ``core`` says what a request and a reply are; this module says what to do with many of them at
-once. The shells (``Client``, ``AsyncClient``) drive both the same way: they run the Redis
-commands these objects ask for and feed the answers back, so the logic exists once and can be
-tested without Redis.
+once. The plans (``producer.plans``) drive both for either shell: they ask for the Redis commands
+these objects need and feed the answers back, so the logic exists once and can be tested
+without Redis.
 
 - ``ReplyWaiter``: the replies still awaited, their deadlines, and how long to block.
 - ``MapPlan``: map()'s window: which rows to send next and which chunks may be yielded in order.
@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+from producer.connection import block_s
 from producer.core import (
     Chunk,
     Result,
@@ -43,12 +44,12 @@ __all__ = ["WAIT_TIMEOUT", "MapPlan", "ReplyWaiter"]
 class ReplyWaiter:
     """The replies still awaited, each with its own monotonic deadline.
 
-    A shell asks for ``keys()``, pops them (a pipelined LPOP, or a BLPOP of ``block_s()``
+    A plan asks for ``keys()``, pops them (a pipelined LPOP, or a BLPOP of ``block_s()``
     seconds when none was ready), and hands the answers to ``take_popped``/``take_blpopped``,
     which return the Results and forget their keys. A BLPOP that comes back empty after a
     deadline has passed raises WaitTimeout, so every request gets at least one look; with
     ``late_fails`` it instead returns a failed Result (code WAIT_TIMEOUT) for each late request
-    and lists them in ``late``, for the shell to cancel. A reply that cannot be decoded is a
+    and lists them in ``late``, for the plan to cancel. A reply that cannot be decoded is a
     failed Result (code INTERNAL), never an exception that would lose its neighbours.
     """
 
@@ -56,8 +57,8 @@ class ReplyWaiter:
         self._settings = settings
         self.timeout_s = check_timeout_s(timeout_s)
         self.late_fails = late_fails
-        self.late: list[str] = []  # rids given up on, not yet cancelled by the shell
-        #: Set by the shell when a pop needed a retry: it may have taken a reply whose answer
+        self.late: list[str] = []  # rids given up on, not yet cancelled by the plan
+        #: Set by the plan when a pop needed a retry: it may have taken a reply whose answer
         #: was lost with its connection, so the requests still awaited are sent again.
         self.interrupted = False
         # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
@@ -88,8 +89,7 @@ class ReplyWaiter:
 
     def block_s(self, now: float, cap_s: float) -> float:
         """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``."""
-        # Redis counts in milliseconds, and a timeout of 0 would block forever.
-        return max(round(min(self._first_deadline() - now, cap_s), 3), 0.001)
+        return block_s(self._first_deadline(), now, cap_s)
 
     def _first_deadline(self) -> float:
         return min(deadline for _, deadline in self._pending.values())
@@ -149,14 +149,14 @@ class MapPlan:
 
     At most ``concurrency`` requests are in flight, and at most ``2 * concurrency`` are held
     between being sent and being yielded, so a slow first request cannot make the plan buffer
-    the whole input. The shell loops: ``take()`` and send, ``sent()``, yield ``ready()``, then
-    wait on ``waiter`` and hand its Results to ``answered()``, until ``finished``.
+    the whole input. ``plans.run_map`` loops: ``take()`` and send, ``sent()``, yield ``ready()``,
+    then wait on ``waiter`` and hand its Results to ``answered()``, until ``finished``.
 
     With ``stop_on_timeout``, the first late reply stops the sending: the requests already in
     flight are still awaited and yielded, and then the plan is finished with the rows after
     them never sent (a job whose workers are gone ends after one timeout, not one per window).
     A send refused because Redis is full (``refused``) stops it the same way, whatever
-    ``stop_on_timeout`` says, and the shell raises the refusal once the plan is finished.
+    ``stop_on_timeout`` says, and ``run_map`` raises the refusal once the plan is finished.
     """
 
     def __init__(

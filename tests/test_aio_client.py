@@ -1,372 +1,42 @@
-"""AsyncClient against a real Redis, with a fake replier running as an asyncio task.
+"""What only AsyncClient does: concurrent calls share their round trips (``producer.coalesce``).
 
-Each test is a plain function that runs its scenario with ``asyncio.run``. The fake replier
-answers ``y = x * 2`` and INVALID_INPUT for any request holding a negative value; the logic under
-test is shared with Client (``producer.core``), so these tests walk the same paths through the
-async shell.
+Every other behaviour runs against both clients in the shared suite (``tests/shells.py``). Each
+test here is a plain function that runs its scenario with ``asyncio.run``; the fake worker
+(``fakes.FakeReplier``) answers from a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from types import TracebackType
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
 import redis.asyncio
+from fakes import FAKE_MODEL, MODEL, PREFIX, STREAM, FakeReplier, xs
 
-from producer import aio as aio_module
-from producer import codec, keys
+from producer import codec, keys, plans
 from producer.aio import AsyncClient
 from producer.coalesce import Coalescer, ReplyHub
-from producer.codec import ErrorInfo, ModelRef, Reply
-from producer.errors import (
-    BacklogFull,
-    ConnectionFailed,
-    InvalidInput,
-    NoWorkerInfo,
-    RedbatchError,
-    RedisUnavailable,
-    WaitTimeout,
-)
-from tools.localredis import free_port
-
-MODEL = "demo"
-PREFIX = keys.DEFAULT_PREFIX
-STREAM = keys.request_stream(PREFIX, MODEL)
-FAKE_MODEL = ModelRef(MODEL, "1", "0" * 64)
+from producer.codec import Reply
+from producer.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
 
 
-def answer(fields: dict[bytes, bytes]) -> tuple[str, bytes]:
-    """The fake worker's reply to one stream entry: y = x * 2, or INVALID_INPUT for x < 0."""
-    rid = fields[b"rid"].decode()
-    body = codec.decode_request(fields[b"body"], max_bytes=1 << 24)
-    x = body.inputs["x"]
-    common = {"rid": rid, "model": FAKE_MODEL, "worker": "fake-aio", "meta_raw": body.meta_raw}
-    if (x < 0).any():
-        error = ErrorInfo("INVALID_INPUT", "input 'x' holds a negative value.", False)
-        reply = Reply(ok=False, error=error, timings_ms={}, **common)
-    else:
-        reply = Reply(ok=True, outputs={"y": x * 2}, batch_rows=len(x), timings_ms={}, **common)
-    return rid, codec.encode_reply(reply)
-
-
-class FakeReplier:
-    """An asyncio task that answers requests like a worker would; an async context manager."""
-
-    def __init__(self, url: str, *, start: bool = True) -> None:
-        self._conn = redis.asyncio.Redis.from_url(url)
-        self._start_on_enter = start
-        self._task: asyncio.Task[None] | None = None
-
-    @property
-    def started(self) -> bool:
-        return self._task is not None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def __aenter__(self) -> FakeReplier:
-        try:
-            await self._conn.xgroup_create(STREAM, keys.CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        if self._start_on_enter:
-            self.start()
-        return self
-
-    async def _run(self) -> None:
-        while True:
-            got = await self._conn.xreadgroup(
-                keys.CONSUMER_GROUP, "fake-aio", {STREAM: ">"}, count=256, block=1000
-            )
-            for _stream, entries in got or []:
-                pipe = self._conn.pipeline(transaction=False)
-                for entry_id, fields in entries:
-                    if b"stop" in fields:
-                        await pipe.execute()
-                        return
-                    rid, reply = answer(fields)
-                    key = keys.reply_key(PREFIX, rid)
-                    pipe.rpush(key, reply).expire(key, 60)
-                    pipe.xack(STREAM, keys.CONSUMER_GROUP, entry_id).xdel(STREAM, entry_id)
-                await pipe.execute()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            if self._task is not None:
-                await self._conn.xadd(STREAM, {"stop": "1"})  # ends the task's blocked read
-                await asyncio.wait_for(self._task, timeout=10)
-        finally:
-            await self._conn.aclose()
-
-
-def xs(rows: int, cols: int = 3) -> np.ndarray:
-    return np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
-
-
-def test_submit_poll_wait_round_trip_with_meta(redis_url: str) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            rid = await client.submit({"x": xs(2)}, meta={"k": "v"}, deadline_s=30)
-            assert await client.poll(rid) is None
-            async with FakeReplier(redis_url):
-                result = await client.wait(rid, timeout_s=10)
-        assert result.rid == rid
-        assert result.ok
-        assert result.meta == {"k": "v"}
-        assert result.worker == "fake-aio"
-        assert result.outputs is not None
-        np.testing.assert_array_equal(result.outputs["y"], xs(2) * 2)
-
-    run(scenario)
-
-
-def test_poll_reads_a_reply_without_consuming_it(redis_url: str, rconn: redis.Redis) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            rid = await client.submit({"x": xs(1)})
-            # Given a reply written by hand, as the worker would
-            [(_entry_id, fields)] = rconn.xrange(STREAM)
-            rconn.rpush(keys.reply_key(PREFIX, rid), answer(fields)[1])
-
-            first = await client.poll(rid)
-            second = await client.poll(rid)
-            waited = await client.wait(rid, timeout_s=1)
-
-            assert first is not None
-            assert second is not None
-            assert second.ok
-            assert second.rid == first.rid == rid
-            assert waited.ok
-            assert await client.poll(rid) is None
-
-    run(scenario)
-
-
-def test_wait_timeout(redis_url: str) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            rid = await client.submit({"x": xs(1)})
-            with pytest.raises(WaitTimeout, match=rid):
-                await client.wait(rid, timeout_s=0.2)
-
-    run(scenario)
-
-
-def test_infer_raises_the_typed_error(redis_url: str) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
-            outputs = await client.infer({"x": xs(2)}, timeout_s=10)
-            np.testing.assert_array_equal(outputs["y"], xs(2) * 2)
-            with pytest.raises(InvalidInput) as info:
-                await client.infer({"x": -xs(1) - 1}, timeout_s=10)
-        assert info.value.code == "INVALID_INPUT"
-        assert "negative" in info.value.message
-
-    run(scenario)
-
-
-def test_wait_many_yields_every_reply(redis_url: str) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
-            rids = await client.submit_many([{"x": xs(1) + i} for i in range(150)])
-            seen = [r.rid async for r in client.wait_many(rids, timeout_s=10)]
-        assert sorted(seen) == sorted(rids)
-
-    run(scenario)
-
-
-def test_map_yields_chunks_in_order_with_the_failed_one(redis_url: str) -> None:
-    x = xs(3000)
-    x[2500, 0] = -5.0
-
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
-            chunks = [c async for c in client.map({"x": x}, rows_per_request=7, concurrency=16)]
-        assert [c.start for c in chunks] == list(range(0, 3000, 7))
-        assert chunks[-1].stop == 3000
-        failed = [c for c in chunks if not c.ok]
-        assert [(c.start, c.stop) for c in failed] == [(2499, 2506)]
-        for chunk in chunks:
-            if chunk.ok:
-                assert chunk.outputs is not None
-                np.testing.assert_array_equal(chunk.outputs["y"], x[chunk.start : chunk.stop] * 2)
-
-    run(scenario)
-
-
-def test_map_with_stop_on_timeout_sends_nothing_after_a_late_reply(
-    redis_url: str, rconn: redis.Redis
-) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            plan = client.map(
-                {"x": xs(50)},
-                rows_per_request=2,
-                concurrency=4,
-                timeout_s=0.3,
-                stop_on_timeout=True,
-            )
-            chunks = [c async for c in plan]
-        assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-        assert all(c.error is not None and c.error.code == "WAIT_TIMEOUT" for c in chunks)
-
-    run(scenario)
-    assert rconn.xlen(STREAM) == 4
-
-
-def test_map_row_limit_comes_from_the_live_workers(redis_url: str, rconn: redis.Redis) -> None:
-    async def without_worker() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            with pytest.raises(NoWorkerInfo):
-                async for _ in client.map({"x": xs(3)}):
-                    pass
-
-    run(without_worker)
-
-    record = {"name": "w1", "state": "ready", "batching": {"max_batch_size": 4}}
-    rconn.set(keys.worker_key(PREFIX, MODEL, "w1"), json.dumps(record), ex=15)
-    rconn.sadd(keys.workers_key(PREFIX, MODEL), "w1", "w-expired")
-
-    async def with_worker() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
-            assert [w["name"] for w in await client.workers()] == ["w1"]
-            spans = [(c.start, c.stop) async for c in client.map({"x": xs(10)})]
-        assert spans == [(0, 4), (4, 8), (8, 10)]
-
-    run(with_worker)
-    assert rconn.smembers(keys.workers_key(PREFIX, MODEL)) == {b"w1"}
-
-
-def test_backlog_full_and_the_waiting_submit(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url, max_backlog=2) as refusing:
-            await refusing.submit_many([{"x": xs(1)}] * 2)
-            with pytest.raises(BacklogFull):
-                await refusing.submit({"x": xs(1)})
-            assert await refusing.backlog() == 2
-
-        # The replier starts only once the waiting submit has gone to sleep on the backlog
-        fake = FakeReplier(redis_url, start=False)
-
-        async def sleep_and_start_replier(seconds: float) -> None:
-            if not fake.started:
-                fake.start()
-            await real_sleep(seconds)
-
-        monkeypatch.setattr(aio_module, "_sleep", sleep_and_start_replier)
-        async with (
-            fake,
-            AsyncClient(MODEL, redis_url, max_backlog=2, wait_for_backlog=True) as waiting,
-        ):
-            rid = await waiting.submit({"x": xs(1)})
-            assert fake.started
-            assert (await waiting.wait(rid, timeout_s=10)).ok
-
-    run(scenario)
-
-
-@pytest.mark.parametrize("behind_a_waiting_submit", [False, True])
-def test_infer_on_a_full_backlog_ends_at_its_timeout_with_nothing_sent(
-    redis_url: str, rconn: redis.Redis, behind_a_waiting_submit: bool
-) -> None:
-    # Alone, its own send waits for the backlog; behind a submit that waits for it, the infer
-    # waits in the queue: either way it ends at its timeout_s (it waited for ever before).
-    rconn.xadd(STREAM, {"filler": "1"})
-
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url, max_backlog=1, wait_for_backlog=True) as client:
-            waiting = None
-            if behind_a_waiting_submit:
-                waiting = asyncio.create_task(client.submit({"x": xs(1)}))
-                while client._backlog_seen is None:  # that submit waits for the backlog
-                    await asyncio.sleep(0.001)
-            started = time.monotonic()
-            with pytest.raises(BacklogFull, match=r"max_backlog=1\. The call.s timeout_s ran out"):
-                await client.infer({"x": xs(1)}, timeout_s=0.3)
-            assert time.monotonic() - started < 2
-            if waiting is not None:
-                waiting.cancel()
-
-    run(scenario)
-    assert rconn.xlen(STREAM) == 1
-
-
-def test_bad_arguments_are_refused_by_name_before_anything_is_sent(
-    redis_url: str, rconn: redis.Redis
-) -> None:
-    # The checks live in producer.core, shared with Client; this walks the async shell's calls.
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            for timeout_s in (float("nan"), -1):
-                with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
-                    await client.infer({"x": xs(1)}, timeout_s=timeout_s)
-                with pytest.raises(ValueError, match="timeout_s must be a number of seconds >= 0"):
-                    await client.wait("r-1", timeout_s)
-            for deadline_s in (float("nan"), float("inf"), 1e20, 0):
-                with pytest.raises(ValueError, match="deadline_s must be a number of seconds"):
-                    await client.submit({"x": xs(1)}, deadline_s=deadline_s)
-            with pytest.raises(ValueError, match="ttl_s must be a whole number of seconds"):
-                await client.cancel("abc", ttl_s=0)
-            with pytest.raises(TypeError, match="submit_many takes a list of requests"):
-                await client.submit_many("ab")  # type: ignore[arg-type]
-
-    run(scenario)
-    assert rconn.exists(STREAM, keys.cancel_key(PREFIX, "abc")) == 0
-    for prefix in ("a b", "a{b}"):
-        with pytest.raises(ValueError, match="is not a key prefix"):
-            AsyncClient(MODEL, redis_url, prefix=prefix)
-
-
-def test_cancel_and_invalid_rid(redis_url: str, rconn: redis.Redis) -> None:
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client:
-            await client.cancel("job-9", ttl_s=60)
-            with pytest.raises(ValueError, match="does not match"):
-                await client.submit({"x": xs(1)}, rid="no spaces")
-            with pytest.raises(ValueError, match="does not match"):
-                await client.cancel("no/slash")
-
-    run(scenario)
-    key = keys.cancel_key(PREFIX, "job-9")
-    assert rconn.get(key) == b"1"
-    assert 0 < rconn.ttl(key) <= 60
-
-
-def test_unreachable_redis_raises_connection_failed() -> None:
-    port = free_port()
-
-    async def scenario() -> None:
-        async with AsyncClient(MODEL, f"redis://:hunter2@127.0.0.1:{port}/0", retry_s=0) as client:
-            started = time.monotonic()
-            with pytest.raises(ConnectionFailed) as info:
-                await client.backlog()
-            assert time.monotonic() - started < 10
-        assert f"redis://127.0.0.1:{port}/0" in str(info.value)
-        assert "hunter2" not in str(info.value)
-
-    run(scenario)
+@contextlib.contextmanager
+def replying(url: str) -> Any:
+    fake = FakeReplier(url).start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,17 +70,17 @@ def test_concurrent_infers_share_submits_and_waits(
     redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     xadd_trips: list[int] = []
-    xadd = AsyncClient._xadd
+    send = plans.send
 
-    async def counting_xadd(self: AsyncClient, subs: Any) -> None:
-        xadd_trips.append(len(subs))
-        await xadd(self, subs)
+    def counting_send(session: Any, subs: Any, until: float | None = None) -> Any:
+        xadd_trips.append(len(subs))  # one XADD round trip per send, Redis having room
+        return send(session, subs, until)
 
-    monkeypatch.setattr(AsyncClient, "_xadd", counting_xadd)
+    monkeypatch.setattr(plans, "send", counting_send)
     blpops_before = int(rconn.info("commandstats").get("cmdstat_blpop", {}).get("calls", 0))
 
     async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
+        async with AsyncClient(MODEL, redis_url) as client:
 
             async def one(i: int) -> None:
                 out = await client.infer({"x": xs(1) + i}, timeout_s=10)
@@ -418,7 +88,8 @@ def test_concurrent_infers_share_submits_and_waits(
 
             await asyncio.gather(*(one(i) for i in range(64)))
 
-    run(scenario)
+    with replying(redis_url):
+        run(scenario)
     blpops = int(rconn.info("commandstats")["cmdstat_blpop"]["calls"]) - blpops_before
     assert sum(xadd_trips) == 64
     assert len(xadd_trips) <= 4  # 64 alone without coalescing
@@ -477,7 +148,7 @@ def test_one_call_cancelled_or_timed_out_leaves_the_others_their_replies(
 def test_two_calls_waiting_on_one_request_race_for_its_one_reply(redis_url: str) -> None:
     # As with two BLPOPs: one call gets the reply, the other waits out its own timeout.
     async def scenario() -> None:
-        async with AsyncClient(MODEL, redis_url) as client, FakeReplier(redis_url):
+        async with AsyncClient(MODEL, redis_url) as client:
             rid = await client.submit({"x": xs(1)})
             started = time.monotonic()
             outcomes = await asyncio.gather(
@@ -488,7 +159,8 @@ def test_two_calls_waiting_on_one_request_race_for_its_one_reply(redis_url: str)
         assert sorted(type(o).__name__ for o in outcomes) == ["Result", "WaitTimeout"]
         assert time.monotonic() - started < 5
 
-    run(scenario)
+    with replying(redis_url):
+        run(scenario)
 
 
 def test_closing_the_client_ends_the_calls_still_waiting(redis_url: str) -> None:

@@ -1,25 +1,29 @@
 """Producers on a full Redis: refused early and clearly (RedisFull), or waiting for room.
 
-Redis runs with ``maxmemory-policy noeviction``; each test sets ``maxmemory`` relative to what
-Redis uses at that moment, so "full" means the same whatever the server holds.
+The client tests run against both clients (``shell``: see ``tests/shells.py``). Redis runs with
+``maxmemory-policy noeviction``; each test sets ``maxmemory`` relative to what Redis uses at
+that moment, so "full" means the same whatever the server holds.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import redis
 from harness import running_worker, write_config
 
-from producer import AsyncClient, Client, ConnectionFailed, RedisFull, memory
-from producer import aio as aio_module
-from producer import client as client_module
+from producer import ConnectionFailed, RedisFull, memory
 from producer.cli import main as redbatch
+
+if TYPE_CHECKING:
+    from shells import Shell
+
+pytest_plugins = ["shells"]
 
 X = {"features": np.zeros((1, 16), np.float32)}
 STREAM = "redbatch:{demo}:requests"
@@ -40,36 +44,26 @@ def _infos(rconn: redis.Redis) -> int:
     return int(rconn.info("commandstats").get("cmdstat_info", {}).get("calls", 0))
 
 
-def test_submit_is_refused_at_once_above_the_watermark_and_sends_nothing(
-    full: redis.Redis, redis_url: str
+def test_submit_and_infer_are_refused_at_once_above_the_watermark_and_send_nothing(
+    shell: Shell, full: redis.Redis, redis_url: str
 ) -> None:
-    with Client("demo", redis_url) as client, pytest.raises(RedisFull) as refused:
-        client.submit(X)
+    with shell.Client("demo", redis_url) as client:
+        with pytest.raises(RedisFull) as refused:
+            client.submit(X)
+        with pytest.raises(RedisFull) as inferred:
+            client.infer(X, timeout_s=5)
     message = str(refused.value)
     assert "is full" in message
     assert "of maxmemory" in message
     assert "high watermark of 80%" in message
     assert "wait_for_backlog=True" in message
     assert not isinstance(refused.value, ConnectionFailed)  # not an outage to retry through
-    assert full.xlen(STREAM) == 0
-
-
-def test_async_submit_and_infer_are_refused_the_same_way(full: redis.Redis, redis_url: str) -> None:
-    async def main() -> tuple[RedisFull, RedisFull]:
-        async with AsyncClient("demo", redis_url) as client:
-            with pytest.raises(RedisFull) as submitted:
-                await client.submit(X)
-            with pytest.raises(RedisFull) as inferred:
-                await client.infer(X, timeout_s=5)
-            return submitted.value, inferred.value
-
-    for error in asyncio.run(main()):
-        assert "high watermark of 80%" in str(error)
+    assert "high watermark of 80%" in str(inferred.value)
     assert full.xlen(STREAM) == 0
 
 
 def test_a_lower_watermark_refuses_sooner_and_none_turns_it_off(
-    rconn: redis.Redis, redis_url: str
+    shell: Shell, rconn: redis.Redis, redis_url: str
 ) -> None:
     # Given a Redis at 60% of its maxmemory
     rconn.config_set("maxmemory-policy", "noeviction")
@@ -77,9 +71,9 @@ def test_a_lower_watermark_refuses_sooner_and_none_turns_it_off(
     rconn.config_set("maxmemory", int(used / 0.6))
     try:
         with (
-            Client("demo", redis_url) as default,
-            Client("demo", redis_url, memory_high_watermark=0.5) as strict,
-            Client("demo", redis_url, memory_high_watermark=None) as off,
+            shell.Client("demo", redis_url) as default,
+            shell.Client("demo", redis_url, memory_high_watermark=0.5) as strict,
+            shell.Client("demo", redis_url, memory_high_watermark=None) as off,
         ):
             default.submit(X)
             off.submit(X)
@@ -91,19 +85,19 @@ def test_a_lower_watermark_refuses_sooner_and_none_turns_it_off(
 
 
 @pytest.mark.parametrize("watermark", [0, 1.5, -0.1, float("nan"), "0.8", True])
-def test_a_bad_watermark_is_a_value_error_naming_it(watermark: object) -> None:
+def test_a_bad_watermark_is_a_value_error_naming_it(shell: Shell, watermark: object) -> None:
     with pytest.raises(ValueError, match="memory_high_watermark"):
-        Client("demo", memory_high_watermark=watermark)  # type: ignore[arg-type]
+        shell.Client("demo", memory_high_watermark=watermark)
 
 
 def test_redis_refusing_a_write_for_memory_is_redis_full_not_retried(
-    rconn: redis.Redis, redis_url: str
+    shell: Shell, rconn: redis.Redis, redis_url: str
 ) -> None:
     # Given a client without a watermark, on a Redis that refuses writes (OOM)
     rconn.config_set("maxmemory-policy", "noeviction")
     rconn.config_set("maxmemory", 1)
     try:
-        with Client("demo", redis_url, memory_high_watermark=None) as client:
+        with shell.Client("demo", redis_url, memory_high_watermark=None) as client:
             # When it submits, Redis's refusal is the same specific error, not a 30 s retry
             # ending in RedisUnavailable
             with pytest.raises(RedisFull, match=r"is full \(maxmemory\): it refused the write"):
@@ -118,11 +112,11 @@ def test_redis_refusing_a_write_for_memory_is_redis_full_not_retried(
 
 
 def test_memory_is_read_once_per_interval_not_per_submit(
-    rconn: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    shell: Shell, rconn: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(memory, "MAX_AGE_S", 3600.0)
     before = _infos(rconn)
-    with Client("demo", redis_url) as client:
+    with shell.Client("demo", redis_url) as client:
         for _ in range(200):
             client.submit(X)
     assert rconn.xlen(STREAM) == 200
@@ -147,10 +141,10 @@ def test_a_reading_goes_stale_with_time_or_once_a_quarter_of_the_room_is_sent() 
 
 
 def test_submit_with_wait_for_backlog_waits_for_room_then_sends(
-    full: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    shell: Shell, full: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a full Redis, and workers that free memory while the submit waits (here: maxmemory
-    # raised by the client's first sleep)
+    # raised at the client's second sleep)
     sleeps: list[float] = []
 
     def room_appears(seconds: float) -> None:
@@ -158,8 +152,8 @@ def test_submit_with_wait_for_backlog_waits_for_room_then_sends(
         if len(sleeps) == 2:
             full.config_set("maxmemory", 0)
 
-    monkeypatch.setattr(client_module, "_sleep", room_appears)
-    with Client("demo", redis_url, wait_for_backlog=True) as client:
+    shell.patch_sleep(monkeypatch, room_appears)
+    with shell.Client("demo", redis_url, wait_for_backlog=True) as client:
         rid = client.submit(X)
     # Then it waited, looked again, and sent the request once there was room
     assert len(sleeps) == 2
@@ -168,47 +162,21 @@ def test_submit_with_wait_for_backlog_waits_for_room_then_sends(
 
 
 def test_infer_waiting_for_room_ends_within_its_timeout_with_nothing_sent(
-    full: redis.Redis, redis_url: str
+    shell: Shell, full: redis.Redis, redis_url: str
 ) -> None:
     waited = pytest.raises(RedisFull, match="ran out while it waited for room")
-    with Client("demo", redis_url, wait_for_backlog=True) as client, waited as refused:
+    with shell.Client("demo", redis_url, wait_for_backlog=True) as client, waited as refused:
         client.infer(X, timeout_s=0.3)
     assert "nothing was sent" in str(refused.value)
     assert full.xlen(STREAM) == 0
 
 
-def test_async_submit_with_wait_for_backlog_waits_for_room_then_sends(
-    full: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_sleep = asyncio.sleep
-    sleeps: list[float] = []
-
-    async def room_appears(seconds: float) -> None:
-        sleeps.append(seconds)
-        if len(sleeps) == 2:
-            full.config_set("maxmemory", 0)
-        await real_sleep(0)
-
-    monkeypatch.setattr(aio_module, "_sleep", room_appears)
-    monkeypatch.setattr(memory, "MAX_AGE_S", 0.0)  # every send reads memory
-
-    async def main() -> tuple[str, RedisFull]:
-        async with AsyncClient("demo", redis_url, wait_for_backlog=True) as client:
-            rid = await client.submit(X)
-            full.config_set("maxmemory", int(int(full.info("memory")["used_memory"]) / 0.9))
-            with pytest.raises(RedisFull) as waited:
-                await client.infer(X, timeout_s=0.2)
-            return rid, waited.value
-
-    rid, waited = asyncio.run(main())
-    assert len(sleeps) >= 2
-    assert "ran out while it waited for room" in str(waited)
-    [(_, fields)] = full.xrange(STREAM)
-    assert fields[b"rid"] == rid.encode()
-
-
 def test_map_stops_sending_when_redis_fills_and_answers_what_it_sent(
-    tmp_path: Path, rconn: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    shell: Shell,
+    tmp_path: Path,
+    rconn: redis.Redis,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given a worker, and a client that reads memory before every send
     monkeypatch.setattr(memory, "MAX_AGE_S", 0.0)
@@ -217,7 +185,7 @@ def test_map_stops_sending_when_redis_fills_and_answers_what_it_sent(
     rconn.config_set("maxmemory-policy", "noeviction")
     chunks = []
     try:
-        with running_worker(config), Client("demo", redis_url) as client:
+        with running_worker(config), shell.Client("demo", redis_url) as client:
             it = client.map({"features": x}, rows_per_request=1, concurrency=8)
             chunks.append(next(it))
             # When Redis fills up after the first reply

@@ -1,4 +1,6 @@
-"""The client library and CLI against a real worker: map, infer, typed errors, status."""
+"""The client library and CLI against a real worker: map, infer, typed errors, status.
+
+The client tests run against both clients (``shell``: see ``tests/shells.py``)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,21 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import redis
 from harness import direct_run, running_worker, write_config
 
-from producer import AsyncClient, Client
+from producer import AsyncClient, Client, steps
 from producer.cli import main as redbatch
 from producer.errors import InvalidInput, TooLarge
+
+if TYPE_CHECKING:
+    from shells import Shell
+
+pytest_plugins = ["shells"]
 
 ROOT = Path(__file__).resolve().parents[1]
 RANGE = "[inputs.features]\nmin = -10.0\nmax = 10.0"
@@ -27,11 +35,11 @@ def demo_config(tmp_path: Path, redis_url: str) -> Path:
 
 
 def test_map_over_thousands_of_rows_equals_a_direct_run(
-    demo_config: Path, redis_url: str, tmp_path: Path
+    shell: Shell, demo_config: Path, redis_url: str, tmp_path: Path
 ) -> None:
     x = np.random.default_rng(9).normal(size=(3000, 16)).astype(np.float32)
     x[1234, 5] = 50.0  # one row out of range
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         chunks = list(client.map({"features": x}, rows_per_request=8, concurrency=32))
 
     assert [c.start for c in chunks] == list(range(0, 3000, 8))
@@ -48,19 +56,21 @@ def test_map_over_thousands_of_rows_equals_a_direct_run(
     assert np.mean([c.result.batch_rows for c in chunks if c.ok]) > 8
 
 
-def test_map_defaults_to_the_workers_row_limit(demo_config: Path, redis_url: str) -> None:
+def test_map_defaults_to_the_workers_row_limit(
+    shell: Shell, demo_config: Path, redis_url: str
+) -> None:
     x = np.zeros((100, 16), np.float32)
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         chunks = list(client.map({"features": x}))
     assert [c.stop - c.start for c in chunks] == [32, 32, 32, 4]
 
 
 def test_map_refuses_rows_per_request_over_the_workers_limit(
-    demo_config: Path, redis_url: str
+    shell: Shell, demo_config: Path, redis_url: str
 ) -> None:
     # Every request would be answered TOO_LARGE, one by one: say so before sending any
     x = np.zeros((100, 16), np.float32)
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         with pytest.raises(ValueError, match="rows_per_request=64 is over the live workers' max"):
             next(iter(client.map({"features": x}, rows_per_request=64)))
         assert client.backlog() == 0
@@ -68,8 +78,10 @@ def test_map_refuses_rows_per_request_over_the_workers_limit(
             client.infer({"features": np.zeros((33, 16), np.float32)}, timeout_s=10)
 
 
-def test_infer_raises_the_typed_error_from_the_worker(demo_config: Path, redis_url: str) -> None:
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+def test_infer_raises_the_typed_error_from_the_worker(
+    shell: Shell, demo_config: Path, redis_url: str
+) -> None:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         out = client.infer({"features": np.zeros((2, 16), np.float32)}, timeout_s=10)
         with pytest.raises(InvalidInput, match=r"input 'features': expected shape \[-1, 16\]"):
             client.infer({"features": np.zeros((1, 15), np.float32)}, timeout_s=10)
@@ -140,31 +152,32 @@ def test_json_logs_are_one_object_per_line(demo_config: Path) -> None:
     assert record["batching"]["adaptive_wait"] is True
 
 
-def _lose_the_first_popped_reply(monkeypatch: pytest.MonkeyPatch, method: str) -> list[bool]:
-    """Make ``Client.<method>`` drop its connection once, right after Redis popped a reply:
-    the reply is gone from Redis and never reaches the client, as when a stall outlasts the
-    socket timeout. Returns a list that holds True once that happened."""
-    original = getattr(Client, method)
+def _lose_the_first_popped_reply(
+    shell: Shell, monkeypatch: pytest.MonkeyPatch, command: str
+) -> list[bool]:
+    """Make the client drop its connection once, right after Redis popped a reply with
+    ``command`` (LPOP, BLPOP): the reply is gone from Redis and never reaches the client, as
+    when a stall outlasts the socket timeout. Returns a list that holds True once that
+    happened."""
     lost: list[bool] = []
 
-    def pop_then_drop(self: Client, *args: object) -> object:
-        answer = original(self, *args)
-        popped = answer if method == "_blpop" else any(a is not None for a in answer)
-        if popped and not lost:
+    def drop(cmd: steps.Call | steps.Batch, answer: Any) -> None:
+        if cmd.name != command or lost:
+            return
+        if answer if command == "BLPOP" else any(a is not None for a in answer):
             lost.append(True)
             raise redis.ConnectionError("connection dropped with the reply in it (test)")
-        return answer
 
-    monkeypatch.setattr(Client, method, pop_then_drop)
+    shell.patch_tries(monkeypatch, drop)
     return lost
 
 
 def test_map_sends_again_a_request_whose_reply_was_lost_in_flight(
-    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    shell: Shell, demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lost = _lose_the_first_popped_reply(monkeypatch, "_lpop")
+    lost = _lose_the_first_popped_reply(shell, monkeypatch, "LPOP")
     x = np.random.default_rng(4).normal(size=(64, 16)).astype(np.float32)
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         chunks = list(client.map({"features": x}, rows_per_request=4, timeout_s=10))
     assert lost == [True]
     assert [c.error for c in chunks if not c.ok] == []  # not WAIT_TIMEOUT after 10 s
@@ -172,59 +185,38 @@ def test_map_sends_again_a_request_whose_reply_was_lost_in_flight(
 
 
 def test_a_retried_submit_sends_nothing_again(
-    demo_config: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    shell: Shell,
+    demo_config: Path,
+    redis_url: str,
+    rconn: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A submit that failed before reaching Redis and was retried lost no reply: no copies, which
     # a worker would run again and whose replies would sit unread for reply_ttl_s
-    original = Client._xadd
     failed: list[bool] = []
 
-    def fail_once(self: Client, subs: list[object]) -> None:
-        if not failed:
+    def fail_once(cmd: steps.Call | steps.Batch) -> None:
+        if cmd.name == "XADD" and not failed:
             failed.append(True)
             raise redis.ConnectionError("dropped before it was sent (test)")
-        original(self, subs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Client, "_xadd", fail_once)
+    shell.patch_tries(monkeypatch, before=fail_once)
     x = np.zeros((64, 16), np.float32)
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         chunks = list(client.map({"features": x}, rows_per_request=4, timeout_s=10))
     assert failed == [True]
     assert all(c.ok for c in chunks)
     assert rconn.xinfo_stream("redbatch:{demo}:requests")["entries-added"] == 16
 
 
+# Client only: AsyncClient's infer waits on a BLPOP shared with other calls (producer.coalesce),
+# which does not hold the requests' bodies to send again.
+@pytest.mark.parametrize("shell", ["sync"], indirect=True)
 def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
-    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    shell: Shell, demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    lost = _lose_the_first_popped_reply(monkeypatch, "_blpop")
-    with running_worker(demo_config), Client("demo", redis_url) as client:
+    lost = _lose_the_first_popped_reply(shell, monkeypatch, "BLPOP")
+    with running_worker(demo_config), shell.Client("demo", redis_url) as client:
         out = client.infer({"features": np.zeros((1, 16), np.float32)}, timeout_s=10)
     assert lost == [True]
     assert out["probs"].shape == (1, 4)
-
-
-def test_async_map_sends_again_a_request_whose_reply_was_lost_in_flight(
-    demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    original = AsyncClient._lpop
-    lost: list[bool] = []
-
-    async def pop_then_drop(self: AsyncClient, keys: list[bytes]) -> list[object]:
-        answer = await original(self, keys)
-        if any(a is not None for a in answer) and not lost:
-            lost.append(True)
-            raise redis.ConnectionError("connection dropped with the reply in it (test)")
-        return answer
-
-    monkeypatch.setattr(AsyncClient, "_lpop", pop_then_drop)
-    x = np.random.default_rng(5).normal(size=(64, 16)).astype(np.float32)
-
-    async def run() -> list[object]:
-        async with AsyncClient("demo", redis_url) as client:
-            return [c async for c in client.map({"features": x}, rows_per_request=4, timeout_s=10)]
-
-    with running_worker(demo_config):
-        chunks = asyncio.run(run())
-    assert lost == [True]
-    assert [c.error for c in chunks if not c.ok] == []

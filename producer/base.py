@@ -1,0 +1,181 @@
+"""What ``Client`` and ``AsyncClient`` share outside their I/O: the constructor, and the state
+(``Session``) that ``producer.plans`` works on.
+
+``BaseClient`` checks the settings and sets up the connection once for both shells; each shell
+names its redis-py flavour (``Flavour``: blocking or asyncio). Its other methods are the ones
+that do no I/O when called (``map`` and ``wait_many`` check their arguments, then hand back an
+iterator the shell drives), so they are written once as well. It is generic in the redis-py
+client it takes and the iterators it returns, so that type checkers see each shell's own types.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from numpy.typing import ArrayLike
+
+from producer import core, resp, window
+from producer.connection import (
+    block_cap_s,
+    check_connection_kwargs,
+    describe_connection,
+    redact_url,
+)
+from producer.errors import RedisFull
+from producer.keys import DEFAULT_PREFIX
+from producer.memory import DEFAULT_HIGH_WATERMARK, MemoryWatch, check_watermark
+from producer.retry import DEFAULT_RETRY_S, RetryPolicy
+
+__all__ = ["DEFAULT_URL", "BaseClient", "Flavour", "Session"]
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+RedisT = TypeVar("RedisT")
+ChunksT = TypeVar("ChunksT")
+ResultsT = TypeVar("ResultsT")
+
+
+@dataclass(frozen=True, slots=True)
+class Flavour:
+    """A shell's redis-py flavour: its client class, its TLS connection class (to say
+    ``rediss://`` for a client passed in), and its ``INFO memory`` reader."""
+
+    redis_class: Any
+    tls_class: type
+    info_memory: Callable[[Any], Any]
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """A client's checked settings and the policies its plans apply, shared by all its calls.
+
+    ``backlog_seen`` and ``full_seen`` say what holds up the send under way (the backlog, Redis
+    memory): the asyncio shell names it to a call whose time ran out behind that send.
+    """
+
+    settings: core.Settings
+    where: str  # the Redis, as errors and logs name it: no password
+    block_cap_s: float
+    retry: RetryPolicy
+    packed: bool  # submits and reply sweeps are packed by hand (``producer.resp``)
+    memory: MemoryWatch
+    info_memory: Callable[[Any], Any]
+    backlog_seen: int | None = None
+    full_seen: RedisFull | None = None
+
+
+class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
+    """The constructor and the no-I/O methods of both clients; see ``Client`` for the settings.
+
+    ``url`` goes to the flavour's ``Redis.from_url``, or pass ``redis_client`` (then ``close()``
+    leaves it open).
+    """
+
+    _flavour: ClassVar[Flavour]
+
+    def __init__(
+        self,
+        model: str,
+        url: str = DEFAULT_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_backlog: int | None = None,
+        wait_for_backlog: bool = False,
+        redis_client: RedisT | None = None,
+        retry_s: float = DEFAULT_RETRY_S,
+        memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
+    ) -> None:
+        settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        check_watermark(memory_high_watermark)
+        flavour = self._flavour
+        redis: Any = redis_client
+        if redis is None:
+            redis = flavour.redis_class.from_url(url, decode_responses=False)
+            where = redact_url(url)
+        else:
+            pool = redis.connection_pool
+            tls = issubclass(pool.connection_class, flavour.tls_class)
+            where = describe_connection(pool.connection_kwargs, tls)
+        self._redis: RedisT = redis
+        self._owns_redis = redis_client is None
+        connection_kwargs = redis.connection_pool.connection_kwargs
+        check_connection_kwargs(connection_kwargs)
+        self._session = Session(
+            settings,
+            where,
+            block_cap_s(connection_kwargs.get("socket_timeout")),
+            RetryPolicy(where, retry_s),
+            resp.supports(redis),
+            MemoryWatch(where, memory_high_watermark),
+            flavour.info_memory,
+        )
+        self._opened()
+
+    def _opened(self) -> None:
+        """Set up what the shell keeps beside the session; nothing unless it says so."""
+
+    @property
+    def model(self) -> str:
+        """The model this client sends to."""
+        return self._session.settings.model
+
+    def wait_many(self, rids: Sequence[str], timeout_s: float) -> ResultsT:
+        """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
+        waiter = window.ReplyWaiter(self._session.settings, timeout_s)
+        now = time.monotonic()
+        for rid in rids:
+            waiter.add(rid, now)
+        return self._drain(waiter)
+
+    def map(
+        self,
+        arrays: Mapping[str, ArrayLike],
+        *,
+        rows_per_request: int | None = None,
+        concurrency: int = 64,
+        outputs: Sequence[str] | None = None,
+        timeout_s: float = 60.0,
+        stop_on_timeout: bool = False,
+    ) -> ChunksT:
+        """Run arrays through the model in requests of at most ``rows_per_request`` rows.
+
+        Yields one Chunk per request, in input order (``AsyncClient``: an async iterator); a
+        failed request is a Chunk with ``error`` set. ``rows_per_request`` defaults to the
+        smallest ``max_batch_size`` of the live workers (NoWorkerInfo when none is registered:
+        ``Client`` raises it at the call, ``AsyncClient`` on first use; bad arguments raise at
+        the call in both). ``timeout_s`` bounds the wait for each request's reply, counted from
+        when it was sent: a late request is yielded as a failed Chunk (code WAIT_TIMEOUT) and
+        cancelled, and the others carry on; with ``stop_on_timeout`` the first late reply stops
+        the sending instead, and the iteration ends once the requests already in flight are
+        yielded (its last chunk then stops short of the input's end). Stopping the iteration
+        early cancels the requests still in flight. Each refill of the window is one pipelined
+        submit, with the same backlog check as ``submit_many``. When Redis is full
+        (``RedisFull``), the sending stops: the requests in flight are still awaited and
+        yielded, and then the refusal is raised; the rows after the last chunk yielded were
+        never sent (with ``wait_for_backlog``, map waits for room instead).
+        """
+        plan = window.MapPlan(
+            self._session.settings,
+            arrays,
+            rows_per_request=rows_per_request,
+            concurrency=concurrency,
+            outputs=outputs,
+            timeout_s=timeout_s,
+            stop_on_timeout=stop_on_timeout,
+        )
+        return self._map(plan)
+
+    @abstractmethod
+    def _drain(self, waiter: window.ReplyWaiter) -> ResultsT:
+        """The replies ``waiter`` awaits, as they arrive."""
+
+    @abstractmethod
+    def _map(self, plan: window.MapPlan) -> ChunksT:
+        """``plan``'s chunks, in input order."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model!r}, url={self._session.where!r})"
