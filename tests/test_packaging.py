@@ -5,6 +5,7 @@ import __future__
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -152,7 +153,30 @@ def test_no_worker_module_imports_the_tools(path: Path) -> None:
 
 
 def test_the_wheel_holds_the_client_and_the_worker_and_no_tooling(tmp_path: Path) -> None:
-    # Given the wheel a plain `pip install redbatch` would install
+    # Given the wheel a plain `pip install redbatch` would install, built from a clean copy of
+    # the checkout's files (setuptools reuses ./build, which may hold deleted modules)
+    source = tmp_path / "src"
+    tracked = subprocess.run(
+        [
+            "git",
+            "ls-files",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            "--",
+            "pyproject.toml",
+            "README.md",
+            "producer",
+            "worker",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in (n for n in tracked if (ROOT / n).is_file()):  # deleted, not yet committed
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
     built = subprocess.run(
         [
             sys.executable,
@@ -163,7 +187,7 @@ def test_the_wheel_holds_the_client_and_the_worker_and_no_tooling(tmp_path: Path
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(source),
         ],
         capture_output=True,
         text=True,
