@@ -1,8 +1,9 @@
 """redbatch's producer library: send arrays to ONNX workers over Redis streams, get replies back.
 
-``Client`` (blocking) and ``AsyncClient`` (asyncio) share one sans-I/O core (``producer.core``);
-the wire format is ``producer.codec``, Redis outages are retried by ``producer.retry``, and every
-error derives from ``RedbatchError``.
+``Client`` (blocking) and ``AsyncClient`` (asyncio) are thin shells over one logic: the plans of
+``producer.plans`` say what to send and what to wait for, over the sans-I/O state of
+``producer.core`` and ``producer.window``. The wire format is ``producer.codec``, Redis outages
+are retried by ``producer.retry``, and every error derives from ``RedbatchError``.
 """
 
 from __future__ import annotations
