@@ -7,9 +7,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from worker.assemble import FeedBuffers
+from worker.cancels import CancelCheck
 from worker.errors import Rejected
-from worker.execute import run_batch
-from worker.intake import WorkItem
+from worker.items import Admitted
+from worker.run import run_batch
 from worker.schema import ValidRequest
 from worker.stream import RawEntry
 
@@ -18,8 +19,8 @@ def _request(x: np.ndarray) -> ValidRequest:
     return ValidRequest({"x": x}, x.shape[0], (x.shape[1:],), ("y",))
 
 
-def _item(seq: int, x: np.ndarray) -> WorkItem:
-    return WorkItem(RawEntry(f"1000-{seq}".encode(), {}), rid=f"r{seq}", request=_request(x))
+def _item(seq: int, x: np.ndarray) -> Admitted:
+    return Admitted(RawEntry(f"1000-{seq}".encode(), {}), f"r{seq}", _request(x), CancelCheck())
 
 
 def _rows(seed: int, rows: int, width: int = 8) -> np.ndarray:

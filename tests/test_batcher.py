@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from worker.batcher import Batcher
+from worker.cancels import CancelCheck
 from worker.errors import Rejected
-from worker.intake import WorkItem
+from worker.items import Admitted, Item, Refused
 from worker.schema import ValidRequest
 from worker.stream import RawEntry
 
@@ -35,11 +36,11 @@ class TimedQueue(queue.Queue):
         super().__init__()
         self.time = time
 
-    def put_item(self, item: WorkItem) -> None:
+    def put_item(self, item: Item) -> None:
         """Hand one item over, as a read of one entry."""
         self.put([item])
 
-    def get(self, block: bool = True, timeout: float | None = None) -> list[WorkItem]:
+    def get(self, block: bool = True, timeout: float | None = None) -> list[Item]:
         try:
             return super().get(block=False)
         except queue.Empty:
@@ -48,15 +49,15 @@ class TimedQueue(queue.Queue):
             raise
 
 
-def _item(seq: int, rows: int, enqueued_ms: float) -> WorkItem:
+def _item(seq: int, rows: int, enqueued_ms: float) -> Admitted:
     entry = RawEntry(f"{int(enqueued_ms)}-{seq}".encode(), {})
     request = ValidRequest({"x": np.zeros((rows, 1))}, rows, ((1,),), ("y",))
-    return WorkItem(entry, rid=f"r{seq}", request=request)
+    return Admitted(entry, f"r{seq}", request, CancelCheck())
 
 
-def _rejected(seq: int, enqueued_ms: float) -> WorkItem:
+def _rejected(seq: int, enqueued_ms: float) -> Refused:
     entry = RawEntry(f"{int(enqueued_ms)}-{seq}".encode(), {})
-    return WorkItem(entry, rid=f"bad{seq}", rejection=Rejected("MALFORMED", "x"))
+    return Refused(entry, f"bad{seq}", Rejected("MALFORMED", "x"))
 
 
 def _batcher(max_rows: int = 8, max_wait_ms: float = 10.0) -> tuple[Batcher, TimedQueue, FakeTime]:
@@ -158,9 +159,9 @@ class ScheduledQueue(queue.Queue):
     def __init__(self, time: FakeTime) -> None:
         super().__init__()
         self.time = time
-        self.arrivals: list[tuple[float, WorkItem]] = []  # (monotonic time, item), in order
+        self.arrivals: list[tuple[float, Item]] = []  # (monotonic time, item), in order
 
-    def get(self, block: bool = True, timeout: float | None = None) -> list[WorkItem]:
+    def get(self, block: bool = True, timeout: float | None = None) -> list[Item]:
         now = self.time.mono
         due = [a for a in self.arrivals if a[0] <= now + 1e-12]
         if not due and block and self.arrivals and self.arrivals[0][0] <= now + (timeout or 0):

@@ -1,9 +1,9 @@
 """Cancel checks answered while the batch runs, and the read sent behind each check.
 
-Intake hands a read over before its cancel check's answer is in (worker/cancels.py): a request
-whose answer comes before its batch starts is left out of the run; one whose answer comes during
-the run is answered CANCELLED after it. Both cases are forced here by holding the answer back
-until a chosen moment, on a real worker and a real Redis.
+The reading thread hands a read over before its cancel check's answer is in (worker/cancels.py):
+a request whose answer comes before its batch starts is left out of the run; one whose answer
+comes during the run is answered CANCELLED after it. Both cases are forced here by holding the
+answer back until a chosen moment, on a real worker and a real Redis.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from harness import (
 )
 
 from producer import keys, resp
+from worker import answer as answer_module
 from worker import batcher as batcher_module
 from worker import cancels as cancels_module
-from worker import service as service_module
-from worker import stream as stream_module
 from worker.cancels import CancelCheck
 from worker.config import load_config
+from worker.items import Admitted
 from worker.metrics import Metrics
 from worker.service import Worker, prepare
 from worker.stream import RequestStream
@@ -54,27 +54,27 @@ class HeldAnswers:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.release = threading.Event()
-        receive = stream_module.CancelQuery.receive
+        receive = cancels_module.CancelQuery.receive
 
-        def held(query: stream_module.CancelQuery) -> set[str]:
+        def held(query: cancels_module.CancelQuery) -> set[str]:
             answer = receive(query)
             assert self.release.wait(20), "the answer was never released"
             return answer
 
-        monkeypatch.setattr(stream_module.CancelQuery, "receive", held)
+        monkeypatch.setattr(cancels_module.CancelQuery, "receive", held)
 
 
 @pytest.fixture
 def run_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Rows of every run the worker makes."""
     rows: list[int] = []
-    run_batch = service_module.run_batch
+    run_batch = answer_module.run_batch
 
     def counted(model, schema, items, *args, **kwargs):  # type: ignore[no-untyped-def]
         rows.append(sum(item.rows for item in items))
         return run_batch(model, schema, items, *args, **kwargs)
 
-    monkeypatch.setattr(service_module, "run_batch", counted)
+    monkeypatch.setattr(answer_module, "run_batch", counted)
     return rows
 
 
@@ -82,13 +82,13 @@ def test_an_answer_that_comes_during_the_run_still_cancels(
     config: Path, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch, run_rows: list[int]
 ) -> None:
     held = HeldAnswers(monkeypatch)
-    run_batch = service_module.run_batch
+    run_batch = answer_module.run_batch
 
     def release_then_run(*args, **kwargs):  # type: ignore[no-untyped-def]
         held.release.set()  # the answer arrives once the run has started
         return run_batch(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "run_batch", release_then_run)
+    monkeypatch.setattr(answer_module, "run_batch", release_then_run)
     rconn.set(keys.cancel_key(PREFIX, "late"), 1, ex=60)
     send(rconn, MODEL, "late", _inputs(), meta="m")
     send(rconn, MODEL, "kept", _inputs())
@@ -114,7 +114,7 @@ def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
     def after_the_answers(self, timeout_s):  # type: ignore[no-untyped-def]
         batch = next_batch(self, timeout_s)
         for item in batch:
-            if item.cancel is not None:
+            if isinstance(item, Admitted):
                 item.cancel.confirmed("")  # waits for the answer
         return batch
 
@@ -137,20 +137,20 @@ def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
 def _held_runs(monkeypatch: pytest.MonkeyPatch, hold_s: float) -> threading.Event:
     """Each run waits until the returned event is set, or ``hold_s``."""
     gate = threading.Event()
-    run_batch = service_module.run_batch
+    run_batch = answer_module.run_batch
 
     def held(*args, **kwargs):  # type: ignore[no-untyped-def]
         gate.wait(hold_s)
         return run_batch(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "run_batch", held)
+    monkeypatch.setattr(answer_module, "run_batch", held)
     return gate
 
 
 def test_no_read_goes_out_after_a_stop(
     tmp_path: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Given a backlog, and intake blocked handing a read to the full queue while a run is held
+    # Given a backlog, and the reader blocked handing a read to the full queue while a run is held
     config = write_config(
         tmp_path, MODEL, redis_url, batching="max_batch_size = 4\nmax_wait_ms = 1"
     )
@@ -186,8 +186,8 @@ def _entries_read(conn: redis.Redis) -> int:
 
 
 def _settled_entries_read(conn: redis.Redis) -> int:
-    """entries-read once the read intake sent behind its last cancel check has reached Redis:
-    intake blocks on the full queue after sending it, so Redis may not have served it yet.
+    """entries-read once the read the reader sent behind its last cancel check has reached Redis:
+    the reader blocks on the full queue after sending it, so Redis may not have served it yet.
     Polled (Redis offers no event for it) until three readings 20 ms apart agree."""
     readings = [_entries_read(conn)]
     deadline = time.monotonic() + 10
@@ -202,7 +202,7 @@ def test_a_health_check_between_the_check_and_the_read_behind_it_changes_nothing
     tmp_path: Path, redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A client that PINGs before a send once health_check_interval has passed: its PING must
-    # not read the cancel check's reply, still owed while intake waits on a full queue.
+    # not read the cancel check's reply, still owed while the reader waits on a full queue.
     config = write_config(
         tmp_path, MODEL, redis_url, batching="max_batch_size = 1\nmax_wait_ms = 1"
     )
@@ -226,25 +226,25 @@ def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started
     # Given a check whose first MGET cannot be sent, so it is asked again after the hand-over
     # (and no second check as the batch forms, which this test is not about)
     monkeypatch.setattr(cancels_module, "RECHECK_AFTER_S", 3600.0)
-    ask = stream_module.RequestStream.ask_cancelled
+    ask = cancels_module.ask
     asked: list[int] = []
 
-    def first_unsendable(self, rids):  # type: ignore[no-untyped-def]
+    def first_unsendable(stream, rids):  # type: ignore[no-untyped-def]
         asked.append(1)
         if len(asked) == 1:
             raise redis.ConnectionError("dropped")
-        return ask(self, rids)
+        return ask(stream, rids)
 
-    monkeypatch.setattr(stream_module.RequestStream, "ask_cancelled", first_unsendable)
+    monkeypatch.setattr(cancels_module, "ask", first_unsendable)
     key_set = threading.Event()
-    cancelled = stream_module.RequestStream.cancelled
+    cancelled = cancels_module.cancelled
 
-    def after_the_key(self, rids):  # type: ignore[no-untyped-def]
+    def after_the_key(stream, rids):  # type: ignore[no-untyped-def]
         assert key_set.wait(20)
-        return cancelled(self, rids)
+        return cancelled(stream, rids)
 
-    monkeypatch.setattr(stream_module.RequestStream, "cancelled", after_the_key)
-    run_batch = service_module.run_batch
+    monkeypatch.setattr(cancels_module, "cancelled", after_the_key)
+    run_batch = answer_module.run_batch
 
     def cancel_during_the_run(*args, **kwargs):  # type: ignore[no-untyped-def]
         # When the caller cancels only once the batch runs
@@ -252,7 +252,7 @@ def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started
         key_set.set()
         return run_batch(*args, **kwargs)
 
-    monkeypatch.setattr(service_module, "run_batch", cancel_during_the_run)
+    monkeypatch.setattr(answer_module, "run_batch", cancel_during_the_run)
     send(rconn, MODEL, "ran", _inputs())
     with running_worker(config):
         reply = wait_reply(rconn, "ran")
@@ -321,7 +321,7 @@ def test_the_read_behind_a_check_returns_what_read_would(redis_url: str, protoco
     conn.set(keys.cancel_key(PREFIX, "r1"), 1, ex=60)
     sent = [send(conn, MODEL, f"r{i}", _inputs()) for i in range(3)]
 
-    query = stream.ask_cancelled(["r0", "r1"])
+    query = cancels_module.ask(stream, ["r0", "r1"])
     query.read_behind(2, 0)
     assert query.receive() == {"r1"}
     assert query.read_owed
@@ -331,7 +331,7 @@ def test_the_read_behind_a_check_returns_what_read_would(redis_url: str, protoco
     assert set(entries[0].fields) == {b"rid", b"body"}
     # the same as a plain read gives: the third entry, then nothing
     assert [e.fields[b"rid"] for e in stream.read(5, 0)] == [b"r2"]
-    blocked = stream.ask_cancelled(["r2"])
+    blocked = cancels_module.ask(stream, ["r2"])
     blocked.read_behind(5, 50)
     assert blocked.receive() == set()
     assert blocked.entries() == []
@@ -342,7 +342,7 @@ def test_the_read_behind_a_check_recreates_a_lost_group(redis_url: str) -> None:
     conn = redis.Redis.from_url(redis_url)
     stream = _stream(conn)
     conn.delete(keys.request_stream(PREFIX, MODEL))  # the group goes with the stream
-    query = stream.ask_cancelled(["r0"])
+    query = cancels_module.ask(stream, ["r0"])
     query.read_behind(5, 0)
     assert query.receive() == set()
     assert query.entries() == []
@@ -383,7 +383,7 @@ def test_a_run_that_raises_still_reads_its_recheck_and_frees_the_connection(
     def failing(*_args, **_kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("the runtime broke (test)")
 
-    monkeypatch.setattr(service_module, "run_batch", failing)
+    monkeypatch.setattr(answer_module, "run_batch", failing)
     with running_worker(config) as worker:
         pool = worker.stream.client.connection_pool
         for i in range(6):

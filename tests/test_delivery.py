@@ -7,6 +7,7 @@ XREADGROUP and never answers, which is exactly what a SIGKILLed worker leaves in
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -301,3 +302,67 @@ def test_leases_claims_and_clean_up_run_on_a_full_redis(rconn) -> None:
     assert [c.entry_id for c in claimed] == [eid for eid, _ in dead_ones]
     assert sorted(gone) == ["dead-one", "empty"]
     assert rconn.xpending(STREAM, GROUP)["pending"] == 3
+
+
+class _DownRedis:
+    """Claims whose every call fails while ``up`` is False, as during a Redis outage."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.renewals = 0
+        self.renewed = threading.Event()  # set on every renewal tried
+        self.swept = threading.Event()  # set on every sweep of idle consumers tried
+
+    def renew(self, entry_ids: list[bytes]) -> int:
+        self.renewals += 1
+        self.renewed.set()
+        if not self.up:
+            raise redis.ConnectionError("Connection refused (test)")
+        return len(entry_ids)
+
+    def forget_consumers(self, min_idle_ms: int) -> list[str]:
+        self.swept.set()
+        if not self.up:
+            raise redis.ConnectionError("Connection refused (test)")
+        return []
+
+
+class _FirstTick(random.Random):
+    def randrange(self, *args: object, **kwargs: object) -> int:  # type: ignore[override]
+        return 0  # the sweep comes every 100th turn, the first at turn 100
+
+
+def test_lease_renewal_says_redis_is_back_only_once_a_renewal_reached_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from worker.leases import LeaseKeeper, Leases
+
+    # Given a keeper (a turn every 10 ms) whose renewal found Redis down
+    caplog.set_level(logging.WARNING, logger="worker.leases")
+    claims, leases = _DownRedis(), Leases()
+    leases.hold([b"1-0"])
+    keeper = LeaseKeeper(claims, leases, 30, rng=_FirstTick())  # type: ignore[arg-type]
+    keeper.start()
+    try:
+        assert claims.renewed.wait(10)
+        # When it holds nothing, so that its turns send nothing, until its sweep (turn 100)
+        # finds Redis still down
+        leases.release([b"1-0"])
+        claims.swept.clear()
+        assert claims.swept.wait(10)
+        lines = [r.getMessage() for r in caplog.records if r.name == "worker.leases"]
+        # Then it said Redis was down, and never that it was back
+        assert any("cannot reach Redis" in line for line in lines), lines
+        assert not any("reached Redis again" in line for line in lines), lines
+        # And once Redis is up and a renewal reaches it, it says so, once
+        claims.up = True
+        leases.hold([b"2-0"])
+        claims.renewed.clear()
+        renewals = claims.renewals
+        while claims.renewals < renewals + 2:  # the second: the first one's turn has ended
+            assert claims.renewed.wait(10)
+            claims.renewed.clear()
+    finally:
+        keeper.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.leases"]
+    assert sum("reached Redis again" in line for line in lines) == 1, lines

@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 
 from producer import codec, guards
 from producer.errors import WireFormatError
-from worker.intake import admit
+from worker.admit import admit
+from worker.items import DeadLetter, Refused
 from worker.stream import RawEntry
 
 TARGET = FuzzTarget("demo", max_request_bytes=16384, max_batch_size=8)
@@ -71,8 +72,8 @@ def tensor_with_raw(field: str, raw: bytes) -> bytes:
 def outcome(body: bytes, max_bytes: int = TARGET.max_request_bytes) -> str:
     """admit's answer for a body: OK or the code; admit raising fails the test."""
     item = admit(RawEntry(b"1-0", {b"rid": b"r1", b"body": body}), SCHEMA, max_bytes)
-    assert item.dead_reason is None
-    return item.rejection.code if item.rejection is not None else "OK"
+    assert not isinstance(item, DeadLetter)
+    return item.error.code if isinstance(item, Refused) else "OK"
 
 
 def refused(body: bytes, max_bytes: int = BIG) -> WireFormatError:

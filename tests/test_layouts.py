@@ -14,9 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer import codec
-from worker import intake
+from worker import admit as admit_module
+from worker.admit import admit
 from worker.config import BatchingConfig, ModelConfig, RedisConfig, WorkerConfig
-from worker.intake import WorkItem, admit
+from worker.errors import Rejected
+from worker.items import Admitted, Item, Refused
 from worker.layouts import Layouts
 from worker.model import TensorSpec
 from worker.schema import Schema
@@ -48,19 +50,30 @@ def multi_body(seed: int, **options: Any) -> bytes:
     return codec.encode_request(inputs, **options)
 
 
-def run(body: bytes, schema: Schema, layouts: Layouts | None) -> WorkItem:
+def run(body: bytes, schema: Schema, layouts: Layouts | None) -> Item:
     return admit(RawEntry(b"1-0", {b"rid": b"r1", b"body": body}), schema, MAX_BYTES, 1, layouts)
 
 
-def same(a: WorkItem, b: WorkItem) -> None:
+def admitted(item: Item) -> Admitted:
+    assert isinstance(item, Admitted), item
+    return item
+
+
+def refusal(item: Item) -> Rejected:
+    assert isinstance(item, Refused), item
+    return item.error
+
+
+def same(a: Item, b: Item) -> None:
     """Two admissions agree on everything a batch and a reply use."""
-    assert (a.rejection and (a.rejection.code, a.rejection.message)) == (
-        b.rejection and (b.rejection.code, b.rejection.message)
-    )
-    assert (a.reply_ttl_s, a.deadline_ms, a.meta_raw) == (b.reply_ttl_s, b.deadline_ms, b.meta_raw)
-    if a.request is None or b.request is None:
-        assert a.request is b.request is None
+    assert type(a) is type(b)
+    if isinstance(a, Refused):
+        assert isinstance(b, Refused)
+        assert (a.error.code, a.error.message) == (b.error.code, b.error.message)
+        assert (a.reply_ttl_s, a.meta_raw) == (b.reply_ttl_s, b.meta_raw)
         return
+    a, b = admitted(a), admitted(b)
+    assert (a.reply_ttl_s, a.deadline_ms, a.meta_raw) == (b.reply_ttl_s, b.deadline_ms, b.meta_raw)
     assert (a.request.rows, a.request.signature, a.request.outputs) == (
         b.request.rows,
         b.request.signature,
@@ -78,12 +91,11 @@ def test_a_body_laid_out_like_an_admitted_one_is_not_decoded(
 ) -> None:
     layouts = Layouts()
     run(multi_body(0, outputs=["total"], reply_ttl_s=30), MULTI, layouts)
-    monkeypatch.setattr(intake, "decode_request", lambda *_: pytest.fail("decoded again"))
+    monkeypatch.setattr(admit_module, "decode_request", lambda *_: pytest.fail("decoded again"))
     body = multi_body(1, outputs=["total"], reply_ttl_s=30)
-    item = run(body, MULTI, layouts)
+    item = admitted(run(body, MULTI, layouts))
     monkeypatch.undo()
     same(item, run(body, MULTI, None))
-    assert item.request is not None
     assert item.request.outputs == ("total",)
     assert item.reply_ttl_s == 30
     # The arrays are views of the body: decoding copies nothing.
@@ -99,8 +111,7 @@ def test_same_length_but_another_shape_is_decoded_and_gets_its_own_shape() -> No
     second = codec.encode_request({"x": x.reshape(2, 8)})
     assert len(first) == len(second)
     run(first, FREE, layouts)
-    item = run(second, FREE, layouts)
-    assert item.request is not None
+    item = admitted(run(second, FREE, layouts))
     assert item.request.inputs["x"].shape == (2, 8)
     assert item.request.rows == 2
     same(item, run(second, FREE, None))
@@ -116,10 +127,10 @@ def test_deadlines_are_read_from_their_bytes(monkeypatch: pytest.MonkeyPatch) ->
     layouts = Layouts()
     now_ms = 1_764_000_000_000  # epoch milliseconds: a uint64, as clients pack them
     run(multi_body(0, deadline_ms=now_ms), MULTI, layouts)
-    monkeypatch.setattr(intake, "decode_request", lambda *_: pytest.fail("decoded again"))
+    monkeypatch.setattr(admit_module, "decode_request", lambda *_: pytest.fail("decoded again"))
     for deadline_ms in (now_ms + 1, now_ms + 10**9, 2**40):
         body = multi_body(1, deadline_ms=deadline_ms)
-        assert run(body, MULTI, layouts).deadline_ms == deadline_ms
+        assert admitted(run(body, MULTI, layouts)).deadline_ms == deadline_ms
 
 
 def test_a_deadline_packed_small_is_not_kept() -> None:
@@ -139,7 +150,7 @@ def test_bool_inputs_are_not_kept() -> None:
     bad = codec.encode_request({"flags": np.ones((1, 4), bool)}).replace(
         b"\x01\x01\x01\x01", b"\x01\x02\x01\x01"
     )
-    assert run(bad, schema, layouts).rejection is not None
+    assert refusal(run(bad, schema, layouts)) is not None
 
 
 def test_layouts_stay_bounded_under_ever_new_layouts() -> None:
@@ -183,8 +194,7 @@ def test_a_negative_signed_deadline_is_refused_as_the_full_path_refuses_it() -> 
     at = SIGNED_DEADLINE.index(DEADLINE_KEY + b"\xd3") + len(DEADLINE_KEY) + 1
     negative = SIGNED_DEADLINE[:at] + b"\xff" + SIGNED_DEADLINE[at + 1 :]
     item = run(negative, MULTI, layouts)
-    assert item.rejection is not None
-    assert item.rejection.code == "MALFORMED"
+    assert refusal(item).code == "MALFORMED"
     same(item, run(negative, MULTI, None))
 
 

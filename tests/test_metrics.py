@@ -59,7 +59,7 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
             for rid in [*(f"ok{i}" for i in range(6)), *(f"bad{i}" for i in range(3))]:
                 wait_reply(rconn, rid)
             worker.stop.set()  # stop reading, so the next entry stays in the stream
-            worker.intake.join()
+            worker.reader.join()
             rconn.xadd("redbatch:{demo}:requests", {"rid": "queued", "body": b""})
             worker._sample_stream()  # what the heartbeat does every 5 s
         # A batch's metrics are recorded once it is written; after a stop, all of them are.

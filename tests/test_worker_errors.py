@@ -292,7 +292,7 @@ def test_a_decoder_bug_fails_only_its_request(
         send(rconn, "demo", "buggy", {"features": x}, meta="trigger")
         send(rconn, "demo", "after", {"features": x})
         replies = {rid: wait_reply(rconn, rid) for rid in ("before", "buggy", "after")}
-        assert worker.intake.is_alive()
+        assert worker.reader.is_alive()
     assert replies["before"].ok
     assert replies["after"].ok
     assert replies["buggy"].error is not None

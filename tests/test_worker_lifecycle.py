@@ -204,7 +204,7 @@ def test_worker_survives_flushall_and_serves_again(tmp_path: Path, redis_url: st
         rconn.flushall()  # the group and the stream are gone under the worker's blocked read
         send(rconn, "demo", "after-flush", {"features": x})
         assert wait_reply(rconn, "after-flush").ok
-        assert worker.intake.is_alive()
+        assert worker.reader.is_alive()
 
 
 def test_worker_rides_out_a_redis_restart(tmp_path: Path, redis_server, redis_url: str) -> None:
@@ -222,7 +222,7 @@ def test_worker_rides_out_a_redis_restart(tmp_path: Path, redis_server, redis_ur
         # Then it reconnects, recreates its group and serves again
         assert wait_reply(after, "after-restart").ok
         after.close()
-        assert worker.intake.is_alive()
+        assert worker.reader.is_alive()
         assert worker.writer.is_alive()
 
 
@@ -363,7 +363,7 @@ def test_a_draining_worker_shows_draining_until_it_exits(
         _until(lambda: _record(rconn, key).get("heartbeat_at", beat) > beat)
         assert rconn.smembers("redbatch:{demo}:workers") == {b"drainer"}
         # and so do the stream gauges: a request sent once it reads no more stays, and is seen
-        worker.intake.join(timeout=30)
+        worker.reader.join(timeout=30)
         send(rconn, "demo", "after-stop", {"features": x})
         _until(lambda: metrics.backlog._value.get() == 2)  # "first" was deleted once answered
         assert thread.is_alive()
@@ -431,11 +431,11 @@ def test_reads_take_about_a_batch_of_rows_so_a_backlog_of_large_requests_stays_o
         for i in range(40):
             send(pipe, "demo", f"big-{i}", {"features": np.zeros((16, 16), np.float32)})
         pipe.execute()
-        _until(worker.queue.full)  # the intake has read all it will before the run ends
+        _until(worker.queue.full)  # the reader has read all it will before the run ends
         held_entries = rconn.xpending(stream, "workers")["pending"]
         # Then the worker holds a few of them, one per read, not 16 per read
         assert held_entries <= 6
-        assert worker.intake.read_count == 1
+        assert worker.reader.read_count == 1
     finally:
         go.set()
         worker.request_stop()

@@ -104,13 +104,13 @@ class _LosesFirstHeartbeat:
 
 def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_worker() -> None:
     from worker.record import Registry
-    from worker.retry import Outage
+    from worker.retry import OutageRetry
 
     client = _LosesFirstHeartbeat()
     record = {"name": "w1", "model": {"name": "demo"}, "host": "h", "pid": 1}
     registry = Registry(client, "redbatch", record, threading.Event())  # type: ignore[arg-type]
 
-    free = Outage("starting up", max_wait_s=0.01).call(registry.beat_first)
+    free = OutageRetry("starting up", max_wait_s=0.01).call(registry.beat_first)
 
     assert free  # the retry found its own first write, which is not another worker's
     assert registry.published
@@ -120,7 +120,7 @@ def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_work
 def test_a_write_refused_for_memory_is_logged_as_redis_full_not_unreachable(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from worker.retry import Outage
+    from worker.retry import OutageRetry
 
     # A write refused twice: the second refusal starts an outage, which is logged once
     calls = iter([redis.exceptions.OutOfMemoryError("OOM command not allowed")] * 2 + [None])
@@ -132,7 +132,7 @@ def test_a_write_refused_for_memory_is_logged_as_redis_full_not_unreachable(
         return "written"
 
     caplog.set_level(logging.WARNING, logger="worker.retry")
-    assert Outage("writing replies", max_wait_s=0.01).call(twice_refused) == "written"
+    assert OutageRetry("writing replies", max_wait_s=0.01).call(twice_refused) == "written"
     messages = [r.getMessage() for r in caplog.records if r.name == "worker.retry"]
     assert messages[0].startswith("Redis is full (maxmemory) during writing replies")
     assert not any("unreachable" in m for m in messages)

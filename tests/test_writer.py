@@ -54,7 +54,7 @@ def stream(rconn: redis.Redis) -> RequestStream:
 
 def _writer(stream: RequestStream, recorder: _Recorder) -> tuple[ReplyWriter, threading.Event]:
     stopped = threading.Event()
-    writer = ReplyWriter(stream, threading.Event(), recorder, stopped.set)
+    writer = ReplyWriter(stream, threading.Event(), recorder, stopped)
     writer.start()
     return writer, stopped
 
@@ -133,7 +133,7 @@ def test_the_typical_write_is_learnt_from_writes_that_needed_no_retry(
 
 
 class _Watched:
-    """Hooks on a worker: ``second_read`` is set once intake handed over two reads (their sizes
+    """Hooks on a worker: ``second_read`` is set once the reader handed over two reads (their sizes
     in ``handed_over``), ``first_written`` once the writer is idle again after its first batch,
     and ``threads`` names the thread that wrote each batch."""
 
@@ -189,7 +189,7 @@ def test_the_rule_for_writing_here(tmp_path: Path, redis_url: str) -> None:
         assert worker._write_here(short)
         assert not worker._write_here(long)  # the model is the bottleneck: keep it fed
         worker.batcher._buffer.append(object())  # type: ignore[arg-type]
-        assert not worker._write_here(short)  # items taken from intake wait for a batch
+        assert not worker._write_here(short)  # items taken from the reader wait for a batch
         worker.batcher._buffer.clear()
         worker.queue.put_nowait([])
         assert not worker._write_here(short)  # a read waits to be batched
@@ -327,7 +327,7 @@ def test_giving_up_on_redis_when_told_is_one_line_not_a_traceback(
     # A second stop signal during an outage sets give_up: the writer stops retrying, as asked,
     # and says so in one line (a traceback of the Redis error would read as a crash).
     give_up = threading.Event()
-    writer = ReplyWriter(stream, give_up, _Recorder(), lambda: None)
+    writer = ReplyWriter(stream, give_up, _Recorder(), threading.Event())
     tries = []
 
     def down(finishes):

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from worker.intake import WorkItem
+from worker.items import Item
 
 __all__ = ["Batcher"]
 
@@ -42,15 +42,16 @@ _MIN_PATIENCE_S = 0.0005  # a read, a cancel check and a thread hand-off on a bu
 
 
 class Batcher:
-    """Takes WorkItems from the intake queue and hands out batches of at most ``max_rows`` rows.
+    """Takes items from the reading thread's queue; hands out batches of at most ``max_rows``
+    rows.
 
-    Intake hands items over a read at a time (a list per XREADGROUP), which keeps the lock and
-    thread hand-offs per batch rather than per request.
+    Items come a read at a time (a list per XREADGROUP), which keeps the lock and thread
+    hand-offs per batch rather than per request.
     """
 
     def __init__(
         self,
-        source: queue.Queue[list[WorkItem]],
+        source: queue.Queue[list[Item]],
         max_rows: int,
         max_wait_ms: float,
         clock: Callable[[], float] = time.monotonic,
@@ -63,19 +64,19 @@ class Batcher:
         self.clock = clock
         self.wall_ms = wall_ms
         self.adaptive = adaptive
-        self._buffer: deque[WorkItem] = deque()
+        self._buffer: deque[Item] = deque()
         self._gain = 1.0  # moving average of requests gained per batch that waited
         self._skips = 0
-        # Moving average of the wait before a request arrived; it starts at a third of the
-        # window, so that the first batches wait out the window as a fixed one would.
+        # Moving average of the wait before a request arrived; it starts at the window over
+        # _PATIENCE_GAPS, so that the first batches wait out the window as a fixed one would.
         self._gap_s = max_wait_ms / 1000.0 / _PATIENCE_GAPS
 
     @property
     def holding(self) -> bool:
-        """True while items taken from intake wait for a batch."""
+        """True while items taken from the queue wait for a batch."""
         return bool(self._buffer)
 
-    def next_batch(self, timeout_s: float) -> list[WorkItem]:
+    def next_batch(self, timeout_s: float) -> list[Item]:
         """Block up to ``timeout_s`` for a first item, then gather; [] when none came."""
         first = self._take(timeout_s)
         if first is None:
@@ -117,7 +118,7 @@ class Batcher:
             return True
         return False
 
-    def _take_within(self, wait_s: float) -> WorkItem | None:
+    def _take_within(self, wait_s: float) -> Item | None:
         """Wait for the next item up to ``wait_s``, or less when arrivals have stopped."""
         if not self.adaptive:
             return self._take(wait_s)
@@ -128,12 +129,12 @@ class Batcher:
             self._gap_s += _GAP_WEIGHT * ((self.clock() - started) - self._gap_s)
         return item
 
-    def _deadline(self, oldest: WorkItem) -> float:
+    def _deadline(self, oldest: Item) -> float:
         """Monotonic time at which the window opened by ``oldest`` closes."""
         age_ms = min(max(self.wall_ms() - oldest.entry.id_ms, 0.0), self.max_wait_ms)
         return self.clock() + (self.max_wait_ms - age_ms) / 1000.0
 
-    def _take(self, timeout_s: float) -> WorkItem | None:
+    def _take(self, timeout_s: float) -> Item | None:
         if not self._buffer:
             try:
                 if timeout_s <= 0:

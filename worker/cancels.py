@@ -1,23 +1,25 @@
-"""Cancel checks whose answer may come while the batch runs.
+"""Cancellation: every cancel step of the worker's path, behind a small API.
 
-Intake sends one ``MGET`` of a read's cancel keys and hands the read over at once, instead of
-waiting for the answer first: that round trip (about 0.35 ms on a busy 2-core machine) sat
-between every read and its batch. The main thread leaves out of the run the requests whose
-answer is in and says cancelled, and answers ``CANCELLED`` after the run those whose answer came
-later: they ran for nothing, which costs a rare cancel some compute. The MGET is sent before
-the hand-over and Redis runs it one network delay later, so the keys it sees existed when the
-batch was formed, as the contract has it, give or take that delay (a key set within it may
-still count). Only when that round trip fails is it asked again after the hand-over; that
-answer cannot tell whether a key was set before or after a batch already started, so it only
-keeps requests out of runs not yet started: a cancel may then be missed. With a
-backlog, where cancels matter (callers give up on requests that wait long), reads wait in the
-queue and their answers are in before their batch starts.
+A request is cancelled when its cancel key exists. The keys are asked for in two places:
 
-That answer is as of the read, though, and a read may wait in the worker behind a few batches
-(or a long ``max_wait_ms``) before its batch forms. So a batch whose requests were checked more
-than ``RECHECK_AFTER_S`` before it formed asks again (``Recheck``): one MGET sent on the main
-thread as the run starts and read after it, so the run never waits on it; a request it finds
-cancelled ran for nothing and is answered ``CANCELLED``.
+- **At read time** (``ReadCheck``, on the reading thread): one ``MGET`` of a read's cancel
+  keys, sent before the read is handed over to the batcher, the next ``XREADGROUP`` sent behind
+  it on the same connection, and the answer taken after the hand-over. So the batch never
+  waits for that round trip, and a read costs one round trip, not two. The MGET reaches Redis
+  one network delay after it is sent, so the keys it sees existed when the batch was formed,
+  as the contract has it, give or take that delay. Only when that round trip fails is it
+  asked again after the hand-over; that answer cannot tell whether a key was set before or
+  after a batch already started, so it only keeps requests out of runs not yet started: a
+  cancel may then be missed.
+- **As a run starts** (``RunCheck``, on the main thread): a read may wait in the worker behind
+  a few batches (or a long ``max_wait_ms``) before its batch forms, so the requests of a run
+  whose check was asked more than ``RECHECK_AFTER_S`` before are asked again: one MGET sent as
+  the run starts and read after it, so the run never waits on it.
+
+Each admitted request carries its read's ``CancelCheck``. A request whose answer is in and says
+cancelled before its run is left out (``already``); one whose answer came later, or that the
+second check found, ran for nothing and is answered ``CANCELLED`` after the run
+(``RunCheck.cancelled``): a rare cancel costs some compute, a wrong one would lose an answer.
 """
 
 from __future__ import annotations
@@ -25,23 +27,34 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import redis
 
+from producer import resp
+from producer.retry import is_transient
 from worker.errors import Rejected
-from worker.stream import CancelQuery, RequestStream
+from worker.stream import RawEntry, RequestStream
 
-__all__ = ["RECHECK_AFTER_S", "CancelCheck", "Recheck", "cancelled_error"]
+__all__ = [
+    "RECHECK_AFTER_S",
+    "CancelCheck",
+    "CancelQuery",
+    "ReadCheck",
+    "RunCheck",
+    "already",
+    "ask",
+    "cancelled",
+    "cancelled_error",
+]
 
 log = logging.getLogger("worker.cancels")
 
-#: A check older than this when its batch forms is asked again. Not less: on the tiny model with
-#: 64 callers every batch's check is 1 to 3 ms old, and at 2 ms the second round trip, which a
-#: 0.1 ms run cannot hide, cost a fifth of the throughput (three A/B pairs: 13,576, 15,048,
-#: 11,936 against 18,928, 16,744, 15,560 requests/s); at 20 ms none (13,240, 12,864, 11,112
-#: against 10,904, 13,008, 11,496). A cancel set less than this before its batch forms may be
-#: missed; callers cancel requests that waited far longer.
+#: A check older than this when its batch forms is asked again. Not less: the second round trip
+#: cannot hide behind a very short run, and asked for every batch it cost throughput; a cancel
+#: set less than this before its batch forms may be missed, and callers cancel requests that
+#: waited far longer (docs/design.md has the measurements).
 RECHECK_AFTER_S = 0.02
 
 
@@ -50,11 +63,21 @@ def cancelled_error() -> Rejected:
     return Rejected("CANCELLED", "the request was cancelled (its cancel key was set).")
 
 
+class Checked(Protocol):
+    """An admitted request, as the cancel steps see it: its rid and its read's check."""
+
+    @property
+    def rid(self) -> str: ...
+
+    @property
+    def cancel(self) -> CancelCheck: ...
+
+
 class CancelCheck:
-    """One read's cancel check: answered once by intake, read by the main thread."""
+    """One read's cancel check: answered once by the reading thread, read by the main thread."""
 
     def __init__(self) -> None:
-        self.asked_at = time.monotonic()
+        self.asked_at = time.monotonic()  # reset when the check is sent (ReadCheck)
         self._answered = threading.Event()
         self._cancelled: frozenset[str] = frozenset()
         self._binds_runs = True
@@ -78,38 +101,170 @@ class CancelCheck:
 
     def confirmed(self, rid: str) -> bool:
         """After a run: whether ``rid``, which ran, is to be answered CANCELLED. Waits for the
-        answer if it is not in yet (intake always answers, with nothing cancelled if it fails
-        or stops during an outage); False for an answer asked for after the hand-over."""
+        answer if it is not in yet (the reading thread always answers, with nothing cancelled
+        if it fails or stops during an outage); False for an answer asked for after the
+        hand-over."""
         self._answered.wait()
         return self._binds_runs and rid in self._cancelled
 
 
-class Recheck:
-    """A second cancel check for the requests of one run whose first check is stale: sent as
-    the run starts, read after it. Any failure reads as nothing cancelled (the first check
-    still counts): a missed cancel costs compute, a wrong one would lose an answer."""
+def already(item: Checked) -> Rejected | None:
+    """CANCELLED when the item's check has answered that it was; never waits."""
+    return cancelled_error() if item.cancel.known(item.rid) else None
 
-    def __init__(self, stream: RequestStream, rids: Sequence[str]) -> None:
-        self._query: CancelQuery | None = None
-        if rids:
+
+# -- the MGET on the wire --------------------------------------------------------------------
+
+
+class CancelQuery:
+    """A cancel check on the wire (its MGET sent, its answer not yet read), and maybe the next
+    read behind it."""
+
+    def __init__(
+        self, stream: RequestStream, rids: Sequence[str], in_flight: resp.InFlight
+    ) -> None:
+        self.stream = stream
+        self.rids = rids
+        self._in_flight = in_flight
+        self._answered = False
+
+    def read_behind(self, count: int, block_ms: int) -> None:
+        """Send ``RequestStream.read``'s XREADGROUP on the check's connection, behind it: one
+        round trip for both. ``entries()`` takes its reply."""
+        self._in_flight.send(self.stream.read_command(count, block_ms))
+
+    def receive(self) -> set[str]:
+        """The request ids whose cancel key existed."""
+        self._answered = True
+        [values] = resp.raise_first_error(self._in_flight.receive(1))
+        return {rid for rid, value in zip(self.rids, values, strict=True) if value is not None}
+
+    def entries(self) -> list[RawEntry]:
+        """The read sent behind the check, as ``RequestStream.read`` returns it; after
+        ``receive()``, whose reply comes first."""
+        if not self._answered:
+            raise RuntimeError("receive() the check's answer before the read behind it")
+        [reply] = self._in_flight.receive(1)
+        return self.stream.read_reply(reply)
+
+    @property
+    def read_owed(self) -> bool:
+        """True while the read sent behind the check is still to be taken."""
+        return self._in_flight.owed > 0
+
+    def abandon(self) -> None:
+        """Drop the connection with whatever it still owes."""
+        self._in_flight.abandon()
+
+
+def ask(stream: RequestStream, rids: Sequence[str]) -> CancelQuery:
+    """Send the MGET of ``rids``' cancel keys now; the answer is read from the query later."""
+    return CancelQuery(stream, rids, stream.send_cancel_keys(rids))
+
+
+def cancelled(stream: RequestStream, rids: Sequence[str]) -> set[str]:
+    """The rids among ``rids`` whose cancel key exists: one MGET, waited for."""
+    return ask(stream, rids).receive() if rids else set()
+
+
+# -- at read time ----------------------------------------------------------------------------
+
+
+class ReadCheck:
+    """One read's check from the reading thread: asked before the hand-over, answered after it.
+
+    ``lost`` is set when a call on the check's connection failed after an XREADGROUP may have
+    gone out on it: entries may then be pending here unheld, and the reader lets reclaim look.
+    """
+
+    def __init__(self, stream: RequestStream, check: CancelCheck, rids: list[str]) -> None:
+        self.check = check
+        self.rids = rids
+        self.lost = False
+        self._cancelled: set[str] = set()
+        check.asked_at = time.monotonic()
+        try:
+            self._query: CancelQuery | None = ask(stream, rids)
+        except Exception:
+            self._query = None  # asked again in ``settle``, through the reader's retries
+
+    def read_behind(self, count: int, block_ms: int) -> None:
+        """Send the next read behind the check; if that fails the check is lost with it and
+        ``settle`` asks again (the reader then reads as usual)."""
+        if self._query is None:
+            return
+        try:
+            self._query.read_behind(count, block_ms)
+        except Exception:
+            self._query = None
+            self.lost = True
+
+    def settle(self, ask_again: Callable[[list[str]], set[str]]) -> None:
+        """Take the answer; when the MGET was not sent or its answer was lost (the query is
+        dropped, with the read behind it), ``ask_again(rids)`` asks after the hand-over."""
+        answer = None
+        if self._query is not None:
             try:
-                self._query = stream.ask_cancelled(rids)
+                answer = self._query.receive()
+            except Exception:
+                self._query.abandon()
+                self.lost = True
+        if answer is None:
+            self._query = None
+            answer = ask_again(self.rids)
+        self._cancelled = answer
+
+    def close(self) -> None:
+        """Answer the check, with nothing cancelled unless ``settle`` got an answer: always
+        called, so that no batch waits for it for good."""
+        self.check.answer(self._cancelled, asked_before_hand_over=self._query is not None)
+
+    def entries_behind(self) -> list[RawEntry] | None:
+        """The entries of the read sent behind the check; None when there is none to take
+        (the reader then reads as usual). A transient failure sets ``lost``."""
+        query = self._query
+        if query is None or not query.read_owed:
+            return None
+        try:
+            return query.entries()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self.lost = True
+            return None
+
+
+# -- around a run ----------------------------------------------------------------------------
+
+
+class RunCheck:
+    """The cancel steps of one run: the second check, sent as the run starts for the requests
+    whose first check is stale and read after it, then the verdict on each request that ran.
+    A failed second check reads as nothing cancelled (the first check still counts)."""
+
+    def __init__(self, stream: RequestStream, items: Sequence[Checked]) -> None:
+        oldest = time.monotonic() - RECHECK_AFTER_S
+        stale = [item.rid for item in items if item.cancel.asked_at < oldest]
+        self._query: CancelQuery | None = None
+        self._rechecked: frozenset[str] = frozenset()
+        if stale:
+            try:
+                self._query = ask(stream, stale)
             except redis.RedisError as exc:
                 log.debug("cancel recheck not sent: %s", exc)
 
-    @classmethod
-    def stale(cls, stream: RequestStream, checks: Iterable[tuple[str, CancelCheck]]) -> Recheck:
-        """Ask again for the rids whose check was asked more than RECHECK_AFTER_S ago."""
-        oldest = time.monotonic() - RECHECK_AFTER_S
-        return cls(stream, [rid for rid, check in checks if check.asked_at < oldest])
-
-    def cancelled(self) -> frozenset[str]:
-        """The rids found cancelled; reads the answer once (after the run)."""
+    def run_ended(self) -> None:
+        """Read the second check's answer (also when the run raised, which would otherwise
+        leave its connection out of the pool)."""
         query, self._query = self._query, None
         if query is None:
-            return frozenset()
+            return
         try:
-            return frozenset(query.receive())
+            self._rechecked = frozenset(query.receive())
         except redis.RedisError as exc:
             log.debug("cancel recheck lost: %s", exc)
-            return frozenset()
+
+    def cancelled(self, item: Checked) -> bool:
+        """After the run: whether ``item``, which ran, is answered CANCELLED (waits for its
+        first check's answer if it is not in yet)."""
+        return item.rid in self._rechecked or item.cancel.confirmed(item.rid)

@@ -22,6 +22,7 @@ from producer.keys import is_valid_name
 from producer.status import tensor_spec
 from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
+from worker.faults import FaultPoints
 from worker.logs import configure_logging
 from worker.metrics import Metrics, MetricsServer
 from worker.service import Worker, prepare
@@ -127,6 +128,11 @@ def _main(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         log.error("%s", exc)
         return 2
+    try:  # the fault-injection suite's variables, read here at the edge (worker/faults.py)
+        faults = FaultPoints.from_env(os.environ)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     metrics = Metrics()
     serving: list[Worker] = []
     server = None
@@ -157,7 +163,7 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         server.start()
     try:
-        return _serve(args, config, name, metrics, serving)
+        return _serve(args, config, name, metrics, faults, serving)
     finally:
         if server is not None:
             server.close()
@@ -168,6 +174,7 @@ def _serve(
     config: WorkerConfig,
     name: str,
     metrics: Metrics,
+    faults: FaultPoints | None,
     serving: list[Worker],
 ) -> int:
     log.info(
@@ -188,7 +195,7 @@ def _serve(
     client = redis.Redis.from_url(
         config.redis.url, socket_connect_timeout=5, health_check_interval=30
     )
-    worker = Worker(prepared, client, burst=args.burst, metrics=metrics)
+    worker = Worker(prepared, client, burst=args.burst, metrics=metrics, faults=faults)
     serving.append(worker)
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda *_: worker.request_stop())
@@ -207,13 +214,13 @@ def _serve(
 
 
 def _freeze_start_up() -> int:
-    """Move what start-up left alive (modules, the session's wrappers: about 47,000 objects)
-    out of the cyclic collector's view, after collecting the garbage among it; returns how many.
+    """Move what start-up left alive (modules, the session's wrappers) out of the cyclic
+    collector's view, after collecting the garbage among it; returns how many.
 
-    A full collection walks every tracked object with the GIL held: 13 to 22 ms in a serving
-    worker, stalling intake, batching and the writer alike; with those objects frozen it takes
-    0.7 ms (measured under the bench's Poisson load). Done here, once per worker process, not
-    in ``Worker.run``: a process that runs workers in-process would freeze its own objects.
+    A full collection walks every tracked object with the GIL held, stalling reading, batching
+    and the writer alike; with start-up's objects frozen it walks a small fraction of them
+    (docs/design.md). Done here, once per worker process, not in ``Worker.run``: a process that
+    runs workers in-process would freeze its own objects.
     """
     gc.collect()
     gc.freeze()

@@ -1,7 +1,7 @@
-"""Fault points for the fault-injection suite: off (and free) unless the environment turns them on.
+"""Fault points for the fault-injection suite: built by the CLI from the environment, or absent.
 
 Like FreeBSD's fail points or TiKV's ``fail-rs``, the worker names the places where a crash
-matters, and a test run chooses what happens there, without a special build:
+matters (``Events.point``), and a test run chooses what happens there, without a special build:
 
 ``REDBATCH_FAULTS``
     Comma-separated ``point=action`` pairs. Points: ``after_read`` (entries read, not yet
@@ -16,7 +16,8 @@ matters, and a test run chooses what happens there, without a special build:
     so a test can count duplicate executions across workers that were killed.
 
 The reply, acknowledgement and deletion are one atomic script, so there is no point between
-them: a worker killed during the script leaves either all three done or none.
+them: a worker killed during the script leaves either all three done or none. Nothing here
+reads the environment: ``FaultPoints.from_env`` is given it, once, by the CLI.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["ACTIVE", "POINTS", "crash_if_pill", "executed", "hit", "parse"]
+from worker.events import Events, Ran
+
+__all__ = ["POINTS", "FaultPoints", "parse"]
 
 POINTS = ("after_read", "after_inference", "before_finish", "after_finish")
 
@@ -51,41 +54,58 @@ def parse(spec: str) -> tuple[dict[str, float], float | None]:
     return points, crash
 
 
-_POINTS, _CRASH_VALUE = parse(os.environ.get("REDBATCH_FAULTS", ""))
-_EXEC_LOG = os.environ.get("REDBATCH_EXEC_LOG") or None
-#: True when any fault point or the execution log is on; call sites check it first.
-ACTIVE = bool(_POINTS or _CRASH_VALUE is not None or _EXEC_LOG)
-_rng = random.Random(f"{os.environ.get('REDBATCH_FAULTS_SEED', '0')}-{os.getpid()}")
-
-
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hit(point: str) -> None:
-    """Called at a named point: SIGKILLs the process when the point is armed and the dice say so."""
-    prob = _POINTS.get(point)
-    if prob is not None and (prob >= 1.0 or _rng.random() < prob):
-        _die()
+class FaultPoints(Events):
+    """The armed points, the crash pill and the execution log of one worker process."""
 
+    def __init__(
+        self,
+        points: Mapping[str, float],
+        crash_value: float | None = None,
+        exec_log: str | None = None,
+        seed: str = "0",
+        pid: int | None = None,
+    ) -> None:
+        self.points = dict(points)
+        self.crash_value = crash_value
+        self.exec_log = exec_log
+        self.pid = os.getpid() if pid is None else pid
+        self._rng = random.Random(f"{seed}-{self.pid}")
 
-def crash_if_pill(feeds: Mapping[str, np.ndarray]) -> None:
-    """Inside inference: die when any float input holds the crash value."""
-    if _CRASH_VALUE is None:
-        return
-    for arr in feeds.values():
-        if arr.dtype.kind == "f" and bool(np.any(arr == _CRASH_VALUE)):
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> FaultPoints | None:
+        """The fault points ``env`` asks for (``REDBATCH_FAULTS``, ``REDBATCH_FAULTS_SEED``,
+        ``REDBATCH_EXEC_LOG``); None when it asks for none. Raises ValueError for a bad spec."""
+        points, crash = parse(env.get("REDBATCH_FAULTS", ""))
+        exec_log = env.get("REDBATCH_EXEC_LOG") or None
+        if not points and crash is None and exec_log is None:
+            return None
+        return cls(points, crash, exec_log, env.get("REDBATCH_FAULTS_SEED", "0"))
+
+    def point(self, name: str) -> None:
+        """SIGKILL the process when ``name`` is armed and the dice say so."""
+        prob = self.points.get(name)
+        if prob is not None and (prob >= 1.0 or self._rng.random() < prob):
             _die()
 
+    def run_starts(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """Inside inference: die when any float input holds the crash value."""
+        if self.crash_value is None:
+            return
+        for arr in feeds.values():
+            if arr.dtype.kind == "f" and bool(np.any(arr == self.crash_value)):
+                _die()
 
-def executed(rids: Iterable[str]) -> None:
-    """Record requests that ran on the model (one line each, appended and flushed)."""
-    if _EXEC_LOG is None:
-        return
-    pid = os.getpid()
-    lines = "".join(f"{rid} {pid}\n" for rid in rids)
-    fd = os.open(_EXEC_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, lines.encode())
-    finally:
-        os.close(fd)
+    def executed(self, requests: Sequence[Ran]) -> None:
+        """Record requests that ran on the model (one line each, appended and flushed)."""
+        if self.exec_log is None:
+            return
+        lines = "".join(f"{request.rid} {self.pid}\n" for request in requests)
+        fd = os.open(self.exec_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, lines.encode())
+        finally:
+            os.close(fd)

@@ -5,8 +5,9 @@ shapes, with the same options, so its bodies differ only in their tensor data. O
 been decoded and validated, its layout is kept: every byte but the data payloads. A later body
 of the same length whose other bytes are equal has the same keys, dtypes, shapes and options as
 the first, so it passes the same checks, and its arrays are views of its own data. Decoding and
-validating was about a third of the worker's time per small request; matching a layout is a few
-byte comparisons. Anything that does not match takes the full path, which stays the reference.
+validating was a large share of the worker's time per small request (docs/design.md); matching a
+layout is a few byte comparisons. Anything that does not match takes the full path, which stays
+the reference.
 
 A deadline changes from request to request too: when it is packed as a 32- or 64-bit integer
 (as clients pack epoch milliseconds), its value bytes are read like the data, and a signed one
@@ -62,7 +63,7 @@ class _Layout:
     deadline: tuple[int, int, bool] | None  # (offset, width, signed) of deadline_ms's value
 
     def matches(self, body: bytes) -> bool:
-        # A loop, not all() over a generator: half the time, once per request (hot path).
+        # A loop, not all() over a generator: faster, once per request (hot path).
         for offset, part in self.fixed:  # noqa: SIM110
             if not body.startswith(part, offset):
                 return False
@@ -79,13 +80,13 @@ class _Layout:
 
     def admit(self, body: bytes) -> ValidRequest:
         # A view of the body's bytes in the input's shape: np.ndarray over the buffer makes it
-        # in one call, where frombuffer then reshape takes two (0.8 against 1.6 us an input).
+        # in one call, where frombuffer then reshape takes two.
         inputs = {a.name: np.ndarray(a.shape, a.dtype, body, a.offset) for a in self.arrays}
         return ValidRequest(inputs, self.rows, self.signature, self.outputs)
 
 
 class Layouts:
-    """The layouts of bodies admitted so far, by body length; one intake thread uses it."""
+    """The layouts of bodies admitted so far, by body length; one reading thread uses it."""
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from worker.claims import Claims
+from worker.events import NO_EVENTS, Events
 from worker.retry import is_transient
 
 __all__ = ["LeaseKeeper", "Leases"]
@@ -68,16 +69,20 @@ class Leases:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews held entries and forgets idle, empty consumers until ``close()``."""
+    """Renews held entries and forgets idle, empty consumers until ``close()``.
+
+    A failure no retry can fix sets ``stop``. ``is_stuck()`` says when a batch has hung: its
+    leases then lapse. An outage is logged once when the keeper cannot reach Redis, and once
+    when a call of its own reached Redis again (a turn with nothing held sends none).
+    """
 
     def __init__(
         self,
         claims: Claims,
         leases: Leases,
         claim_idle_ms: int,
-        on_renewed: Callable[[int], None] | None = None,
-        on_forgotten: Callable[[int], None] | None = None,
-        on_failure: Callable[[], None] | None = None,
+        events: Events = NO_EVENTS,
+        stop: threading.Event | None = None,
         is_stuck: Callable[[], bool] = lambda: False,
         rng: random.Random | None = None,
     ) -> None:
@@ -86,9 +91,8 @@ class LeaseKeeper(threading.Thread):
         self.leases = leases
         self.renew_s = max(claim_idle_ms / 3000.0, _MIN_RENEW_S)
         self.forget_idle_ms = max(2 * claim_idle_ms, _MIN_FORGET_IDLE_MS)
-        self.on_renewed = on_renewed
-        self.on_forgotten = on_forgotten
-        self.on_failure = on_failure
+        self.events = events
+        self.stop = stop
         self.is_stuck = is_stuck
         self._stuck_logged = False
         self.failure: BaseException | None = None
@@ -108,10 +112,12 @@ class LeaseKeeper(threading.Thread):
         while not self._done.wait(self.renew_s):
             tick += 1
             try:
-                self._renew()
+                reached = self._renew()
                 if tick % forget_every == 0:
                     self._forget()
-                self._up()
+                    reached = True
+                if reached:
+                    self._up()
             except Exception as exc:
                 if is_transient(exc):
                     self._note_down(exc)
@@ -123,18 +129,20 @@ class LeaseKeeper(threading.Thread):
         """E.g. NOPERM or a changed password: without leases, held work would run twice."""
         self.failure = exc
         log.error("lease renewal stopped (%s); stopping the worker", exc, exc_info=exc)
-        if self.on_failure is not None:
-            self.on_failure()
+        if self.stop is not None:
+            self.stop.set()
 
-    def _renew(self) -> None:
+    def _renew(self) -> bool:
+        """Renew what is held; True when that took a call to Redis (False: nothing to renew,
+        or a hung batch's leases lapse)."""
         held = self.leases.ids()
         if not held or self._hung():
-            return
+            return False
         renewed = self.claims.renew(held)
-        if self.on_renewed is not None:
-            self.on_renewed(renewed)
+        self.events.leases_renewed(renewed)
         if renewed < len(held):  # finished meanwhile, or claimed away: the finish step decides
             log.debug("%d held entries were not pending on this worker", len(held) - renewed)
+        return True
 
     def _hung(self) -> bool:
         """A hung batch must not hold its entries forever: let the leases lapse."""
@@ -158,8 +166,7 @@ class LeaseKeeper(threading.Thread):
                 len(gone),
                 extra={"fields": {"consumers": gone[:20]}},
             )
-            if self.on_forgotten is not None:
-                self.on_forgotten(len(gone))
+            self.events.consumers_forgotten(len(gone))
 
     def _note_down(self, exc: BaseException) -> None:
         if not self._down:

@@ -1,8 +1,9 @@
 """Prometheus metrics and health endpoints: the one module that owns the metric objects.
 
-The service calls a few named events (``batch_done``, ``answered``); this module turns them into
-Prometheus series, recorded once per batch. ``/metrics`` serves them, ``/healthz`` says the
-process is alive, and ``/readyz`` says it is warm and reading from the stream.
+The worker's stages call a few named events (``worker.events.Events``: ``batch_done``,
+``redis_down``, ...); ``Metrics`` implements them as Prometheus series, recorded once per batch.
+``/metrics`` serves them, ``/healthz`` says the process is alive, and ``/readyz`` says it is
+warm and reading from the stream.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from producer.errors import ERROR_CODES
+from worker.events import Events
 from worker.stream import StreamStats
 
 __all__ = ["Metrics", "MetricsServer"]
 
 log = logging.getLogger(__name__)
 
-#: What a worker can be doing when Redis goes away (the ``Outage`` names) and what becomes of
+#: What a worker can be doing when Redis goes away (the ``OutageRetry`` names) and what becomes of
 #: a claimed entry (``Reclaimer``): labels exported at 0 from the start.
 OUTAGE_TASKS = ("starting up", "reading requests", "writing replies")
 CLAIM_KINDS = ("reclaimed", "own", "poisoned", "deleted")
@@ -42,8 +44,8 @@ class Histogram(Collector):
     """A histogram observed a batch at a time, exposed as prometheus_client's own would be.
 
     prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in Python for
-    each value, about 3 us, and the worker observes two values per request. Here a batch's
-    values are bucketed by bisection under one lock. (No ``_created`` sample: nothing reads it.)
+    each value, and the worker observes two values per request. Here a batch's values are
+    bucketed by bisection under one lock. (No ``_created`` sample: nothing reads it.)
     """
 
     def __init__(
@@ -92,8 +94,9 @@ class Histogram(Collector):
         yield family
 
 
-class Metrics:
-    """The worker's series, in a registry of its own (so tests can run several workers)."""
+class Metrics(Events):
+    """The worker's series, in a registry of its own (so tests can run several workers); the
+    events they count are ``Events``' (fault points are not theirs)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.claims import Claimed, Claims
+from worker.events import NO_EVENTS, Events
 from worker.leases import Leases
 
 __all__ = ["Reclaimer", "Redelivery"]
@@ -37,7 +38,7 @@ class Redelivery:
 
 
 class Reclaimer:
-    """Decides when to claim and claims the next redelivered entry; used by the intake thread."""
+    """Decides when to claim and claims the next redelivered entry; used by the reading thread."""
 
     def __init__(
         self,
@@ -45,7 +46,7 @@ class Reclaimer:
         leases: Leases,
         claim_idle_ms: int,
         max_deliveries: int,
-        on_claimed: Callable[[str], None] | None = None,
+        events: Events = NO_EVENTS,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -53,7 +54,7 @@ class Reclaimer:
         self.leases = leases
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
-        self.on_claimed = on_claimed
+        self.events = events
         self.clock = clock
         self._rng = rng or random.Random()
         self._own = True  # look at this consumer's own pending entries first
@@ -155,5 +156,4 @@ class Reclaimer:
         )
 
     def _note(self, kind: str) -> None:
-        if self.on_claimed is not None:
-            self.on_claimed(kind)
+        self.events.claimed(kind)

@@ -13,18 +13,20 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponent
 # A wrong password or a missing permission is not: no retry can fix it, so the worker stops
 # with the error instead of waiting forever. One definition for the client and the worker.
 from producer.retry import is_oom, is_transient
+from worker.events import NO_EVENTS, Events
 
-__all__ = ["Outage", "is_transient"]
+__all__ = ["OutageRetry", "is_transient"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class Outage:
+class OutageRetry:
     """Runs calls that retry with capped, jittered backoff while Redis is unreachable.
 
     ``give_up`` is checked between tries: when it is set (a shutdown), the last error is raised.
+    ``what`` names the task in the log line and in ``events.redis_down``, once per outage.
     """
 
     def __init__(
@@ -32,10 +34,10 @@ class Outage:
         what: str,
         give_up: threading.Event | None = None,
         max_wait_s: float = 2.0,
-        on_down: Callable[[str], None] | None = None,
+        events: Events = NO_EVENTS,
     ):
         self.what = what
-        self.on_down = on_down
+        self.events = events
         self.give_up = give_up
         self.max_wait_s = max_wait_s
         self._down = False
@@ -68,8 +70,7 @@ class Outage:
     def _note_down(self, state: RetryCallState) -> None:
         if not self._down:
             self._down = True
-            if self.on_down is not None:
-                self.on_down(self.what)
+            self.events.redis_down(self.what)
             exc = state.outcome.exception() if state.outcome else None
             if exc is not None and is_oom(exc):
                 log.warning(

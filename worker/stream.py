@@ -10,16 +10,16 @@ replies. Each run deletes the requests it answers, which is why it may write pas
 ``maxmemory``: a full Redis still drains (contract section 4). Their replies stay until read or
 expired, and may be larger than the requests were (docs/operations.md, "A full Redis").
 
-How a reply reaches its key depends on its size. Redis takes a script's arguments into Lua at
-about 1.3 us per KiB, on the one thread every worker shares (docs/design.md, "The finish step on
-a full Redis"). A small reply goes into the script itself (``RPUSH``, and ``LTRIM`` of ours when
-a reply stood). A larger one is first pushed, with its TTL, to a staging key of its own
-(``P:{M}:staging:NAME:TOKEN.N``, the token random per process) in the same round trip, and the
-script moves it onto its reply key with ``RENAMENX``. On a full Redis that plain push is refused
-(``OOM``); the script then reports the reply missing and leaves its entry pending, and the same
-call runs the script again at once with that reply inside it. A staging key whose script never
-ran (a dropped connection) expires with the reply's TTL. (On Redis 8.2, XACKDEL could replace
-XACK + XDEL.)
+How a reply reaches its key depends on its size. Redis copies a script's arguments into Lua on
+the one thread every worker shares, at a cost that grows with their size (docs/design.md, "The
+finish step on a full Redis"). A small reply goes into the script itself (``RPUSH``, and
+``LTRIM`` of ours when a reply stood). A larger one is first pushed, with its TTL, to a staging
+key of its own (``P:{M}:staging:NAME:TOKEN.N``, the token random per process) in the same round
+trip, and the script moves it onto its reply key with ``RENAMENX``. On a full Redis that plain
+push is refused (``OOM``); the script then reports the reply missing and leaves its entry
+pending, and the same call runs the script again at once with that reply inside it. A staging
+key whose script never ran (a dropped connection) expires with the reply's TTL. (On Redis 8.2,
+XACKDEL could replace XACK + XDEL.)
 """
 
 from __future__ import annotations
@@ -151,8 +151,8 @@ return table.concat(flags)
 """
 
 #: Replies this long or longer are staged with a plain RPUSH (cheap for Redis) rather than
-#: handed to the script (about 1.3 us per KiB of Redis's thread); shorter ones cost the worker
-#: less inside the script than as two more commands.
+#: handed to the script (whose arguments cost Redis's thread by the KiB); shorter ones cost the
+#: worker less inside the script than as two more commands.
 INLINE_MAX_BYTES = 1024
 
 # XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
@@ -244,47 +244,6 @@ class Finish:
     code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
 
 
-class CancelQuery:
-    """A cancel check on the wire (its MGET sent, its answer not yet read), and maybe the next
-    read behind it."""
-
-    def __init__(
-        self, stream: RequestStream, rids: Sequence[str], in_flight: resp.InFlight
-    ) -> None:
-        self.stream = stream
-        self.rids = rids
-        self._in_flight = in_flight
-        self._answered = False
-
-    def read_behind(self, count: int, block_ms: int) -> None:
-        """Send ``RequestStream.read``'s XREADGROUP on the check's connection, behind it: one
-        round trip for both. ``entries()`` takes its reply."""
-        self._in_flight.send(self.stream.read_command(count, block_ms))
-
-    def receive(self) -> set[str]:
-        """The request ids whose cancel key existed."""
-        self._answered = True
-        [values] = resp.raise_first_error(self._in_flight.receive(1))
-        return {rid for rid, value in zip(self.rids, values, strict=True) if value is not None}
-
-    def entries(self) -> list[RawEntry]:
-        """The read sent behind the check, as ``RequestStream.read`` returns it; after
-        ``receive()``, whose reply comes first."""
-        if not self._answered:
-            raise RuntimeError("receive() the check's answer before the read behind it")
-        [reply] = self._in_flight.receive(1)
-        return self.stream.read_reply(reply)
-
-    @property
-    def read_owed(self) -> bool:
-        """True while the read sent behind the check is still to be taken."""
-        return self._in_flight.owed > 0
-
-    def abandon(self) -> None:
-        """Drop the connection with whatever it still owes."""
-        self._in_flight.abandon()
-
-
 class RequestStream:
     """The request stream of one model, seen by one consumer of the ``workers`` group."""
 
@@ -302,7 +261,7 @@ class RequestStream:
         token = uuid.uuid4().hex[:12]
         self._staging = staging_key(prefix, model, consumer, token).encode()
         self._serial = itertools.count()
-        # Key prefixes for rids that intake has checked already (keys.reply_key would again).
+        # Key prefixes for rids that admission has checked already (keys.reply_key would again).
         self._reply = reply_key(prefix, "R")[:-1].encode()
         self._cancel = cancel_key(prefix, "R")[:-1].encode()
         self._head = [
@@ -403,16 +362,12 @@ class RequestStream:
             memory=_memory(info),
         )
 
-    def cancelled(self, rids: Sequence[str]) -> set[str]:
-        """The request ids whose cancel key exists: one MGET for the whole batch."""
-        return self.ask_cancelled(rids).receive() if rids else set()
-
-    def ask_cancelled(self, rids: Sequence[str]) -> CancelQuery:
-        """Send ``cancelled``'s MGET now; the answer is read later from the returned query,
-        which can also send a read behind it (``CancelQuery.read_behind``)."""
+    def send_cancel_keys(self, rids: Sequence[str]) -> resp.InFlight:
+        """Send the MGET of ``rids``' cancel keys now; its answer is read from the returned
+        connection later (worker/cancels.py), which can also send a read behind it."""
         packer = resp.Packer()
         packer.add_packed(resp.command(b"MGET", *[self._cancel + rid.encode() for rid in rids]))
-        return CancelQuery(self, rids, resp.send(self.client, packer))
+        return resp.send(self.client, packer)
 
     def finish(self, items: Sequence[Finish]) -> int:
         """``finish_each``, counted: the entries finished here."""

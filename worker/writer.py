@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from worker import faults
 from worker.errors import WorkerError
-from worker.retry import Outage
+from worker.events import NO_EVENTS, Events
+from worker.retry import OutageRetry
 from worker.stream import Finish, RequestStream
 
 __all__ = ["Batch", "ReplyWriter"]
@@ -47,23 +47,29 @@ class Batch:
 
 
 class ReplyWriter(threading.Thread):
-    """Takes finished batches and writes them, retrying through Redis outages."""
+    """Takes finished batches and writes them, retrying through Redis outages.
+
+    ``on_written(batch, seconds)`` is told of each batch once it is in Redis, on the thread that
+    wrote it; a write that fails for good sets ``stop``, and the batches not written stay
+    pending. ``give_up`` (a second stop signal) ends the retries of an outage.
+    """
 
     def __init__(
         self,
         stream: RequestStream,
         give_up: threading.Event,
         on_written: Callable[[Batch, float], None],
-        on_failure: Callable[[], None],
+        stop: threading.Event,
         depth: int = 2,
-        on_outage: Callable[[str], None] | None = None,
+        events: Events = NO_EVENTS,
     ) -> None:
         super().__init__(name="redbatch-writer", daemon=True)
         self.stream = stream
         self.on_written = on_written
-        self.on_failure = on_failure
+        self.stop = stop
+        self.events = events
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
-        self._outage = Outage("writing replies", give_up=give_up, on_down=on_outage)
+        self._outage = OutageRetry("writing replies", give_up=give_up, events=events)
         self.failure: BaseException | None = None
         # Moving average of a write's seconds, over writes that needed no retry (an outage
         # says nothing about how long writes take); 0 until the first.
@@ -123,8 +129,7 @@ class ReplyWriter(threading.Thread):
 
     def _write(self, batch: Batch) -> None:
         started = time.perf_counter()
-        if faults.ACTIVE:
-            faults.hit("before_finish")
+        self.events.point("before_finish")
         self._outage.interrupted = False
         batch.finished = self._outage.call(
             functools.partial(self.stream.finish_each, batch.finishes)
@@ -132,8 +137,7 @@ class ReplyWriter(threading.Thread):
         elapsed = time.perf_counter() - started
         if not self._outage.interrupted:
             self.typical_s += _TYPICAL_WEIGHT * (elapsed - self.typical_s)
-        if faults.ACTIVE:
-            faults.hit("after_finish")
+        self.events.point("after_finish")
         self.on_written(batch, elapsed)
 
     def _failed(self, exc: BaseException) -> None:
@@ -149,4 +153,4 @@ class ReplyWriter(threading.Thread):
             )
         else:
             log.exception("reply writer stopped; the unwritten entries stay pending")
-        self.on_failure()
+        self.stop.set()

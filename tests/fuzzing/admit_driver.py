@@ -8,7 +8,8 @@ import tracemalloc
 from collections import Counter
 from typing import Any
 
-from worker.intake import WorkItem, admit
+from worker.admit import admit
+from worker.items import Admitted, DeadLetter, Item, Refused
 from worker.layouts import Layouts
 
 from .mutator import Mutator, fuzz_entry
@@ -92,21 +93,28 @@ def fuzz_admit(
     }
 
 
-def _admitted(item: WorkItem) -> tuple[Any, ...]:
+def _admitted(item: Item) -> tuple[Any, ...]:
     """Everything admit decided for an item: its answer, options, rows and input bytes."""
-    request = item.request
+    request = item.request if isinstance(item, Admitted) else None
     arrays = (
         None
         if request is None
         else [(n, a.dtype.str, a.shape, a.tobytes()) for n, a in request.inputs.items()]
     )
     shape = None if request is None else (request.rows, request.signature, request.outputs)
-    options = (item.deadline_ms, item.meta_raw, item.reply_ttl_s)
-    return outcome(item), _message(item), item.dead_reason, options, shape, arrays
+    match item:
+        case Admitted():
+            options = (item.deadline_ms, item.meta_raw, item.reply_ttl_s)
+        case Refused():
+            options = (None, item.meta_raw, item.reply_ttl_s)
+        case DeadLetter():
+            options = (None, None, None)
+    reason = item.reason if isinstance(item, DeadLetter) else None
+    return outcome(item), _message(item), reason, options, shape, arrays
 
 
-def _message(item: WorkItem) -> str:
-    return item.rejection.message[:300] if item.rejection is not None else ""
+def _message(item: Item) -> str:
+    return item.error.message[:300] if isinstance(item, Refused) else ""
 
 
 def _failure(index: int, mutation: str, code: str, detail: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from worker.intake import WorkItem
+from worker.items import Admitted, DeadLetter, Item, Refused
 from worker.schema import Schema
 from worker.stream import RawEntry
 
@@ -19,18 +19,19 @@ ADMIT_CODES = frozenset({"OK", "MALFORMED", "INVALID_INPUT", "TOO_LARGE", "DEAD"
 WORKER_CODES = frozenset({"OK", "MALFORMED", "INVALID_INPUT", "TOO_LARGE", "DEADLINE_EXCEEDED"})
 
 
-def outcome(item: WorkItem) -> str:
-    if item.dead_reason is not None:
-        return "DEAD"
-    if item.rejection is not None:
-        return item.rejection.code
+def outcome(item: Item) -> str:
+    match item:
+        case DeadLetter():
+            return "DEAD"
+        case Refused():
+            return item.error.code
     return "OK"
 
 
-def expected_codes(item: WorkItem, schema: Schema, now_ms: int) -> frozenset[str]:
+def expected_codes(item: Item, schema: Schema, now_ms: int) -> frozenset[str]:
     """Codes the worker may answer ``item`` with, from admit, the value screen and the deadline."""
     code = outcome(item)
-    if code != "OK" or item.request is None:
+    if not isinstance(item, Admitted):
         return frozenset({code})
     if schema.screen(item.request.inputs, [item.request]):
         code = "INVALID_INPUT"

@@ -16,7 +16,8 @@ import redis
 from producer.codec import Reply, decode_reply, encode_request
 from producer.errors import WireFormatError
 from producer.keys import CONSUMER_GROUP, dead_key, reply_key, request_stream, workers_key
-from worker.intake import WorkItem, admit
+from worker.admit import admit
+from worker.items import Admitted, DeadLetter, Item
 from worker.schema import Schema
 
 from .bodies import MIN_TTL_S
@@ -101,7 +102,7 @@ def fuzz_worker(
                 fields = {b"rid": rid} if body is None else {b"rid": rid, b"body": body}
                 pipe.xadd(stream, fields)  # type: ignore[arg-type]
                 item = admit(raw_entry(rid, body), schema, target.max_request_bytes)
-                if item.dead_reason is not None:
+                if isinstance(item, DeadLetter):
                     bad_rids += 1
                     continue
                 sent.append(_predicted(rid.decode(), item, mutation, schema, now_ms))
@@ -126,10 +127,11 @@ def _healthy(mutator: Mutator, rid: str, pipe: Any, stream: str) -> _Sent:
     return _Sent(rid, "healthy", frozenset({"OK"}), inputs, rows, outputs)
 
 
-def _predicted(rid: str, item: WorkItem, mutation: str, schema: Schema, now_ms: int) -> _Sent:
+def _predicted(rid: str, item: Item, mutation: str, schema: Schema, now_ms: int) -> _Sent:
     entry = _Sent(rid, mutation, expected_codes(item, schema, now_ms))
-    entry.may_expire = item.reply_ttl_s is not None and item.reply_ttl_s < MIN_TTL_S
-    if item.request is not None:
+    ttl = None if isinstance(item, DeadLetter) else item.reply_ttl_s
+    entry.may_expire = ttl is not None and ttl < MIN_TTL_S
+    if isinstance(item, Admitted):
         entry.rows = item.request.rows
         entry.outputs = item.request.outputs
     return entry

@@ -1,9 +1,11 @@
 """Running a sub-batch on the model, isolating failures to the requests that cause them.
 
-When a run fails, the batch is split in halves and each half is run again, down to single
-requests: only the requests that fail on their own get INFERENCE_FAILED, with the runtime's
-message, and every other request gets its result. A batch of 32 with one bad request costs about
-2 * log2(32) extra runs, and nothing when all is well.
+A sub-batch (requests of equal non-batch shapes) is assembled once into reused buffers, its
+values screened (``worker.admit.screen``), and run. When a run fails, the batch is split in
+halves and each half is run again, down to single requests: only the requests that fail on
+their own get INFERENCE_FAILED, with the runtime's message, and every other request gets its
+result. A batch of 32 with one bad request costs about 2 * log2(32) extra runs, and nothing
+when all is well.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker import faults
+from worker.admit import screen
 from worker.assemble import FeedBuffers
 from worker.errors import Rejected
-from worker.intake import WorkItem
+from worker.events import NO_EVENTS, Events
+from worker.items import Admitted
 from worker.model import Model
 from worker.schema import Schema, ValidRequest
 
@@ -28,7 +31,7 @@ __all__ = ["Outcome", "run_batch"]
 class Outcome:
     """The result of one request: its output rows, or the error it alone caused."""
 
-    item: WorkItem
+    item: Admitted
     outputs: dict[str, np.ndarray] | None
     error: Rejected | None
     batch_rows: int
@@ -42,29 +45,32 @@ class _RunFailed(Exception):
 def run_batch(
     model: Model,
     schema: Schema,
-    items: Sequence[WorkItem],
+    items: Sequence[Admitted],
     output_names: list[str],
-    on_run: Callable[[int, float], None] | None = None,
+    runs: list[tuple[int, float]] | None = None,
     buffers: FeedBuffers | None = None,
     pad_rows: Callable[[int], int] | None = None,
+    events: Events = NO_EVENTS,
 ) -> list[Outcome]:
     """Screen the values of a sub-batch (equal non-batch shapes), then run it isolated.
 
     Requests with a bad value are answered INVALID_INPUT and taken out before the run, so they
     never reach the runtime; the batch is assembled once unless one was taken out.
     ``pad_rows(rows)`` is the rows a run of ``rows`` is padded to (bound runs' buckets); a
-    fixed-batch model is always padded to its batch size.
+    fixed-batch model is always padded to its batch size. Each run that succeeded adds its
+    (rows, seconds) to ``runs``.
     """
     fixed = schema.fixed_batch
     run = _Runner(
         model,
         output_names,
         (lambda rows: fixed) if fixed else (pad_rows or (lambda rows: rows)),
-        on_run,
+        runs,
         buffers or FeedBuffers(0),
+        events,
     )
     feeds = run.assemble(items)
-    rejected = schema.screen(feeds, _requests(items))
+    rejected = screen(schema, feeds, items)
     if not rejected:
         return run.isolated(items, feeds)
     outcomes = [Outcome(items[i], None, error, 0, 0.0) for i, error in rejected.items()]
@@ -81,16 +87,17 @@ class _Runner:
     model: Model
     output_names: list[str]
     pad_rows: Callable[[int], int]
-    on_run: Callable[[int, float], None] | None
+    runs: list[tuple[int, float]] | None
     buffers: FeedBuffers
+    events: Events
 
-    def assemble(self, items: Sequence[WorkItem]) -> dict[str, np.ndarray]:
+    def assemble(self, items: Sequence[Admitted]) -> dict[str, np.ndarray]:
         """The items' inputs in one buffer, padded to the rows the run takes."""
         requests = _requests(items)
         return self.buffers.assemble(requests, self.pad_rows(sum(r.rows for r in requests)))
 
     def isolated(
-        self, items: Sequence[WorkItem], feeds: dict[str, np.ndarray] | None = None
+        self, items: Sequence[Admitted], feeds: dict[str, np.ndarray] | None = None
     ) -> list[Outcome]:
         """``feeds``: the items' inputs already assembled, when the caller has them."""
         started = time.perf_counter()
@@ -105,15 +112,13 @@ class _Runner:
             mid = len(items) // 2
             return [*self.isolated(items[:mid]), *self.isolated(items[mid:])]
         elapsed = (time.perf_counter() - started) * 1000.0
-        if faults.ACTIVE:
-            faults.executed(item.rid or "" for item in items)
-        if self.on_run is not None:
-            self.on_run(rows, elapsed / 1000.0)
+        self.events.executed(items)
+        if self.runs is not None:
+            self.runs.append((rows, elapsed / 1000.0))
         return _split(items, outputs, self.output_names, rows, elapsed)
 
     def _run(self, feeds: dict[str, np.ndarray], rows: int) -> list[np.ndarray]:
-        if faults.ACTIVE:
-            faults.crash_if_pill(feeds)
+        self.events.run_starts(feeds)
         try:
             outputs = self.model.run(feeds, self.output_names)
         except Exception as exc:  # the runtime raises untyped errors; their text is the message
@@ -131,12 +136,12 @@ class _Runner:
         return [out[:rows].copy() if self.buffers.holds(out) else out[:rows] for out in outputs]
 
 
-def _requests(items: Sequence[WorkItem]) -> list[ValidRequest]:
-    return [item.request for item in items if item.request is not None]
+def _requests(items: Sequence[Admitted]) -> list[ValidRequest]:
+    return [item.request for item in items]
 
 
 def _split(
-    items: Sequence[WorkItem],
+    items: Sequence[Admitted],
     outputs: list[np.ndarray],
     output_names: list[str],
     rows: int,
@@ -146,7 +151,7 @@ def _split(
     start = 0
     for item in items:
         stop = start + item.rows
-        wanted = item.request.outputs if item.request is not None else ()
+        wanted = item.request.outputs
         mine = {
             name: out[start:stop]
             for name, out in zip(output_names, outputs, strict=True)

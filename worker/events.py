@@ -1,0 +1,124 @@
+"""The worker's events: what the metrics count and where the fault points strike.
+
+The stages call a few named events (``batch_done``, ``redis_down``, ``point("after_read")``) on
+one object instead of taking a callback per concern. ``Events`` is the interface and its own
+null object: every method does nothing, so an implementation overrides only what it observes
+(``worker.metrics.Metrics``, ``worker.faults.FaultPoints``) and ``Fanout`` hands each event to
+several. A worker without fault points gets the metrics alone, so a fault point on the hot path
+costs one call to an empty method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["NO_EVENTS", "Events", "Fanout", "Ran"]
+
+
+class Ran(Protocol):
+    """A request that ran on the model, as ``executed`` sees it."""
+
+    @property
+    def rid(self) -> str: ...
+
+
+class Events:
+    """The events of the worker's path; each method here does nothing."""
+
+    # -- counted by the metrics ---------------------------------------------------------------
+
+    def batch_done(
+        self,
+        codes: Iterable[str],
+        queued_s: Sequence[float],
+        decode_s: Iterable[float],
+        runs: Iterable[tuple[int, float]],
+        write_s: float,
+    ) -> None:
+        """A batch is in Redis: the codes of the answers written there, each request's wait and
+        decode time, each run's rows and seconds, and the write's seconds."""
+
+    def redis_down(self, during: str) -> None:
+        """Redis became unreachable (or full) while ``during`` (an ``OutageRetry``'s name)."""
+
+    def claimed(self, kind: str) -> None:
+        """An entry was taken over from another consumer, or from an earlier self."""
+
+    def leases_renewed(self, count: int) -> None:
+        """``count`` held entries had their lease renewed."""
+
+    def consumers_forgotten(self, count: int) -> None:
+        """``count`` idle consumers with nothing pending left the group."""
+
+    def cancelled_after_run(self) -> None:
+        """A request ran, then was answered CANCELLED: its cancel key counted, but too late."""
+
+    # -- fault points -------------------------------------------------------------------------
+
+    def point(self, name: str) -> None:
+        """The path reached a named fault point (``worker.faults.POINTS``)."""
+
+    def run_starts(self, feeds: Mapping[str, np.ndarray]) -> None:
+        """A run is about to start on these inputs."""
+
+    def executed(self, requests: Sequence[Ran]) -> None:
+        """These requests ran on the model (one run)."""
+
+
+#: The events of a part built without any: nothing observes them.
+NO_EVENTS = Events()
+
+
+class Fanout(Events):
+    """Hands every event to each of ``sinks``, in order."""
+
+    def __init__(self, *sinks: Events) -> None:
+        self.sinks = sinks
+
+    def batch_done(
+        self,
+        codes: Iterable[str],
+        queued_s: Sequence[float],
+        decode_s: Iterable[float],
+        runs: Iterable[tuple[int, float]],
+        write_s: float,
+    ) -> None:
+        # materialised once: each sink iterates them
+        codes, decode_s, runs = list(codes), list(decode_s), list(runs)
+        for sink in self.sinks:
+            sink.batch_done(codes, queued_s, decode_s, runs, write_s)
+
+    def redis_down(self, during: str) -> None:
+        for sink in self.sinks:
+            sink.redis_down(during)
+
+    def claimed(self, kind: str) -> None:
+        for sink in self.sinks:
+            sink.claimed(kind)
+
+    def leases_renewed(self, count: int) -> None:
+        for sink in self.sinks:
+            sink.leases_renewed(count)
+
+    def consumers_forgotten(self, count: int) -> None:
+        for sink in self.sinks:
+            sink.consumers_forgotten(count)
+
+    def cancelled_after_run(self) -> None:
+        for sink in self.sinks:
+            sink.cancelled_after_run()
+
+    def point(self, name: str) -> None:
+        for sink in self.sinks:
+            sink.point(name)
+
+    def run_starts(self, feeds: Mapping[str, np.ndarray]) -> None:
+        for sink in self.sinks:
+            sink.run_starts(feeds)
+
+    def executed(self, requests: Sequence[Ran]) -> None:
+        for sink in self.sinks:
+            sink.executed(requests)

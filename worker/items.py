@@ -1,0 +1,92 @@
+"""The item: one stream entry on its way through the worker, as admission left it.
+
+Admission (``worker.admit``) turns each entry into one of three variants, and every later stage
+switches on the variant rather than on which optional fields are set:
+
+- ``Admitted``: a valid request that may run, with what its reply needs.
+- ``Refused``: answered with an error code without running (MALFORMED, INVALID_INPUT, ...).
+- ``DeadLetter``: copied to the dead-letter stream; answered too when its rid names a reply key.
+
+Every variant knows its entry, how many times it was delivered (a redelivered entry runs in a
+batch of its own, since it may be what killed a worker) and how long admitting it took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from worker.cancels import CancelCheck
+from worker.errors import Rejected
+from worker.schema import ValidRequest
+from worker.stream import RawEntry
+
+__all__ = ["Admitted", "DeadLetter", "Item", "Refused"]
+
+
+# Not frozen: every request is built as one on the hot path, and a frozen dataclass's __init__
+# cost about five times a plain slotted one's (docs/design.md, "The worker's path"). Nothing
+# assigns to one after admission.
+@dataclass(slots=True)
+class Admitted:
+    """A request that passed admission and may run: its rows join a batch."""
+
+    entry: RawEntry
+    rid: str
+    request: ValidRequest
+    cancel: CancelCheck  # its read's cancel check (worker/cancels.py)
+    deadline_ms: int | None = None
+    meta_raw: bytes | None = None  # echoed byte for byte in the reply
+    reply_ttl_s: int | None = None
+    decode_ms: float = 0.0
+    deliveries: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.request.rows
+
+    @property
+    def alone(self) -> bool:
+        """Redelivered: it runs in a batch of its own."""
+        return self.deliveries > 1
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request answered with ``error`` instead of running; it adds no rows to a batch."""
+
+    entry: RawEntry
+    rid: str
+    error: Rejected
+    meta_raw: bytes | None = None
+    reply_ttl_s: int | None = None
+    decode_ms: float = 0.0
+    deliveries: int = 1
+
+    rows: ClassVar[int] = 0
+
+    @property
+    def alone(self) -> bool:
+        return self.deliveries > 1
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An entry moved to the dead-letter stream for ``reason``. With a rid it is answered with
+    ``error`` as well (a poisoned request); without one no reply key can be named."""
+
+    entry: RawEntry
+    rid: str | None
+    reason: str
+    error: Rejected | None = None  # set exactly when ``rid`` is
+    decode_ms: float = 0.0
+    deliveries: int = 1
+
+    rows: ClassVar[int] = 0
+
+    @property
+    def alone(self) -> bool:
+        return self.deliveries > 1
+
+
+Item = Admitted | Refused | DeadLetter
