@@ -11,10 +11,11 @@ size. The worker's fast paths (``worker.replies``, ``worker.spans``) live in the
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
@@ -33,14 +34,19 @@ from producer.guards import (
 )
 
 __all__ = [
+    "BYTES",
     "DTYPES",
     "MAX_META_BYTES",
     "MAX_RANK",
     "MAX_VALUES",
+    "STRING",
+    "WIRE_DTYPES",
     "ErrorInfo",
     "ModelRef",
+    "PipelineRef",
     "Reply",
     "RequestBody",
+    "as_tensor",
     "decode_meta",
     "decode_reply",
     "decode_request",
@@ -49,6 +55,7 @@ __all__ = [
     "encode_request",
     "encode_tensor",
     "pack_meta",
+    "wire_dtype",
 ]
 
 
@@ -72,7 +79,22 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 _NAME_OF_KIND = {(dt.kind, dt.itemsize): name for name, dt in DTYPES.items()}
 
+#: (v2) ``string`` and ``bytes`` tensors are numpy object arrays of ``str`` or ``bytes``. Both
+#: are ``dtype('O')`` to numpy, which compares them equal; the wire name rides in the dtype's
+#: metadata, which views, slices and reshapes keep (``wire_dtype`` reads it).
+STRING: np.dtype[Any] = np.dtype(object, metadata={"wire": "string"})
+BYTES: np.dtype[Any] = np.dtype(object, metadata={"wire": "bytes"})
+_TEXT_DTYPES = {"string": STRING, "bytes": BYTES}
+_TEXT_TYPES: dict[str, type[str] | type[bytes]] = {"string": str, "bytes": bytes}
+_TEXT_LEAVES = (str, bytes, bytearray, memoryview)  # what as_tensor sends as one element
+#: Every dtype name the wire carries, numeric first.
+WIRE_DTYPES: tuple[str, ...] = (*DTYPES, "string", "bytes")
+
 MAX_RANK = 32
+
+# Input and output names (and dtype names) longer than this are refused: no model has them, and
+# errors quote names. Only the elements of string tensors may be long strings.
+MAX_NAME_CHARS = 1024
 
 _BODY_KEYS = frozenset({"inputs", "outputs", "deadline_ms", "meta", "reply_ttl_s"})
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
@@ -99,12 +121,28 @@ class ErrorInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineRef:
+    """(v2) The ``model.pipeline`` map of a reply: which handler pre- and post-processed."""
+
+    handler: str  # its import path, "module:attribute"
+    sha256: str  # of the handler's source file
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRef:
-    """The ``model`` map of a reply: which model file answered."""
+    """The ``model`` map of a reply: which model file (and pipeline, when one) answered."""
 
     name: str
     version: str
     sha256: str
+    pipeline: PipelineRef | None = None
+
+    def as_map(self) -> dict[str, Any]:
+        """The reply's ``model`` map."""
+        doc: dict[str, Any] = {"name": self.name, "version": self.version, "sha256": self.sha256}
+        if self.pipeline is not None:
+            doc["pipeline"] = {"handler": self.pipeline.handler, "sha256": self.pipeline.sha256}
+        return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,21 +179,136 @@ def decode_meta(raw: bytes) -> Any:
 # Tensors
 
 
+def wire_dtype(arr: np.ndarray) -> str | None:
+    """The wire name of ``arr``'s dtype, or None when the wire cannot carry it. An object array
+    without a wire name in its dtype is named by its first element (``str`` or ``bytes``)."""
+    kind = arr.dtype.kind
+    if kind == "U":
+        return "string"
+    if kind == "S":
+        return "bytes"
+    if kind == "O":
+        meta = arr.dtype.metadata
+        if meta is not None and meta.get("wire") in _TEXT_DTYPES:
+            return str(meta["wire"])
+        first = next(iter(arr.flat), "") if arr.size else ""
+        return "bytes" if isinstance(first, bytes | bytearray | memoryview) else "string"
+    return _NAME_OF_KIND.get((kind, arr.dtype.itemsize))
+
+
+def as_tensor(value: Any) -> np.ndarray:
+    """``value`` as the array it is sent as. A ``str`` or ``bytes`` (or a nested list of them)
+    becomes a ``string`` or ``bytes`` tensor; never through ``np.asarray``, whose fixed-width
+    byte strings drop trailing NUL bytes."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, _TEXT_LEAVES):
+        return _text_array([_element(value)], [])
+    if isinstance(value, list | tuple):
+        shape: list[int] = []
+        leaf: Any = value
+        while isinstance(leaf, list | tuple):
+            shape.append(len(leaf))
+            if not leaf:
+                break
+            leaf = leaf[0]
+        if isinstance(leaf, _TEXT_LEAVES):
+            # Not np.array(value, dtype=object): it unpacks bytearray and memoryview elements
+            # into their integers, and keeps ragged lists as elements.
+            if len(shape) > MAX_RANK:
+                raise WireFormatError(
+                    f"nested lists of str or bytes have {len(shape)} levels; at most {MAX_RANK}.",
+                    "INVALID_INPUT",
+                )
+            elements: list[Any] = []
+            _flatten(value, shape, 0, elements)
+            return _text_array(elements, shape)
+        arr = np.asarray(value)
+        if arr.dtype.kind in "US":  # numpy turns numbers beside str or bytes into text
+            elements = list(np.array(value, dtype=object).ravel())
+            text = [e for e in elements if isinstance(e, str | bytes)][:1]
+            _text_kind(text + elements)  # refuses the numbers, named by the text's type
+        return arr
+    return np.asarray(value)
+
+
+def _flatten(value: Any, shape: list[int], depth: int, out: list[Any]) -> None:
+    """Append the leaves of nested lists ``value`` to ``out`` in C order, checking that every
+    list at ``depth`` has ``shape[depth]`` items and that every leaf is at the same depth."""
+    if not isinstance(value, list | tuple):
+        _ragged(f"an item at depth {depth} is {_kind(value)} where the first is a list", shape)
+    if len(value) != shape[depth]:
+        _ragged(
+            f"a list at depth {depth} holds {len(value)} items, the first {shape[depth]}", shape
+        )
+    if depth + 1 < len(shape):
+        for item in value:
+            _flatten(item, shape, depth + 1, out)
+        return
+    for item in value:
+        if isinstance(item, list | tuple):
+            _ragged(f"an item at depth {depth + 1} is a list where the first is not", shape)
+        out.append(_element(item))
+
+
+def _ragged(what: str, shape: list[int]) -> NoReturn:
+    raise WireFormatError(
+        f"nested lists of str or bytes must be rectangular: {what} (shape {shape}).",
+        "INVALID_INPUT",
+    )
+
+
+def _element(value: Any) -> str | bytes:
+    return bytes(value) if isinstance(value, bytearray | memoryview) else value
+
+
+def _text_array(elements: list[Any], shape: list[int]) -> np.ndarray:
+    """An object array of ``str`` or ``bytes`` elements (all one type) with its wire dtype."""
+    arr = np.empty(len(elements), dtype=_TEXT_DTYPES[_text_kind(elements)])
+    arr[:] = elements
+    return arr.reshape(shape)
+
+
+def _text_kind(elements: list[Any]) -> str:
+    """``string`` or ``bytes``: the one type every element has."""
+    name = "bytes" if elements and isinstance(elements[0], bytes) else "string"
+    want = _TEXT_TYPES[name]
+    for element in elements:
+        if not isinstance(element, want):
+            raise WireFormatError(
+                f"a {name} tensor holds {type(element).__name__} {_quote(element)}; every "
+                f"element must be {want.__name__} (send str and bytes as separate inputs).",
+                "INVALID_INPUT",
+            )
+    return name
+
+
 def encode_tensor(array: Any) -> dict[str, Any]:
-    """Return the wire map for an array: little-endian, C order, without copying when it can."""
-    arr = np.asarray(array)
-    name = _NAME_OF_KIND.get((arr.dtype.kind, arr.dtype.itemsize))
+    """Return the wire map for an array: little-endian, C order, without copying when it can.
+    ``string`` and ``bytes`` tensors carry their elements as a msgpack array of str or bin."""
+    arr = as_tensor(array)
+    name = wire_dtype(arr)
     if name is None:
         raise WireFormatError(
-            f"dtype {arr.dtype} cannot be sent; use one of {', '.join(DTYPES)}.", "INVALID_INPUT"
+            f"dtype {arr.dtype} cannot be sent; use one of {', '.join(WIRE_DTYPES)}.",
+            "INVALID_INPUT",
         )
+    if name in _TEXT_DTYPES:
+        flat = arr.ravel()  # C order
+        elements = [_element(v) for v in (flat.tolist() if arr.dtype.kind in "US" else flat)]
+        if elements and _text_kind(elements) != name:
+            raise WireFormatError(
+                f"a {name} tensor holds {type(elements[0]).__name__} elements.", "INVALID_INPUT"
+            )
+        return {"dtype": name, "shape": list(arr.shape), "data": elements}
     arr = np.require(arr, dtype=DTYPES[name], requirements="C")  # keeps 0-d arrays 0-d
     data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 
 
-def decode_tensor(obj: Any, where: str) -> np.ndarray:
-    """Check a decoded wire map and view its data as an array; ``where`` names it in errors."""
+def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) -> np.ndarray:
+    """Check a decoded wire map and view its data as an array; ``where`` names it in errors.
+    ``max_element_bytes`` bounds each element of a ``string`` or ``bytes`` tensor."""
     if not isinstance(obj, dict):
         raise WireFormatError(f"{where}: a tensor must be a map, got {_kind(obj)}.")
     if obj.keys() != _TENSOR_KEYS:
@@ -166,10 +319,14 @@ def decode_tensor(obj: Any, where: str) -> np.ndarray:
             f"{where}: tensor has unknown key {_names(obj.keys() - _TENSOR_KEYS)}."
         )
     dtype_name = obj["dtype"]
+    if isinstance(dtype_name, str) and dtype_name in _TEXT_DTYPES:
+        shape = _check_shape(obj["shape"], where)
+        return _decode_text(dtype_name, shape, obj["data"], where, max_element_bytes)
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireFormatError(
-            f"{where}: unknown dtype {_quote(dtype_name)}; expected one of {', '.join(DTYPES)}."
+            f"{where}: unknown dtype {_quote(dtype_name)}; expected one of "
+            f"{', '.join(WIRE_DTYPES)}."
         )
     shape = _check_shape(obj["shape"], where)
     data = obj["data"]
@@ -178,15 +335,56 @@ def decode_tensor(obj: Any, where: str) -> np.ndarray:
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise WireFormatError(
-            f"{where}: data has {len(data)} bytes but shape {shape} of {dtype_name} "
-            f"needs {expected}."
+            f"{where}: data has {len(data)} bytes but shape {_quote(shape)} of {dtype_name} "
+            f"needs {_quote(expected)}."
         )
     if dtype_name == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
         raise WireFormatError(f"{where}: bool data must hold only bytes 0 and 1.")
     try:
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as exc:  # a 0-sized shape whose other dims are too large for numpy
-        raise WireFormatError(f"{where}: shape {shape} is too large to hold.") from exc
+        raise WireFormatError(f"{where}: shape {_quote(shape)} is too large to hold.") from exc
+
+
+def _decode_text(
+    name: str, shape: list[int], data: Any, where: str, max_element_bytes: int | None
+) -> np.ndarray:
+    """A ``string`` or ``bytes`` tensor's elements: an array of exactly prod(shape) str (UTF-8,
+    which the unpacker checked) or bin values, each within ``max_element_bytes``."""
+    kind = "str" if name == "string" else "bin"
+    if not isinstance(data, list):
+        raise WireFormatError(
+            f"{where}: a {name} tensor's data must be an array of msgpack {kind}, got "
+            f"{_kind(data)}."
+        )
+    count = math.prod(shape)
+    if len(data) != count:
+        raise WireFormatError(
+            f"{where}: data has {len(data)} elements but shape {_quote(shape)} needs "
+            f"{_quote(count)}."
+        )
+    want = _TEXT_TYPES[name]
+    limit = max_element_bytes
+    for index, element in enumerate(data):
+        if type(element) is not want:
+            raise WireFormatError(
+                f"{where}: element {index} of a {name} tensor must be msgpack {kind}, got "
+                f"{_kind(element)}."
+            )
+        # len() counts characters of a str: at most 4 UTF-8 bytes each, so only a str longer
+        # than a quarter of the limit is encoded to count its bytes
+        if limit is not None and len(element) > limit // 4 and (size := _size(element)) > limit:
+            raise WireFormatError(
+                f"{where}: element {index} is {size} bytes, over limits.max_element_bytes={limit}.",
+                "TOO_LARGE",
+            )
+    arr = np.empty(count, dtype=_TEXT_DTYPES[name])
+    arr[:] = data
+    return arr.reshape(shape)
+
+
+def _size(element: str | bytes) -> int:
+    return len(element.encode()) if isinstance(element, str) else len(element)
 
 
 def _check_shape(shape: Any, where: str) -> list[int]:
@@ -226,11 +424,29 @@ def encode_request(
         body["meta"] = meta
     if reply_ttl_s is not None:
         body["reply_ttl_s"] = int(reply_ttl_s)
-    return msgpack.packb(body, use_bin_type=True)
+    with _utf8_only("request"):
+        return msgpack.packb(body, use_bin_type=True)
 
 
-def decode_request(body: bytes, max_bytes: int) -> RequestBody:
-    """Decode and check a request body; the size limit is applied before any decoding."""
+@contextlib.contextmanager
+def _utf8_only(what: str) -> Iterator[None]:
+    """A str that UTF-8 cannot encode (a lone surrogate) as INVALID_INPUT, not UnicodeError."""
+    try:
+        yield
+    except UnicodeEncodeError as exc:
+        bad = _quote(exc.object[exc.start : exc.end])
+        raise WireFormatError(
+            f"the {what} holds a str with {bad}, which UTF-8 cannot encode (a lone surrogate); "
+            "send text as valid Unicode, or arbitrary bytes in a 'bytes' tensor.",
+            "INVALID_INPUT",
+        ) from exc
+
+
+def decode_request(
+    body: bytes, max_bytes: int, max_element_bytes: int | None = None
+) -> RequestBody:
+    """Decode and check a request body; the size limit is applied before any decoding.
+    ``max_element_bytes`` bounds each element of its ``string`` and ``bytes`` tensors."""
     if len(body) > max_bytes:
         raise WireFormatError(
             f"body is {len(body)} bytes, over max_request_bytes={max_bytes}.", "TOO_LARGE"
@@ -239,7 +455,7 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         doc, meta_raw = _unpack_body(body, max_bytes, "body")
         if not isinstance(doc, dict):
             raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
-        request = _request(doc, meta_raw)
+        request = _request(doc, meta_raw, max_element_bytes)
         _check_meta_size(meta_raw)
         return request
     except WireFormatError as exc:
@@ -248,7 +464,9 @@ def decode_request(body: bytes, max_bytes: int) -> RequestBody:
         raise
 
 
-def _request(doc: dict[str, Any], meta_raw: bytes | None) -> RequestBody:
+def _request(
+    doc: dict[str, Any], meta_raw: bytes | None, max_element_bytes: int | None = None
+) -> RequestBody:
     """Check a body's map (meta already sliced out) and build the request."""
     extra = doc.keys() - _BODY_KEYS
     if extra:
@@ -264,7 +482,11 @@ def _request(doc: dict[str, Any], meta_raw: bytes | None) -> RequestBody:
     for name in raw_inputs:
         if not isinstance(name, str):
             raise WireFormatError(f"input names must be strings; got {_kind(name)} {_quote(name)}.")
-    inputs = {name: decode_tensor(t, _input_where(name)) for name, t in raw_inputs.items()}
+        _check_name_length("an input name", name)
+    inputs = {
+        name: decode_tensor(t, _input_where(name), max_element_bytes)
+        for name, t in raw_inputs.items()
+    }
     return RequestBody(
         inputs=inputs,
         outputs=_optional_names(doc.get("outputs")),
@@ -287,7 +509,17 @@ def _optional_names(value: Any) -> tuple[str, ...] | None:
         raise WireFormatError(
             f"'outputs' must be an array of output names (strings), got {_quote(value)}."
         )
+    for name in value:
+        _check_name_length("an output name in 'outputs'", name)
     return tuple(value)
+
+
+def _check_name_length(what: str, name: str) -> None:
+    if len(name) > MAX_NAME_CHARS:
+        raise WireFormatError(
+            f"{what} is {len(name)} characters long ({_quote(name)}); names are at most "
+            f"{MAX_NAME_CHARS}."
+        )
 
 
 def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -316,19 +548,20 @@ def encode_reply(reply: Reply) -> bytes:
     else:
         error = reply.error or ErrorInfo("INTERNAL", "no detail", True)
         doc["error"] = {"code": error.code, "message": error.message, "retryable": error.retryable}
-    model = reply.model
-    doc["model"] = {"name": model.name, "version": model.version, "sha256": model.sha256}
+    doc["model"] = reply.model.as_map()
     doc["worker"] = reply.worker
     if reply.ok and reply.batch_rows is not None:
         doc["batch_rows"] = reply.batch_rows
     doc["timings_ms"] = dict(reply.timings_ms)
     if reply.meta_raw is None:
-        return msgpack.packb(doc, use_bin_type=True)
+        with _utf8_only("reply"):
+            return msgpack.packb(doc, use_bin_type=True)
     packer = msgpack.Packer(use_bin_type=True, autoreset=False)
     packer.pack_map_header(len(doc) + 1)
-    for key, value in doc.items():
-        packer.pack(key)
-        packer.pack(value)
+    with _utf8_only("reply"):
+        for key, value in doc.items():
+            packer.pack(key)
+            packer.pack(value)
     packer.pack("meta")
     return packer.bytes() + reply.meta_raw
 
@@ -353,7 +586,7 @@ def decode_reply(raw: bytes) -> Reply:
         return Reply(
             rid=str(doc["rid"]),
             ok=bool(doc["ok"]),
-            model=ModelRef(str(model["name"]), str(model["version"]), str(model["sha256"])),
+            model=_model_ref(model),
             worker=str(doc["worker"]),
             timings_ms={str(k): float(v) for k, v in doc["timings_ms"].items()},
             outputs=outputs,
@@ -363,6 +596,18 @@ def decode_reply(raw: bytes) -> Reply:
         )
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
+
+
+def _model_ref(model: dict[str, Any]) -> ModelRef:
+    pipeline = model.get("pipeline")
+    return ModelRef(
+        str(model["name"]),
+        str(model["version"]),
+        str(model["sha256"]),
+        None
+        if pipeline is None
+        else PipelineRef(str(pipeline["handler"]), str(pipeline["sha256"])),
+    )
 
 
 def _check_meta_size(meta: bytes | None) -> None:

@@ -25,9 +25,10 @@ MAX_META_BYTES = 4096
 # Values a body may declare in all: a thousand inputs of rank 32 and 4 KiB of meta fit. Each value
 # the unpacker builds costs up to ~70 bytes (an empty list), so this caps it near 5 MB.
 MAX_VALUES = 1 << 16
-# Bounds that keep a hostile body from making the unpacker allocate: no body needs more.
-_MAX_CONTAINER_LEN = 4096
-_MAX_STR_LEN = 65536
+# Bounds that keep a hostile body from making the unpacker allocate: no body needs more. A
+# ``string`` or ``bytes`` tensor (v2) is an array of up to MAX_VALUES elements, each of any
+# length within the body: its bytes are its own cost, as a bin's are.
+_MAX_CONTAINER_LEN = MAX_VALUES
 _MAX_QUOTE = 100  # characters of a hostile value quoted in an error message
 
 
@@ -41,7 +42,7 @@ def _limits(max_bytes: int, max_container_len: int = _MAX_CONTAINER_LEN) -> dict
         "object_pairs_hook": _unique_map,
         "ext_hook": _no_ext,
         "max_bin_len": max_bytes,
-        "max_str_len": min(max_bytes, _MAX_STR_LEN),
+        "max_str_len": max_bytes,
         "max_array_len": max_container_len,
         "max_map_len": max_container_len,
         "max_ext_len": 0,
@@ -254,6 +255,11 @@ def _msgpack_errors(what: str) -> Iterator[None]:
         raise WireFormatError(
             f"{what} is not valid msgpack: it holds a byte that begins no msgpack value."
         ) from exc
+    except UnicodeDecodeError as exc:
+        raise WireFormatError(
+            f"{what} holds a msgpack str that is not valid UTF-8 (byte {exc.start} of it); "
+            "send arbitrary bytes as bin, in a 'bytes' tensor."
+        ) from exc
     except (ValueError, TypeError) as exc:
         # msgpack's other errors derive from ValueError; their text says what broke.
         detail = str(exc).rstrip(".") or type(exc).__name__
@@ -318,7 +324,8 @@ def _check_declared(data: bytes, what: str) -> None:
         )
     if declared > limit:
         raise WireFormatError(
-            f"{what} holds more than {MAX_VALUES} msgpack values; none needs that."
+            f"{what} holds more than {MAX_VALUES} msgpack values (each element of a string or "
+            "bytes tensor is one); send fewer in one request."
         )
 
 

@@ -7,6 +7,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from worker.assemble import FeedBuffers
+from worker.axes import Axes
 from worker.cancels import CancelCheck
 from worker.errors import Rejected
 from worker.items import Admitted
@@ -80,6 +81,7 @@ class AliasingModel:
 
 class FakeSchema:
     fixed_batch = None
+    axes = Axes()
 
     def screen(self, feeds: object, requests: object) -> dict[int, Rejected]:
         return {}

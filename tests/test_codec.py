@@ -326,7 +326,11 @@ MALFORMED_CASES = [
         "an ext type (such as a timestamp) is accepted only inside 'meta'",
         id="ext-outside-meta",
     ),
-    pytest.param(body_with_raw("outputs", pack([None] * 4097)), "max_array_len", id="long-array"),
+    pytest.param(
+        body_with_raw("outputs", pack([None] * (codec.MAX_VALUES + 1))),
+        f"more than {codec.MAX_VALUES} msgpack values",
+        id="long-array",
+    ),
     pytest.param(b"\x81\xc1\x01", "a byte that begins no msgpack value", id="format-error"),
     pytest.param(CONTRACT_EXAMPLE[:-3], "it ends inside a value", id="truncated-says-so"),
     pytest.param(
@@ -376,10 +380,11 @@ def test_structural_fault_is_malformed_and_named(raw: bytes, phrase: str) -> Non
     assert err.message == str(err)
 
 
-def test_long_string_is_malformed() -> None:
+def test_long_name_is_malformed_and_quoted_short() -> None:
     err = refused(body_with_raw("outputs", pack(["a" * 70_000])))
     assert err.code == "MALFORMED"
-    assert "max_str_len" in str(err)
+    assert "70000 characters" in str(err)
+    assert len(str(err)) < 300
 
 
 # nil is read in one pass; a timestamp (ext) sends meta through the pair-by-pair second pass
@@ -429,8 +434,8 @@ def test_reply_that_is_not_a_reply_is_malformed() -> None:
 
 @pytest.mark.parametrize(
     "array",
-    [np.array([1 + 2j]), np.array(["a"]), np.array([object()]), np.array([1], np.float128)],
-    ids=["complex", "str", "object", "float128"],
+    [np.array([1 + 2j]), np.array([1], np.float128)],
+    ids=["complex", "float128"],
 )
 def test_unsendable_dtype_is_refused_by_name(array: np.ndarray) -> None:
     with pytest.raises(WireFormatError) as info:
@@ -438,6 +443,13 @@ def test_unsendable_dtype_is_refused_by_name(array: np.ndarray) -> None:
     assert info.value.code == "INVALID_INPUT"
     assert "cannot be sent" in str(info.value)
     assert "float32" in str(info.value)
+
+
+def test_object_array_of_neither_str_nor_bytes_is_refused_naming_the_element() -> None:
+    with pytest.raises(WireFormatError) as info:
+        codec.encode_request({"x": np.array([object()])})
+    assert info.value.code == "INVALID_INPUT"
+    assert "every element must be str" in str(info.value)
 
 
 def test_request_without_inputs_is_refused_when_encoding() -> None:

@@ -550,10 +550,10 @@ def test_inputs_with_different_fixed_leading_sizes_name_the_inputs_key_and_fix(
     message = str(caught.value)
     assert "\n" not in message
     for words in (
-        "'input' [1, 576] leads with 1",
-        "'state' [2, 1, 128] leads with 2",
+        "'input' [1, 576] has 1 on axis 0",
+        "'state' [2, 1, 128] has 2 on axis 0",
         "batching.max_batch_size <= K",
-        "Export the model with the batch first in every input",
+        "Set each input's batch_axis",
     ):
         assert words in message
 

@@ -47,6 +47,7 @@ def admit(
     deliveries: int = 1,
     layouts: Layouts | None = None,
     cancel: CancelCheck | None = None,
+    max_element_bytes: int | None = None,
 ) -> Item:
     """Turn a raw entry into an item: admitted, refused with a code, or a dead letter.
 
@@ -69,7 +70,7 @@ def admit(
             request, reply_ttl_s, deadline_ms = known
         else:
             try:
-                decoded = decode_request(body, max_request_bytes)
+                decoded = decode_request(body, max_request_bytes, max_element_bytes)
             except WireFormatError as exc:
                 meta_raw, reply_ttl_s = exc.meta_raw, exc.reply_ttl_s
                 raise Rejected(exc.code, exc.message) from exc

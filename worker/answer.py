@@ -22,6 +22,7 @@ from worker.errors import Rejected
 from worker.events import Events
 from worker.items import Admitted, DeadLetter, Item, Refused
 from worker.model import OnnxModel
+from worker.pipeline import Pipeline
 from worker.replies import ReplyEncoder
 from worker.run import Outcome, run_batch
 from worker.schema import Schema
@@ -45,8 +46,10 @@ class Answerer:
         encoder: ReplyEncoder,
         reply_ttl_s: int,
         events: Events,
+        pipeline: Pipeline | None = None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
         self.schema = schema
         self.stream = stream
         self.encoder = encoder
@@ -150,6 +153,8 @@ class Answerer:
                     extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
                 )
             finishes.append(self._refusal(item, outcome.error, started_ms, outcome.inference_ms))
+        if self.pipeline is not None:
+            return finishes + self._finish_pipeline(runs, started_ms)
         for (rows, inference_ms), done in runs.items():
             items = [o.item for o in done]
             replies = self.encoder.encode_run(
@@ -164,6 +169,45 @@ class Answerer:
                 Finish(item.entry.entry_id, item.rid, reply, self._ttl(item.reply_ttl_s), code="OK")
                 for item, reply in zip(items, replies, strict=True)
             ]
+        return finishes
+
+    def _finish_pipeline(
+        self, runs: dict[tuple[int, float], list[Outcome]], started_ms: float
+    ) -> list[Finish]:
+        """The ok outcomes' replies through the pipeline's postprocess: each request's own
+        outputs, or the error its postprocess alone caused; timings add its pre and post."""
+        assert self.pipeline is not None
+        done = [o for group in runs.values() for o in group]
+        post_started = time.perf_counter()
+        results = self.pipeline.postprocess(done)
+        post_ms = (time.perf_counter() - post_started) * 1000.0 / max(len(done), 1)
+        finishes = []
+        for outcome, result in zip(done, results, strict=True):
+            item = outcome.item
+            if isinstance(result, Rejected):
+                if result.code == "INFERENCE_FAILED":
+                    log.warning(
+                        "postprocess failed on a request",
+                        extra={"fields": {"rid": item.rid, "error": result.message}},
+                    )
+                finishes.append(self._refusal(item, result, started_ms, outcome.inference_ms))
+                continue
+            timings = {
+                "queued": _queued_ms(item.entry, started_ms),
+                "inference": round(outcome.inference_ms, 3),
+                "preprocess": round(item.preprocess_ms, 3),
+                "postprocess": round(post_ms, 3),
+            }
+            reply = self.encoder.encode(
+                item.rid,
+                outputs=result,
+                batch_rows=outcome.batch_rows,
+                timings_ms=timings,
+                meta_raw=item.meta_raw,
+            )
+            finishes.append(
+                Finish(item.entry.entry_id, item.rid, reply, self._ttl(item.reply_ttl_s), code="OK")
+            )
         return finishes
 
     # -- replies without outputs ---------------------------------------------------------------

@@ -32,6 +32,8 @@ __all__ = [
     "LimitsConfig",
     "MetricsConfig",
     "ModelConfig",
+    "OutputConfig",
+    "PipelineConfig",
     "ProviderConfig",
     "RedisConfig",
     "WarmupConfig",
@@ -110,6 +112,7 @@ class BatchingConfig:
 class LimitsConfig:
     max_request_bytes: int = 16 * 1024 * 1024
     reject_non_finite: bool = True
+    max_element_bytes: int = 16 * 1024 * 1024  # each element of a string or bytes tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,25 @@ class InputConfig:
     min: float | None = None
     max: float | None = None
     warmup_shape: tuple[int, ...] | None = None
+    batch_axis: int | None = 0  # the axis rows are on; None: the input has no rows ("none")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConfig:
+    """Per-output settings from ``[outputs.NAME]``."""
+
+    name: str
+    batch_axis: int | None = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """``[pipeline]``: the handler whose hooks run before and after the model (contract 6)."""
+
+    handler: str  # "module:attribute"
+    threads: int = 1
+    timeout_s: float = 30.0  # a hook call past this is abandoned (worker/hookpool.py)
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +173,8 @@ class WorkerConfig:
     warmup: WarmupConfig = WarmupConfig()
     metrics: MetricsConfig = MetricsConfig()
     inputs: Mapping[str, InputConfig] = field(default_factory=dict)
+    outputs: Mapping[str, OutputConfig] = field(default_factory=dict)
+    pipeline: PipelineConfig | None = None
     source: Path | None = None
 
 
@@ -175,7 +199,18 @@ def parse_config(
     """Build a WorkerConfig from parsed TOML; paths are relative to ``base_dir``."""
     root = Table(data, "")
     root.check_keys(
-        {"redis", "model", "batching", "limits", "delivery", "warmup", "metrics", "inputs"}
+        {
+            "redis",
+            "model",
+            "batching",
+            "limits",
+            "delivery",
+            "warmup",
+            "metrics",
+            "inputs",
+            "outputs",
+            "pipeline",
+        }
     )
     return WorkerConfig(
         redis=_redis(root.table("redis"), redis_url),
@@ -186,6 +221,8 @@ def parse_config(
         warmup=_warmup(root.table("warmup")),
         metrics=_metrics(root.table("metrics")),
         inputs=_inputs(root.table("inputs")),
+        outputs=_outputs(root.table("outputs")),
+        pipeline=_pipeline(root.table("pipeline")) if "pipeline" in root.data else None,
         source=base_dir,
     )
 
@@ -377,13 +414,16 @@ def _batching(t: Table) -> BatchingConfig:
 
 
 def _limits(t: Table) -> LimitsConfig:
-    t.check_keys({"max_request_bytes", "reject_non_finite"})
+    t.check_keys({"max_request_bytes", "reject_non_finite", "max_element_bytes"})
     d = _defaults(LimitsConfig)
     return LimitsConfig(
         max_request_bytes=t.get_int(
             "max_request_bytes", d["max_request_bytes"], minimum=64, maximum=2**31
         ),
         reject_non_finite=t.get_bool("reject_non_finite", d["reject_non_finite"]),
+        max_element_bytes=t.get_int(
+            "max_element_bytes", d["max_element_bytes"], minimum=1, maximum=2**31
+        ),
     )
 
 
@@ -426,7 +466,7 @@ def _inputs(t: Table) -> dict[str, InputConfig]:
     result = {}
     for name in t.data:
         it = t.table(name)
-        it.check_keys({"min", "max", "warmup_shape"})
+        it.check_keys({"min", "max", "warmup_shape", "batch_axis"})
         lo = _bound(it, "min")
         hi = _bound(it, "max")
         if lo is not None and hi is not None and lo > hi:
@@ -442,9 +482,64 @@ def _inputs(t: Table) -> dict[str, InputConfig]:
                 "positive integers: the input's shape without its batch dimension."
             )
         result[name] = InputConfig(
-            name=name, min=lo, max=hi, warmup_shape=None if shape is None else tuple(shape)
+            name=name,
+            min=lo,
+            max=hi,
+            warmup_shape=None if shape is None else tuple(shape),
+            batch_axis=_batch_axis(it),
         )
     return result
+
+
+def _outputs(t: Table) -> dict[str, OutputConfig]:
+    result = {}
+    for name in t.data:
+        ot = t.table(name)
+        ot.check_keys({"batch_axis"})
+        result[name] = OutputConfig(name=name, batch_axis=_batch_axis(ot))
+    return result
+
+
+def _batch_axis(t: Table) -> int | None:
+    """``batch_axis``: the axis that holds the rows (default 0), or "none" for no rows."""
+    value = t.data.get("batch_axis", 0)
+    if value == "none":
+        return None
+    if type(value) is not int or not 0 <= value < 32:
+        raise ConfigError(
+            f"Config '{t.where('batch_axis')}' has value {value!r}. Use the axis that holds "
+            'the rows (0 to 31; 0 is the default) or "none" for an input or output without rows.'
+        )
+    return value
+
+
+def _pipeline(t: Table) -> PipelineConfig:
+    t.check_keys({"handler", "threads", "timeout_s", "options"})
+    handler = t.get_str("handler", None)
+    module, _, attribute = handler.partition(":")
+    if (
+        not module
+        or not attribute
+        or not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
+    ):
+        raise ConfigError(
+            f"Config 'pipeline.handler' has value {handler!r}. Use module:attribute, such as "
+            "'handlers:ImagePipeline' (handlers.py next to the config file, or a module on the "
+            "worker's sys.path)."
+        )
+    options = t.data.get("options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"Config 'pipeline.options' has value {options!r}. Use a table of the handler's "
+            "keyword arguments: [pipeline.options]."
+        )
+    d = _defaults(PipelineConfig)
+    return PipelineConfig(
+        handler=handler,
+        threads=t.get_int("threads", d["threads"], minimum=1, maximum=256),
+        timeout_s=t.get_number("timeout_s", d["timeout_s"], minimum=0.001, maximum=_MAX_RUN_S),
+        options=dict(options),
+    )
 
 
 def _bound(t: Table, key: str) -> float | None:

@@ -56,6 +56,10 @@ class Events:
     def cancelled_after_run(self) -> None:
         """A request ran, then was answered CANCELLED: its cancel key counted, but too late."""
 
+    def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
+        """A pipeline hook call (``stage``: preprocess or postprocess) on ``requests`` requests
+        took ``wall_s`` seconds, ``cpu_s`` of them on its thread's CPU."""
+
     # -- fault points -------------------------------------------------------------------------
 
     def point(self, name: str) -> None:
@@ -110,6 +114,10 @@ class Fanout(Events):
     def cancelled_after_run(self) -> None:
         for sink in self.sinks:
             sink.cancelled_after_run()
+
+    def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
+        for sink in self.sinks:
+            sink.hook_ran(stage, requests, wall_s, cpu_s)
 
     def point(self, name: str) -> None:
         for sink in self.sinks:

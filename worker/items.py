@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from worker.cancels import CancelCheck
 from worker.errors import Rejected
 from worker.schema import ValidRequest
@@ -40,6 +42,12 @@ class Admitted:
     reply_ttl_s: int | None = None
     decode_ms: float = 0.0
     deliveries: int = 1
+    # With a pipeline (worker/pipeline.py): the raw inputs the request sent (``request`` is
+    # then what preprocess made of them), the reply outputs it asked for (None: all) and how
+    # long its preprocessing took.
+    raw: dict[str, np.ndarray] | None = None
+    wanted: tuple[str, ...] | None = None
+    preprocess_ms: float = 0.0
 
     @property
     def rows(self) -> int:

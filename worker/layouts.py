@@ -110,8 +110,8 @@ class Layouts:
         """Keep the layout of ``body``, which ``decoded`` and ``valid`` came from."""
         if decoded.meta_raw is not None:
             return
-        if any(a.dtype.kind == "b" or a.size == 0 for a in valid.inputs.values()):
-            return
+        if valid.fixed or any(a.dtype.kind in "bO" or a.size == 0 for a in valid.inputs.values()):
+            return  # bools' bytes are checked; strings are not bin; unbatched values sign runs
         if len(self._by_length.get(len(body), ())) >= _PER_LENGTH:
             return
         layout = _layout(body, decoded, valid)

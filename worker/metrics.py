@@ -13,13 +13,21 @@ import itertools
 import logging
 import sys
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Info,
+    ProcessCollector,
+    make_wsgi_app,
+)
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -92,6 +100,36 @@ class Histogram(Collector):
         family = HistogramMetricFamily(self._name, self._documentation)
         family.add_metric([], list(zip(self._le, cumulative, strict=True)), total)
         yield family
+
+
+STAGES = ("preprocess", "postprocess")
+
+
+class StageTotals:
+    """Busy and CPU seconds per stage since start, for the worker's record (``status
+    --watch`` turns two of them into how busy each stage was in between)."""
+
+    def __init__(self) -> None:
+        self.threads = 0
+        self._lock = threading.Lock()
+        self._totals = {stage: [0, 0.0, 0.0] for stage in (*STAGES, "model")}
+
+    def add(self, stage: str, requests: int, busy_s: float, cpu_s: float) -> None:
+        with self._lock:
+            total = self._totals[stage]
+            total[0] += requests
+            total[1] += busy_s
+            total[2] += cpu_s
+
+    def snapshot(self) -> dict[str, Any]:
+        """{"threads", "cpu_s" (the process's), and per stage {"requests", "busy_s",
+        "cpu_s"}}; the model's requests are rows and its CPU is not apart from the process's."""
+        with self._lock:
+            stages = {
+                stage: {"requests": n, "busy_s": round(busy, 6), "cpu_s": round(cpu, 6)}
+                for stage, (n, busy, cpu) in self._totals.items()
+            }
+        return {"threads": self.threads, "cpu_s": round(time.process_time(), 6), **stages}
 
 
 class Metrics(Events):
@@ -193,6 +231,32 @@ class Metrics(Events):
             "run (compute spent for nothing).",
             registry=r,
         )
+        self.hook_seconds = {
+            stage: Histogram(
+                f"redbatch_{stage}_seconds",
+                f"The pipeline's {stage} of one request (its share of a batch call).",
+                buckets=_SECONDS_BUCKETS,
+                registry=r,
+            )
+            for stage in STAGES
+        }
+        self.hook_busy = Counter(
+            "redbatch_pipeline_busy_seconds",
+            "Seconds the pipeline's threads spent in hook calls, by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.hook_cpu = Counter(
+            "redbatch_pipeline_cpu_seconds",
+            "CPU seconds of the pipeline's threads in hook calls, by stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.hook_threads = Gauge(
+            "redbatch_pipeline_threads", "Threads the pipeline's hooks run on.", registry=r
+        )
+        ProcessCollector(registry=r)  # process_cpu_seconds_total: the whole worker's CPU
+        self.stages = StageTotals()
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
@@ -207,6 +271,9 @@ class Metrics(Events):
             self.redis_outages.labels(during=during)
         for kind in CLAIM_KINDS:
             self.claims.labels(kind=kind)
+        for stage in STAGES:
+            self.hook_busy.labels(stage=stage)
+            self.hook_cpu.labels(stage=stage)
 
     def describe(self, record: dict[str, Any]) -> None:
         """Publish the validation record's identity fields and warmup time."""
@@ -221,6 +288,18 @@ class Metrics(Events):
             }
         )
         self.warmup.set(record["warmup"]["total_ms"] / 1000.0)
+        pipeline = record.get("pipeline")
+        self.hook_threads.set(0 if pipeline is None else pipeline["threads"])
+        self.stages.threads = 0 if pipeline is None else pipeline["threads"]
+
+    def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
+        """Record one hook call: its requests' share of its time, and its thread's busy and
+        CPU seconds (how bound by preprocessing the worker is)."""
+        if requests:
+            self.hook_seconds[stage].observe_many([wall_s / requests] * requests)
+        self.hook_busy.labels(stage=stage).inc(wall_s)
+        self.hook_cpu.labels(stage=stage).inc(cpu_s)
+        self.stages.add(stage, requests, wall_s, cpu_s)
 
     def stream_seen(self, stats: StreamStats, now_ms: float) -> None:
         """Record the stream's state and Redis memory, sampled by the heartbeat."""
@@ -271,6 +350,7 @@ class Metrics(Events):
         for rows, seconds in runs:
             self.batch_rows.observe(rows)
             self.inference.observe(seconds)
+            self.stages.add("model", rows, seconds, 0.0)
         self.reply_write.observe(write_s)
 
 

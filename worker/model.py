@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from producer.codec import STRING
 from worker.binding import BoundRunner, buckets_for
 from worker.config import ModelConfig, ProviderConfig
 from worker.errors import ConfigError, ModelError
@@ -40,7 +41,7 @@ _ORT_NAMES = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-_ORT_TYPES = {
+_ORT_TYPES: dict[str, Any] = {
     "tensor(bool)": "bool",
     "tensor(int8)": "int8",
     "tensor(uint8)": "uint8",
@@ -53,6 +54,7 @@ _ORT_TYPES = {
     "tensor(float16)": "float16",
     "tensor(float)": "float32",
     "tensor(double)": "float64",
+    "tensor(string)": STRING,  # (v2) object arrays of str, which the runtime takes and returns
 }
 
 
@@ -297,7 +299,7 @@ def _spec(arg: Any, what: str) -> TensorSpec:
             f"Supported: {', '.join(_ORT_TYPES)}."
         )
     dims = tuple(d if isinstance(d, int) or d is None else str(d) for d in (arg.shape or []))
-    return TensorSpec(arg.name, np.dtype(dtype), dims)
+    return TensorSpec(arg.name, np.dtype(dtype), dims)  # np.dtype keeps STRING's wire name
 
 
 def read_model_file(path: Path) -> ModelFile:

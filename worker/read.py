@@ -16,8 +16,8 @@ does not exit while a dead worker's entries wait in the group.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from typing import Protocol
 
 from worker import cancels
 from worker.admit import admit, poisoned
@@ -39,6 +39,12 @@ log = logging.getLogger("worker.intake")
 _RECLAIM_WAIT_S = 0.1  # while redelivering: how long to wait for the entry in flight per turn
 
 
+class Handoff(Protocol):
+    """Where reads go: the batcher's queue, or the preprocessing stage (worker/prep.py)."""
+
+    def put(self, items: list[Item]) -> None: ...
+
+
 class Reader(threading.Thread):
     """Stream -> admit -> bounded queue (a list per read), until ``stop``."""
 
@@ -47,7 +53,7 @@ class Reader(threading.Thread):
         stream: RequestStream,
         schema: Schema,
         max_request_bytes: int,
-        out: queue.Queue[list[Item]],
+        out: Handoff,
         stop: threading.Event,
         read_count: int,
         leases: Leases,
@@ -55,11 +61,13 @@ class Reader(threading.Thread):
         block_ms: int = 500,
         events: Events = NO_EVENTS,
         burst: bool = False,
+        max_element_bytes: int | None = None,
     ) -> None:
         super().__init__(name="redbatch-intake", daemon=True)
         self.stream = stream
         self.schema = schema
         self.max_request_bytes = max_request_bytes
+        self.max_element_bytes = max_element_bytes
         self.out = out
         self.stop = stop
         # Entries per read, fitted to the requests' rows after each read (the first one, with
@@ -70,7 +78,8 @@ class Reader(threading.Thread):
         self.reclaimer = reclaimer
         self.block_ms = block_ms
         self.events = events
-        self.layouts = Layouts()
+        # Bodies are matched byte for byte only where inputs keep rows on axis 0 (worker/axes.py)
+        self.layouts = Layouts() if schema.axes.trivial else None
         self.burst = burst
         self.idle = threading.Event()  # set when the stream is drained (module docstring)
         self.failure: BaseException | None = None
@@ -159,7 +168,15 @@ class Reader(threading.Thread):
         return True
 
     def _admit(self, entry: RawEntry, check: CancelCheck, deliveries: int = 1) -> Item:
-        return admit(entry, self.schema, self.max_request_bytes, deliveries, self.layouts, check)
+        return admit(
+            entry,
+            self.schema,
+            self.max_request_bytes,
+            deliveries,
+            self.layouts,
+            check,
+            self.max_element_bytes,
+        )
 
     def _hand_over(
         self, items: list[Item], check: CancelCheck, read_next: tuple[int, int] | None = None

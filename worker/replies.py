@@ -29,8 +29,7 @@ class ReplyEncoder:
     _MAX_HEADS = 4096
 
     def __init__(self, model: ModelRef, worker: str) -> None:
-        model_map = {"name": model.name, "version": model.version, "sha256": model.sha256}
-        self._shared = _KEY["model"] + _packb(model_map) + _KEY["worker"] + _packb(worker)
+        self._shared = _KEY["model"] + _packb(model.as_map()) + _KEY["worker"] + _packb(worker)
         self._heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
 
     def encode(
@@ -112,6 +111,8 @@ class ReplyEncoder:
         """The output's name, tensor map and bin header, packed once per (name, dtype, shape),
         then its data as a buffer (no copy when contiguous)."""
         arr = array
+        if getattr(arr, "dtype", None) is not None and arr.dtype.kind in "OUS":
+            return [_packb(name), _packb(encode_tensor(arr))]  # (v2) string and bytes
         if not (
             type(arr) is np.ndarray
             and arr.flags.c_contiguous

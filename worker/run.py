@@ -18,6 +18,7 @@ import numpy as np
 
 from worker.admit import screen
 from worker.assemble import FeedBuffers
+from worker.axes import Axes
 from worker.errors import Rejected
 from worker.events import NO_EVENTS, Events
 from worker.items import Admitted
@@ -68,6 +69,7 @@ def run_batch(
         runs,
         buffers or FeedBuffers(0),
         events,
+        schema.axes,
     )
     feeds = run.assemble(items)
     rejected = screen(schema, feeds, items)
@@ -90,6 +92,7 @@ class _Runner:
     runs: list[tuple[int, float]] | None
     buffers: FeedBuffers
     events: Events
+    axes: Axes
 
     def assemble(self, items: Sequence[Admitted]) -> dict[str, np.ndarray]:
         """The items' inputs in one buffer, padded to the rows the run takes."""
@@ -103,7 +106,9 @@ class _Runner:
         started = time.perf_counter()
         rows = sum(item.rows for item in items)
         try:
-            outputs = self._run(feeds if feeds is not None else self.assemble(items), rows)
+            outputs, whole = self._run(
+                feeds if feeds is not None else self.assemble(items), rows, items[0]
+            )
         except _RunFailed as exc:
             if len(items) == 1:
                 elapsed = (time.perf_counter() - started) * 1000.0
@@ -115,16 +120,28 @@ class _Runner:
         self.events.executed(items)
         if self.runs is not None:
             self.runs.append((rows, elapsed / 1000.0))
-        return _split(items, outputs, self.output_names, rows, elapsed)
+        if self.axes.trivial:
+            return _split(items, outputs, self.output_names, rows, elapsed)
+        return _split_axes(items, outputs, whole, self.output_names, rows, elapsed, self.axes)
 
-    def _run(self, feeds: dict[str, np.ndarray], rows: int) -> list[np.ndarray]:
+    def _run(
+        self, feeds: dict[str, np.ndarray], rows: int, first: Admitted
+    ) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        """The run's outputs with rows first, and the unbatched ones (``worker.axes``)."""
+        if not self.axes.trivial:
+            feeds = self.axes.to_model(feeds, first.request.fixed or {})
         self.events.run_starts(feeds)
         try:
             outputs = self.model.run(feeds, self.output_names)
         except Exception as exc:  # the runtime raises untyped errors; their text is the message
             raise _RunFailed(f"the model failed on this request: {exc}") from exc
+        whole: dict[str, np.ndarray] = {}
+        names = self.output_names
+        if not self.axes.trivial:
+            outputs, whole = self.axes.outputs_to_rows(names, outputs)
+            names = [n for n in names if n not in whole]
         expected = self.pad_rows(rows)
-        for name, out in zip(self.output_names, outputs, strict=True):
+        for name, out in zip(names, outputs, strict=True):
             got = out.shape[0] if out.ndim else None
             if got != expected:
                 raise _RunFailed(
@@ -133,7 +150,9 @@ class _Runner:
                 )
         # An output may alias its input (an Identity graph): copy it out of the reused buffer
         # before a bisection's next run overwrites it, and before the replies are encoded.
-        return [out[:rows].copy() if self.buffers.holds(out) else out[:rows] for out in outputs]
+        return [
+            out[:rows].copy() if self.buffers.holds(out) else out[:rows] for out in outputs
+        ], whole
 
 
 def _requests(items: Sequence[Admitted]) -> list[ValidRequest]:
@@ -157,6 +176,34 @@ def _split(
             for name, out in zip(output_names, outputs, strict=True)
             if name in wanted
         }
+        results.append(Outcome(item, mine, None, rows, elapsed_ms))
+        start = stop
+    return results
+
+
+def _split_axes(
+    items: Sequence[Admitted],
+    outputs: list[np.ndarray],
+    whole: dict[str, np.ndarray],
+    output_names: list[str],
+    rows: int,
+    elapsed_ms: float,
+    axes: Axes,
+) -> list[Outcome]:
+    """``_split`` for outputs off axis 0 or without rows: each request's rows back on the
+    output's own axis, and the unbatched outputs whole to every request."""
+    batched = [n for n in output_names if n not in whole]
+    results = []
+    start = 0
+    for item in items:
+        stop = start + item.rows
+        wanted = item.request.outputs
+        mine = {
+            name: axes.output_for_reply(name, out[start:stop])
+            for name, out in zip(batched, outputs, strict=True)
+            if name in wanted
+        }
+        mine.update((name, out) for name, out in whole.items() if name in wanted)
         results.append(Outcome(item, mine, None, rows, elapsed_ms))
         start = stop
     return results

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from producer.codec import RequestBody
+from producer.codec import RequestBody, wire_dtype
+from worker.axes import Axes
 from worker.config import InputConfig, WorkerConfig
 from worker.errors import ConfigError, ModelError, Rejected
 from worker.model import TensorSpec
@@ -35,23 +36,30 @@ class InputRule:
     max: float | None
     reject_non_finite: bool
     warmup_shape: tuple[int, ...] | None
+    batch_axis: int | None = 0  # None: the input has no rows (all of it goes to every run)
 
     @property
     def is_float(self) -> bool:
         return self.spec.dtype.kind == "f"
 
     def describe(self) -> str:
-        return f"{self.spec.name} ({self.spec.dtype} {self.spec.shape})"
+        return f"{self.spec.name} ({_dtype_name(self.spec.dtype)} {self.spec.shape})"
 
 
 @dataclass(frozen=True, slots=True)
 class ValidRequest:
-    """A request that passed every check; ``signature`` groups requests that can share a run."""
+    """A request that passed every check; ``signature`` groups requests that can share a run.
+
+    ``inputs`` hold rows on axis 0 whatever axis the model keeps them on (``worker.axes``);
+    ``fixed`` are the inputs without rows (``batch_axis = "none"``), whose values are part of
+    the signature, so that only requests that sent equal ones share a run.
+    """
 
     inputs: dict[str, np.ndarray]
     rows: int
     signature: Signature
     outputs: tuple[str, ...]
+    fixed: Mapping[str, np.ndarray] | None = None
 
 
 class Schema:
@@ -64,14 +72,23 @@ class Schema:
         config: WorkerConfig,
     ) -> None:
         self.max_batch_size = config.batching.max_batch_size
-        self.fixed_batch = _check_batchable(inputs, outputs, self.max_batch_size)
+        self.axes = Axes.from_config(config, inputs, outputs)
+        self.fixed_batch = _check_batchable(inputs, outputs, self.max_batch_size, self.axes)
         _check_input_config(config.inputs, inputs)
         self.inputs = {
-            s.name: _rule(s, config.inputs.get(s.name), config.limits.reject_non_finite)
+            s.name: _rule(
+                s,
+                config.inputs.get(s.name),
+                config.limits.reject_non_finite,
+                self.axes.input_axis(s.name),
+            )
             for s in inputs
         }
         self.outputs = {s.name: s for s in outputs}
         self.output_names = tuple(self.outputs)
+        # A pipeline whose postprocess declares no outputs: requested names are checked once
+        # it has run (worker/pipeline.py)
+        self.open_outputs = False
         self._accepted: dict[Any, tuple[Signature, tuple[str, ...]]] = {}
         self._value_checked = [
             (name, rule)
@@ -91,9 +108,15 @@ class Schema:
         outputs) only needs its rows checked, which keeps steady traffic cheap.
         """
         key = (
-            tuple((n, a.dtype.str, a.shape[1:], a.ndim) for n, a in body.inputs.items()),
+            tuple(
+                # dtype('O') is string or bytes alike: its wire name tells them apart
+                (n, a.dtype.str if a.dtype.kind != "O" else wire_dtype(a), a.shape[1:], a.ndim)
+                for n, a in body.inputs.items()
+            ),
             body.outputs,
         )
+        if not self.axes.trivial:
+            return self._validate_axes(body)
         known = self._accepted.get(key)
         if known is not None:
             rows = self._check_rows(body.inputs)
@@ -116,6 +139,36 @@ class Schema:
         outputs = self._check_outputs(body.outputs)
         signature = tuple(a.shape[1:] for a in ordered.values())
         return ValidRequest(ordered, rows, signature, outputs)
+
+    def _validate_axes(self, body: RequestBody) -> ValidRequest:
+        """``validate`` for a model with rows off axis 0 or inputs without rows: every check,
+        each input's rows moved to axis 0, and unbatched values in the signature."""
+        self._check_names(body.inputs)
+        symbols: dict[str, tuple[str, int]] = {}
+        batched: dict[str, np.ndarray] = {}
+        fixed: dict[str, np.ndarray] = {}
+        for name, rule in self.inputs.items():
+            arr = body.inputs[name]
+            if rule.batch_axis is None:
+                _check_dtype_and_shape(rule, arr, symbols, skip_axis=None)
+                _check_values(rule, arr)
+                fixed[name] = arr
+                continue
+            if arr.ndim <= rule.batch_axis:
+                raise Rejected(
+                    "INVALID_INPUT",
+                    f"input {name!r}: expected shape {rule.spec.shape} with its rows on axis "
+                    f"{rule.batch_axis}, got {list(arr.shape)}.",
+                )
+            _check_dtype_and_shape(rule, arr, symbols, skip_axis=rule.batch_axis)
+            batched[name] = np.moveaxis(arr, rule.batch_axis, 0)
+        rows = self._check_rows(batched)
+        outputs = self._check_outputs(body.outputs)
+        signature = (
+            *(a.shape[1:] for a in batched.values()),
+            *((a.dtype.str, a.shape, _value_key(a)) for a in fixed.values()),
+        )
+        return ValidRequest(batched, rows, signature, outputs, fixed or None)
 
     def _check_names(self, given: Mapping[str, np.ndarray]) -> None:
         for name in given:
@@ -168,6 +221,8 @@ class Schema:
             return self.output_names
         if not wanted:
             raise Rejected("INVALID_INPUT", "'outputs' is empty; leave it out to get every output.")
+        if self.open_outputs:
+            return tuple(dict.fromkeys(wanted))
         for name in wanted:
             if name not in self.outputs:
                 raise Rejected(
@@ -201,32 +256,59 @@ class Schema:
                 rejected[index] = exc
         return rejected
 
+    def check_values(self, request: ValidRequest) -> None:
+        """One request's values (ranges, NaN, infinity); raise Rejected at the first bad one."""
+        for name, rule in self._value_checked:
+            if rule.batch_axis is not None:
+                _check_values(rule, request.inputs[name])
+
     # -- warmup data --------------------------------------------------------------------------
 
     def synthetic_feeds(self, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
-        """Inputs of ``rows`` rows whose values pass every check, for warmup runs."""
+        """Inputs of ``rows`` rows whose values pass every check, for warmup runs, laid out
+        as the model takes them (rows on each input's batch axis)."""
         rng = np.random.default_rng(seed)
         return {name: _synthetic(rule, rows, rng) for name, rule in self.inputs.items()}
 
 
+def _value_key(arr: np.ndarray) -> Any:
+    """An unbatched input's value as a signature part: equal only for equal values."""
+    return tuple(arr.ravel().tolist()) if arr.dtype.kind == "O" else arr.tobytes()
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    """A dtype as errors name it: its wire name (``string``, ``bytes``, ``float32``)."""
+    return wire_dtype(np.empty(0, dtype)) or str(dtype)
+
+
 def _check_dtype_and_shape(
-    rule: InputRule, arr: np.ndarray, symbols: dict[str, tuple[str, int]]
+    rule: InputRule,
+    arr: np.ndarray,
+    symbols: dict[str, tuple[str, int]],
+    skip_axis: int | None = 0,
 ) -> None:
+    """Dtype, rank and every fixed and symbolic dimension but the rows' (``skip_axis``)."""
     spec = rule.spec
-    if arr.dtype != spec.dtype:
+    if arr.dtype != spec.dtype or (
+        spec.dtype.kind == "O" and wire_dtype(arr) != _dtype_name(spec.dtype)
+    ):
         raise Rejected(
             "INVALID_INPUT",
-            f"input {spec.name!r}: expected dtype {spec.dtype}, got {arr.dtype}.",
+            f"input {spec.name!r}: expected dtype {_dtype_name(spec.dtype)}, "
+            f"got {wire_dtype(arr) or arr.dtype}.",
         )
     got = list(arr.shape)
     if arr.ndim != len(spec.dims) or any(
-        isinstance(d, int) and d != g for d, g in zip(spec.dims[1:], got[1:], strict=True)
+        isinstance(d, int) and d != g and axis != skip_axis
+        for axis, (d, g) in enumerate(zip(spec.dims, got, strict=True))
     ):
         raise Rejected(
             "INVALID_INPUT",
             f"input {spec.name!r}: expected shape {spec.shape}, got {got}.",
         )
-    for axis, dim in enumerate(spec.dims[1:], start=1):
+    for axis, dim in enumerate(spec.dims):
+        if axis == skip_axis:
+            continue
         if isinstance(dim, str):
             seen = symbols.setdefault(dim, (spec.name, got[axis]))
             if seen[1] != got[axis]:
@@ -270,7 +352,9 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
-def _rule(spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool) -> InputRule:
+def _rule(
+    spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool, batch_axis: int | None
+) -> InputRule:
     lo = cfg.min if cfg else None
     hi = cfg.max if cfg else None
     if spec.dtype.kind == "f":
@@ -286,32 +370,49 @@ def _rule(spec: TensorSpec, cfg: InputConfig | None, reject_non_finite: bool) ->
         max=hi,
         reject_non_finite=reject_non_finite,
         warmup_shape=cfg.warmup_shape if cfg else None,
+        batch_axis=batch_axis,
     )
 
 
 def _check_batchable(
-    inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], max_batch_size: int
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    max_batch_size: int,
+    axes: Axes | None = None,
 ) -> int | None:
     """Return the fixed batch size the model needs padding to, or None when it is free."""
+    axes = axes or Axes()
     fixed: set[int] = set()
     leading: list[str] = []
+    batched = 0
     for spec in inputs:
-        if not spec.dims:
+        axis = axes.input_axis(spec.name)
+        if axis is None:
+            continue
+        batched += 1
+        if len(spec.dims) <= axis:
             raise ModelError(
-                f"Model input {spec.name!r} is a scalar; redbatch batches along the first "
-                "dimension. Export the model with a batch axis."
+                f"Model input {spec.name!r} has shape {spec.shape}, with no axis {axis} to hold "
+                "rows; redbatch batches every input along its batch axis (axis 0 unless "
+                f'[inputs.{spec.name}] batch_axis says otherwise). Set its batch_axis, or "none" '
+                "for an input without rows (every request then sends it whole)."
             )
-        if isinstance(spec.dims[0], int):
-            fixed.add(spec.dims[0])
-            leading.append(f"{spec.name!r} {spec.shape} leads with {spec.dims[0]}")
+        if isinstance(spec.dims[axis], int):
+            fixed.add(spec.dims[axis])  # type: ignore[arg-type]
+            leading.append(f"{spec.name!r} {spec.shape} has {spec.dims[axis]} on axis {axis}")
+    if not batched:
+        raise ModelError(
+            'Every model input is batch_axis = "none"; at least one must hold the rows.'
+        )
     if len(fixed) > 1:
         raise ModelError(
-            f"Model inputs fix different leading sizes ({', '.join(leading)}); redbatch "
-            "batches every input along its first dimension, so that dimension must be the "
-            "batch for every input (a per-input batch axis is not supported yet). Export the "
-            "model with the batch first in every input, either free (e.g. ['batch', ...]) or "
-            "one fixed size K in all of them with batching.max_batch_size <= K (K = 1 and "
-            "batching.max_batch_size = 1 serves one request per run)."
+            f"Model inputs fix different batch sizes ({', '.join(leading)}); redbatch "
+            "batches every input along its batch axis (axis 0 unless [inputs.NAME] batch_axis "
+            "says otherwise), so that axis must hold the batch in every input. Set each "
+            'input\'s batch_axis (or "none" for an input without rows), or export the model '
+            "with a free batch axis (e.g. ['batch', ...]), or one fixed size K in all inputs "
+            "with batching.max_batch_size <= K (K = 1 and batching.max_batch_size = 1 serves "
+            "one request per run)."
         )
     fixed_batch = fixed.pop() if fixed else None
     if fixed_batch is not None and fixed_batch < max_batch_size:
@@ -321,19 +422,24 @@ def _check_batchable(
             f"{fixed_batch}, or export the model with a dynamic batch axis."
         )
     for spec in outputs:
-        if not _has_batch_axis(spec, fixed_batch, max_batch_size):
+        axis = axes.output_axis(spec.name)
+        if axis is not None and not _has_batch_axis(spec, axis, fixed_batch, max_batch_size):
             raise ModelError(
-                f"Model output {spec.name!r} has shape {spec.shape}, with no batch dimension; "
-                "redbatch splits outputs by their first dimension. Export the model so every "
-                "output's first axis is the batch axis."
+                f"Model output {spec.name!r} has shape {spec.shape}, with no batch dimension on "
+                f"axis {axis}; redbatch splits outputs by their batch axis. Set "
+                f'[outputs.{spec.name}] batch_axis to the axis that holds the rows ("none" '
+                "gives every request the whole output), or export the model so every output "
+                "keeps the batch axis."
             )
     return fixed_batch if fixed_batch and fixed_batch > 1 else None
 
 
-def _has_batch_axis(spec: TensorSpec, fixed_batch: int | None, max_batch_size: int) -> bool:
-    if not spec.dims:
+def _has_batch_axis(
+    spec: TensorSpec, axis: int, fixed_batch: int | None, max_batch_size: int
+) -> bool:
+    if len(spec.dims) <= axis:
         return False
-    first = spec.dims[0]
+    first = spec.dims[axis]
     if not isinstance(first, int):
         return True
     if fixed_batch is not None:
@@ -361,10 +467,17 @@ def _check_input_config(
                 f"Config 'inputs.{name}.{key}': {bounds} admits no value of input {name!r} "
                 f"({spec.dtype} {spec.shape}), so every request would be refused. Widen the range."
             )
-        if cfg.warmup_shape is not None and len(cfg.warmup_shape) != len(spec.dims) - 1:
+        if cfg.warmup_shape is not None and len(cfg.warmup_shape) != len(spec.dims) - (
+            cfg.batch_axis is not None
+        ):
             raise ConfigError(
                 f"Config 'inputs.{name}.warmup_shape' has {len(cfg.warmup_shape)} dimensions but "
                 f"input {name!r} {spec.shape} has {len(spec.dims) - 1} besides the batch axis."
+            )
+        if spec.dtype.kind not in "biuf" and (cfg.min is not None or cfg.max is not None):
+            raise ConfigError(
+                f"Config 'inputs.{name}.min/max': input {name!r} is {_dtype_name(spec.dtype)}, "
+                "which has no range. Remove min and max."
             )
 
 
@@ -398,12 +511,16 @@ def _representable(bound: float, dtype: np.dtype[Any]) -> float:
 
 def _synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarray:
     spec = rule.spec
-    free = rule.warmup_shape or tuple(1 for _ in spec.dims[1:])
-    shape = (
-        rows,
-        *(d if isinstance(d, int) else f for d, f in zip(spec.dims[1:], free, strict=True)),
-    )
+    axis = rule.batch_axis
+    others = [d for a, d in enumerate(spec.dims) if a != axis]
+    free = rule.warmup_shape or tuple(1 for _ in others)
+    tail = [d if isinstance(d, int) else f for d, f in zip(others, free, strict=True)]
+    shape = tuple(tail if axis is None else [*tail[:axis], rows, *tail[axis:]])
     kind = spec.dtype.kind
+    if kind == "O":  # string inputs: short words
+        arr = np.empty(shape, dtype=spec.dtype)
+        arr.fill("warmup")
+        return arr
     bounds = _value_range(rule.min, rule.max, spec.dtype) if kind in "fiu" else None
     if bounds is None:  # not a number (an empty range is refused at start, in the check above)
         return np.zeros(shape, dtype=spec.dtype)

@@ -28,11 +28,15 @@ from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
+from worker.handler import load_handler
+from worker.hookpool import HookPool
 from worker.items import Item
 from worker.leases import LeaseKeeper, Leases
 from worker.memalarm import MemoryAlarm
 from worker.metrics import Metrics
 from worker.model import OnnxModel, check_sha256, read_model_file
+from worker.pipeline import Pipeline, raw_schema
+from worker.prep import PrepStage
 from worker.read import Reader
 from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
@@ -40,7 +44,7 @@ from worker.replies import ReplyEncoder
 from worker.retry import OutageRetry, is_transient
 from worker.schema import Schema
 from worker.stream import RequestStream
-from worker.warmup import warm_up
+from worker.warmup import warm_up, warm_up_pipeline
 from worker.writer import Batch, ReplyWriter
 
 __all__ = ["Prepared", "Worker", "prepare"]
@@ -59,10 +63,20 @@ class Prepared:
     schema: Schema
     model_ref: ModelRef
     record: dict[str, Any]
+    pipeline: Pipeline | None = None
+    intake: Schema | None = None  # what requests are admitted by: the pipeline's raw inputs
+
+    @property
+    def intake_schema(self) -> Schema:
+        return self.intake or self.schema
 
 
 def prepare(config: WorkerConfig, name: str) -> Prepared:
-    """Load the model, derive its schema, warm it up and build the validation record."""
+    """Load the handler and the model, derive their schemas, warm both up and build the
+    validation record."""
+    handler = None
+    if config.pipeline is not None:  # first: a handler that cannot load costs no model load
+        handler = load_handler(config.pipeline, config.source)
     model_file = read_model_file(config.model.path)
     check_sha256(model_file, config.model.sha256)
     model = OnnxModel(config.model, config.batching.max_batch_size)
@@ -70,9 +84,24 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
         check_sha256(read_model_file(config.model.path), config.model.sha256)
     schema = Schema(model.inputs, model.outputs, config)
     warmup = warm_up(model, schema, config.warmup.runs, model.buckets)
+    pipeline = intake = None
+    if handler is not None:
+        intake = raw_schema(handler, schema, config)
+        pool = HookPool(handler.config.threads, handler.config.timeout_s)
+        pipeline = Pipeline(handler, schema, pool)
+        warmup["pipeline"] = warm_up_pipeline(
+            pipeline, intake, model, config.warmup.runs, config.batching.max_batch_size
+        )
     record = build_record(name, config, model, model_file, schema, warmup)
-    ref = ModelRef(config.model.name, config.model.version, model_file.sha256)
-    return Prepared(config, model, schema, ref, record)
+    if handler is not None:
+        record["pipeline"] = handler.record()
+    ref = ModelRef(
+        config.model.name,
+        config.model.version,
+        model_file.sha256,
+        None if handler is None else handler.ref,
+    )
+    return Prepared(config, model, schema, ref, record, pipeline, intake)
 
 
 class Worker:
@@ -96,6 +125,7 @@ class Worker:
         self.model = prepared.model
         self.schema = prepared.schema
         self.model_ref = prepared.model_ref
+        self.pipeline = prepared.pipeline
         self.name = prepared.record["name"]
         self.burst = burst
         self.stop = threading.Event()
@@ -110,6 +140,10 @@ class Worker:
         )
         # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
         self.queue: queue.Queue[list[Item]] = queue.Queue(maxsize=2)
+        self.prep: PrepStage | None = None
+        if self.pipeline is not None:
+            self.pipeline.events = self.events
+            self.prep = PrepStage(self.pipeline, self.queue)
         self.batcher = Batcher(
             self.queue,
             cfg.batching.max_batch_size,
@@ -128,9 +162,9 @@ class Worker:
         )
         self.reader = Reader(
             self.stream,
-            self.schema,
+            prepared.intake_schema,
             cfg.limits.max_request_bytes,
-            self.queue,
+            self.prep or self.queue,
             self.stop,
             read_count=cfg.batching.max_batch_size,
             leases=self.leases,
@@ -143,6 +177,7 @@ class Worker:
             ),
             events=self.events,
             burst=burst,
+            max_element_bytes=cfg.limits.max_element_bytes,
         )
         self.answers = Answerer(
             self.model,
@@ -151,6 +186,7 @@ class Worker:
             ReplyEncoder(self.model_ref, self.name),
             cfg.delivery.reply_ttl_s,
             self.events,
+            self.pipeline,
         )
         self.writer = ReplyWriter(
             self.stream, self.hard_stop, self._written, self.stop, events=self.events
@@ -163,6 +199,7 @@ class Worker:
         """Heartbeat hook: the stream's state and Redis memory, for metrics and the log."""
         stats = self.stream.stats()
         self.metrics.stream_seen(stats, time.time() * 1000.0)
+        self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch
         self._memory_alarm.seen(stats.memory)
 
     def stuck(self) -> bool:
@@ -172,8 +209,10 @@ class Worker:
         return bool(limit) and started is not None and time.monotonic() - started > limit
 
     def healthy(self) -> bool:
-        """For /healthz: alive unless a batch hangs (then a restart is the cure)."""
-        return not self.stuck()
+        """For /healthz: alive unless a batch hangs, or as many hook calls hang as the pipeline
+        has threads (then a restart is the cure)."""
+        hooks_ok = self.pipeline is None or self.pipeline.pool.healthy
+        return hooks_ok and not self.stuck()
 
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held. Second call: give up on Redis."""
@@ -217,6 +256,8 @@ class Worker:
         self.registry.start()
         self.keeper.start()
         self.writer.start()
+        if self.prep is not None:
+            self.prep.start()
         self.reader.start()
         self.ready.set()
         # As /readyz says: warm, reading, and no batch hung past max_run_s
@@ -247,10 +288,14 @@ class Worker:
         ``idle``, worker/read.py) and nothing held here."""
         return (
             self.reader.idle.is_set()
-            and self.queue.empty()
+            and self._intake_empty()
             and not self.batcher.holding
             and self.writer.idle()
         )
+
+    def _intake_empty(self) -> bool:
+        """Nothing read waits to be batched: not on the queue, nor being preprocessed."""
+        return self.queue.empty() and (self.prep is None or self.prep.idle())
 
     def _drain(self) -> None:
         """Stop reading, then batch, run and answer every entry already read."""
@@ -260,7 +305,7 @@ class Worker:
         clean = False
         try:
             while self.writer.failure is None and (
-                self.reader.is_alive() or not self.queue.empty() or self.batcher.holding
+                self.reader.is_alive() or not self._intake_empty() or self.batcher.holding
             ):
                 batch = self.batcher.next_batch(0.05)
                 if batch:
@@ -272,6 +317,10 @@ class Worker:
                 self.registry.close(remove=False)  # it expires, still saying draining
         if not clean:
             return  # what is left stays pending in Redis; run() raises the writer's error
+        if self.prep is not None and self.prep.is_alive():
+            self.prep.close()
+        if self.pipeline is not None:
+            self.pipeline.pool.close()
         try:
             self.writer.close()
         finally:

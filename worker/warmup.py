@@ -11,11 +11,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from worker.errors import ModelError
-from worker.model import Model
-from worker.schema import Schema
+import numpy as np
 
-__all__ = ["warm_up"]
+from producer.codec import RequestBody, as_tensor
+from worker.cancels import CancelCheck
+from worker.errors import ModelError, Rejected
+from worker.items import Admitted, Refused
+from worker.model import Model
+from worker.pipeline import Pipeline
+from worker.run import run_batch
+from worker.schema import Schema, ValidRequest
+from worker.stream import RawEntry
+
+__all__ = ["warm_up", "warm_up_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +43,7 @@ def warm_up(
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     started = time.perf_counter()
     for size in sizes:
-        feeds = schema.synthetic_feeds(schema.fixed_batch or size)
+        feeds = schema.synthetic_feeds(schema.fixed_batch or size)  # as the model takes them
         for _ in range(runs):
             t0 = time.perf_counter()
             try:
@@ -57,3 +65,70 @@ def warm_up(
             }
     log.info("warmup done", extra={"fields": summary})
     return summary
+
+
+def warm_up_pipeline(
+    pipeline: Pipeline, intake: Schema, model: Model, runs: int, max_batch_size: int
+) -> dict[str, Any]:
+    """Warm the whole pipeline, pre, model and post, on the handler's ``warmup_inputs()`` (or
+    synthetic raw inputs) at batch sizes 1 and ``max_batch_size``: the hooks' first calls
+    (imports, caches, thread start-up) cost as much as a model's first runs. Any failure
+    stops the worker, naming the hook."""
+    raw = _warmup_request(pipeline, intake)
+    rows = next(iter(raw.values())).shape[0]
+    sizes = sorted({1, max(1, max_batch_size // rows)})
+    started = time.perf_counter()
+    for copies in sizes:
+        for _ in range(max(1, runs)):
+            _warm_once(pipeline, model, raw, copies)
+    summary = {
+        "requests": sizes,
+        "runs": max(1, runs),
+        "total_ms": round((time.perf_counter() - started) * 1000.0, 3),
+    }
+    log.info("pipeline warmup done", extra={"fields": summary})
+    return summary
+
+
+def _warmup_request(pipeline: Pipeline, intake: Schema) -> dict[str, np.ndarray]:
+    made = pipeline.handler.warmup_inputs()
+    if made is None:
+        return intake.synthetic_feeds(1)
+    try:
+        inputs = {str(k): as_tensor(v) for k, v in dict(made).items()}
+        return intake.validate(RequestBody(inputs=inputs)).inputs
+    except (Rejected, TypeError, ValueError) as exc:
+        raise ModelError(
+            f"Config 'pipeline.handler' ({pipeline.handler.config.handler!r}): warmup_inputs() "
+            f"returned what the handler's own inputs refuse: {exc}. Return one request's raw "
+            "inputs, as a producer sends them."
+        ) from exc
+
+
+def _warm_once(pipeline: Pipeline, model: Model, raw: dict[str, np.ndarray], copies: int) -> None:
+    entry = RawEntry(b"0-0", {})
+    items = [
+        Admitted(entry, f"warmup-{i}", _raw_request(raw), CancelCheck()) for i in range(copies)
+    ]
+    prepared = pipeline.finish_preprocess(pipeline.start_preprocess(list(items)))
+    ready = [i for i in prepared if type(i) is Admitted]
+    if len(ready) != len(prepared):
+        refused = next(i for i in prepared if type(i) is Refused)
+        raise ModelError(
+            f"Warmup: the pipeline's preprocess failed on warmup_inputs(): {refused.error}"
+        )
+    names = list(pipeline.schema.output_names)
+    outcomes = run_batch(model, pipeline.schema, ready, names)
+    failed = next((o.error for o in outcomes if o.error is not None), None)
+    if failed is not None:
+        raise ModelError(f"Warmup: the model failed on preprocessed warmup_inputs(): {failed}")
+    for result in pipeline.postprocess(outcomes):
+        if isinstance(result, Rejected):
+            raise ModelError(
+                f"Warmup: the pipeline's postprocess failed on warmup_inputs(): {result}"
+            )
+
+
+def _raw_request(raw: dict[str, np.ndarray]) -> ValidRequest:
+    rows = next(iter(raw.values())).shape[0]
+    return ValidRequest(raw, rows, (), ())
