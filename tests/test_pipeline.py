@@ -397,4 +397,3 @@ def test_a_native_string_model_is_served(
     assert ok.outputs["same"].tolist() == [["héllo", "wörld"], ["a", ""]]
     assert wrong.error is not None
     assert "expected dtype string, got bytes" in wrong.error.message
-
