@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -571,3 +572,36 @@ def test_left_out_keys_take_the_dataclass_defaults(model_dir: Path) -> None:
     assert config.delivery == DeliveryConfig()
     assert config.warmup == WarmupConfig()
     assert config.metrics == MetricsConfig()
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ('[inputs.features]\nbatch_axis = "last"', "'inputs.features.batch_axis' has value 'last'"),
+        ("[inputs.features]\nbatch_axis = -1", "'inputs.features.batch_axis' has value -1"),
+        ('[outputs.probs]\nbatch_axis = "row"', "'outputs.probs.batch_axis'"),
+        ("[outputs.probs]\naxis = 1", "'outputs.probs.axis' is not known"),
+        ('[pipeline]\nhandler = "h:X"\nthreads = 0', "'pipeline.threads'"),
+        ('[pipeline]\nhandler = "h:X"\noptions = 3', "'pipeline.options' has value 3"),
+        ('[pipeline]\nhandler = "h"', "Use module:attribute"),
+        ("[pipeline]\nthreads = 2", "needs 'pipeline.handler'"),
+        ("[limits]\nmax_element_bytes = 0", "'limits.max_element_bytes'"),
+    ],
+)
+def test_v2_keys_refuse_bad_values_naming_the_key(model_dir: Path, extra: str, words: str) -> None:
+    data = tomllib.loads(f'[model]\nname = "demo"\npath = "m.onnx"\n{extra}')
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data, base_dir=model_dir)
+    assert words in str(caught.value)
+
+
+def test_an_outputs_table_naming_no_model_output_is_refused(tmp_path: Path, redis_url: str) -> None:
+    config = write_config(tmp_path, "demo", redis_url, extra="[outputs.prob]\nbatch_axis = 1")
+    with pytest.raises(ConfigError, match=r"\[outputs.prob\] names no model output.*probs"):
+        prepare(load_config(config, environ={}), "w")
+
+
+def test_reference_config_documents_the_v2_keys() -> None:
+    text = (ROOT / "configs" / "reference.toml").read_text()
+    for key in ("max_element_bytes", "batch_axis", "[pipeline]", "timeout_s", "[outputs."):
+        assert key in text

@@ -29,7 +29,7 @@ from producer.retry import describe_redis_error
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.model import ModelFile, OnnxModel
-from worker.schema import Schema
+from worker.schema import Schema, dtype_name
 
 __all__ = ["Registry", "build_record", "utc_now"]
 
@@ -80,8 +80,9 @@ def build_record(
         "inputs": [
             {
                 "name": rule.spec.name,
-                "dtype": str(rule.spec.dtype),
+                "dtype": dtype_name(rule.spec.dtype),
                 "shape": rule.spec.shape,
+                "batch_axis": _axis(rule.batch_axis),
                 "min": rule.min,
                 "max": rule.max,
                 "reject_non_finite": rule.reject_non_finite and rule.is_float,
@@ -89,7 +90,12 @@ def build_record(
             for rule in schema.inputs.values()
         ],
         "outputs": [
-            {"name": s.name, "dtype": str(s.dtype), "shape": s.shape}
+            {
+                "name": s.name,
+                "dtype": dtype_name(s.dtype),
+                "shape": s.shape,
+                "batch_axis": _axis(schema.axes.output_axis(s.name)),
+            }
             for s in schema.outputs.values()
         ],
         "runtime": {
@@ -108,7 +114,10 @@ def build_record(
             "adaptive_wait": config.batching.adaptive_wait,
             "fixed_batch": schema.fixed_batch,
         },
-        "limits": {"max_request_bytes": config.limits.max_request_bytes},
+        "limits": {
+            "max_request_bytes": config.limits.max_request_bytes,
+            "max_element_bytes": config.limits.max_element_bytes,
+        },
         "delivery": {
             "claim_idle_ms": config.delivery.claim_idle_ms,
             "max_deliveries": config.delivery.max_deliveries,
@@ -265,3 +274,7 @@ class Registry(threading.Thread):
             self._removed = True
         except redis.RedisError as exc:
             log.warning("could not remove the worker record (%s); it expires on its own", exc)
+
+
+def _axis(axis: int | None) -> int | str:
+    return "none" if axis is None else axis

@@ -7,7 +7,6 @@ for free dimensions, so a caller can fix the request without reading the model.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +18,9 @@ from worker.axes import Axes
 from worker.config import InputConfig, WorkerConfig
 from worker.errors import ConfigError, ModelError, Rejected
 from worker.model import TensorSpec
+from worker.ranges import synthetic, value_range
 
-__all__ = ["InputRule", "Schema", "ValidRequest"]
+__all__ = ["InputRule", "Schema", "ValidRequest", "dtype_name"]
 
 Signature = tuple[tuple[int, ...], ...]
 
@@ -43,7 +43,7 @@ class InputRule:
         return self.spec.dtype.kind == "f"
 
     def describe(self) -> str:
-        return f"{self.spec.name} ({_dtype_name(self.spec.dtype)} {self.spec.shape})"
+        return f"{self.spec.name} ({dtype_name(self.spec.dtype)} {self.spec.shape})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +268,7 @@ class Schema:
         """Inputs of ``rows`` rows whose values pass every check, for warmup runs, laid out
         as the model takes them (rows on each input's batch axis)."""
         rng = np.random.default_rng(seed)
-        return {name: _synthetic(rule, rows, rng) for name, rule in self.inputs.items()}
+        return {name: synthetic(rule, rows, rng) for name, rule in self.inputs.items()}
 
 
 def _value_key(arr: np.ndarray) -> Any:
@@ -276,7 +276,7 @@ def _value_key(arr: np.ndarray) -> Any:
     return tuple(arr.ravel().tolist()) if arr.dtype.kind == "O" else arr.tobytes()
 
 
-def _dtype_name(dtype: np.dtype[Any]) -> str:
+def dtype_name(dtype: np.dtype[Any]) -> str:
     """A dtype as errors name it: its wire name (``string``, ``bytes``, ``float32``)."""
     return wire_dtype(np.empty(0, dtype)) or str(dtype)
 
@@ -290,11 +290,11 @@ def _check_dtype_and_shape(
     """Dtype, rank and every fixed and symbolic dimension but the rows' (``skip_axis``)."""
     spec = rule.spec
     if arr.dtype != spec.dtype or (
-        spec.dtype.kind == "O" and wire_dtype(arr) != _dtype_name(spec.dtype)
+        spec.dtype.kind == "O" and wire_dtype(arr) != dtype_name(spec.dtype)
     ):
         raise Rejected(
             "INVALID_INPUT",
-            f"input {spec.name!r}: expected dtype {_dtype_name(spec.dtype)}, "
+            f"input {spec.name!r}: expected dtype {dtype_name(spec.dtype)}, "
             f"got {wire_dtype(arr) or arr.dtype}.",
         )
     got = list(arr.shape)
@@ -458,7 +458,7 @@ def _check_input_config(
                 f"{', '.join(sorted(names))}."
             )
         spec = next(s for s in inputs if s.name == name)
-        if _value_range(cfg.min, cfg.max, spec.dtype) is None:
+        if value_range(cfg.min, cfg.max, spec.dtype) is None:
             key = "max" if cfg.min is None else "min"
             bounds = " and ".join(
                 f"{k} = {v:g}" for k, v in (("min", cfg.min), ("max", cfg.max)) if v is not None
@@ -476,67 +476,6 @@ def _check_input_config(
             )
         if spec.dtype.kind not in "biuf" and (cfg.min is not None or cfg.max is not None):
             raise ConfigError(
-                f"Config 'inputs.{name}.min/max': input {name!r} is {_dtype_name(spec.dtype)}, "
+                f"Config 'inputs.{name}.min/max': input {name!r} is {dtype_name(spec.dtype)}, "
                 "which has no range. Remove min and max."
             )
-
-
-def _value_range(
-    lo: float | None, hi: float | None, dtype: np.dtype[Any]
-) -> tuple[float, float] | None:
-    """The least and greatest finite ``dtype`` values within [lo, hi] (None: no bound), or None
-    when there is none. Bounds past the dtype's range are clamped, so nothing overflows."""
-    kind = dtype.kind
-    if kind in "iu":
-        ii: Any = np.iinfo(dtype)
-        first = int(ii.min) if lo is None else max(int(ii.min), math.ceil(lo))
-        last = int(ii.max) if hi is None else min(int(ii.max), math.floor(hi))
-        return (first, last) if first <= last else None
-    if kind != "f":
-        return (0.0, 0.0)
-    top = float(np.finfo(dtype).max)
-    if (lo is not None and lo > top) or (hi is not None and hi < -top):
-        return None
-    least = -top if lo is None else _representable(lo, dtype)
-    most = top if hi is None else _representable(hi, dtype)
-    return (least, most) if least <= most else None
-
-
-def _representable(bound: float, dtype: np.dtype[Any]) -> float:
-    """``bound`` as the check sees it: rounded to ``dtype``, as numpy compares a float array
-    with a Python float. Clamped to the dtype's range first, so it never overflows."""
-    top = float(np.finfo(dtype).max)
-    return float(dtype.type(min(max(bound, -top), top)))
-
-
-def _synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarray:
-    spec = rule.spec
-    axis = rule.batch_axis
-    others = [d for a, d in enumerate(spec.dims) if a != axis]
-    free = rule.warmup_shape or tuple(1 for _ in others)
-    tail = [d if isinstance(d, int) else f for d, f in zip(others, free, strict=True)]
-    shape = tuple(tail if axis is None else [*tail[:axis], rows, *tail[axis:]])
-    kind = spec.dtype.kind
-    if kind == "O":  # string inputs: short words
-        arr = np.empty(shape, dtype=spec.dtype)
-        arr.fill("warmup")
-        return arr
-    bounds = _value_range(rule.min, rule.max, spec.dtype) if kind in "fiu" else None
-    if bounds is None:  # not a number (an empty range is refused at start, in the check above)
-        return np.zeros(shape, dtype=spec.dtype)
-    least, most = bounds
-    if kind in "iu":
-        if rule.min is not None and rule.max is not None:
-            return rng.integers(int(least), int(most), size=shape, dtype=spec.dtype, endpoint=True)
-        return np.full(shape, min(max(0, int(least)), int(most)), dtype=spec.dtype)
-    # Floats: the whole range when both bounds are set and its width is finite, else a unit
-    # interval within it as near 0 as it allows, e.g. [5, 6] for min = 5 alone. Each end is a
-    # value of the dtype, and rounding is monotonic, so the cast values stay within the bounds.
-    if rule.min is not None and rule.max is not None and math.isfinite(most - least):
-        a, b = least, most
-    else:
-        a = min(max(0.0, least), most)
-        b = min(a + 1.0, most)
-        if b == a:
-            a = max(b - 1.0, least)
-    return np.clip(rng.uniform(a, b, size=shape), a, b).astype(spec.dtype)
