@@ -397,3 +397,50 @@ def test_a_native_string_model_is_served(
     assert ok.outputs["same"].tolist() == [["héllo", "wörld"], ["a", ""]]
     assert wrong.error is not None
     assert "expected dtype string, got bytes" in wrong.error.message
+
+
+def test_each_stage_s_time_is_measured(config: Path, rconn: redis.Redis) -> None:
+    from prometheus_client import generate_latest
+
+    from worker.metrics import Metrics
+
+    metrics = Metrics()
+    with running_worker(config, metrics=metrics):
+        for i in range(10):
+            send(rconn, "multi_io", f"m{i}", _text("1,2,3"))
+        for i in range(10):
+            assert wait_reply(rconn, f"m{i}").ok
+    totals = metrics.stages.snapshot()
+    assert totals["threads"] == 2
+    # warmup runs its hooks through another Metrics-less pipeline: these are the 10 requests
+    assert totals["preprocess"]["requests"] == 10
+    assert totals["postprocess"]["requests"] == 10
+    assert totals["preprocess"]["busy_s"] > 0
+    assert totals["model"]["busy_s"] > 0
+    text = generate_latest(metrics.registry).decode()
+    assert "redbatch_preprocess_seconds_count 10.0" in text
+    assert 'redbatch_pipeline_busy_seconds_total{stage="preprocess"}' in text
+    assert "redbatch_pipeline_threads 2.0" in text
+    assert "process_cpu_seconds_total" in text
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("def warmup_inputs(self): raise OSError('sample missing')", "OSError: sample missing"),
+        ("def warmup_inputs(self): return {'text': [b'x']}", "expected dtype string, got bytes"),
+        ("def preprocess(self, i): raise RuntimeError('broken')", "RuntimeError: broken"),
+    ],
+)
+def test_a_pipeline_that_fails_its_warmup_stops_the_worker_naming_the_hook(
+    tmp_path: Path, redis_url: str, body: str, words: str
+) -> None:
+    from worker.errors import ModelError
+
+    source = textwrap.dedent(HANDLER) + "\n\nclass Broken(Numbers):\n    " + body + "\n"
+    (tmp_path / "numbers_handler.py").write_text(source)
+    extra = PIPELINE.replace("numbers_handler:Numbers", "numbers_handler:Broken")
+    config = write_config(tmp_path, "multi_io", redis_url, extra=extra)
+    with pytest.raises(ModelError) as caught:
+        prepare(load_config(config), "w")
+    assert words in str(caught.value)

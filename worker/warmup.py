@@ -91,7 +91,13 @@ def warm_up_pipeline(
 
 
 def _warmup_request(pipeline: Pipeline, intake: Schema) -> dict[str, np.ndarray]:
-    made = pipeline.handler.warmup_inputs()
+    try:
+        made = pipeline.handler.warmup_inputs()
+    except Exception as exc:  # the handler's own code
+        raise ModelError(
+            f"Config 'pipeline.handler' ({pipeline.handler.config.handler!r}): warmup_inputs() "
+            f"raised {type(exc).__name__}: {exc}. Fix the handler."
+        ) from exc
     if made is None:
         return intake.synthetic_feeds(1)
     try:
