@@ -44,7 +44,7 @@ class Numbers:
                 HANG.wait(30)
             if text == "wrong-dtype":
                 return {"a": np.zeros((1, 3)), "b": np.zeros((1, 2), np.int64)}
-            if text in ("nan", "post-boom"):
+            if text in ("nan", "post-boom", "surrogate"):
                 rows.append([float("nan") if text == "nan" else 1.0] * 3)
                 continue
             try:
@@ -60,6 +60,8 @@ class Numbers:
         total = outputs["twice"].sum(axis=1)
         if any(t == "post-boom" for t in inputs["text"]):
             raise KeyError("post")
+        if any(t == "surrogate" for t in inputs["text"]):
+            return {"sum": total.astype(np.float32), "word": np.array(["\\ud800"], dtype=object)}
         words = np.array(["big" if v > 10 else "small" for v in total], dtype=object)
         return {"sum": total.astype(np.float32), "word": words}
 
@@ -109,6 +111,7 @@ def test_each_hook_failure_answers_its_request_alone(config: Path, rconn: redis.
         "dtype": ("wrong-dtype", "INFERENCE_FAILED", "expected dtype float32, got float64"),
         "nan": ("nan", "INFERENCE_FAILED", "not finite"),
         "post": ("post-boom", "INFERENCE_FAILED", "postprocess raised KeyError"),
+        "surrogate": ("surrogate", "INFERENCE_FAILED", "not valid Unicode"),
     }
     with running_worker(config):
         # the bad requests and good ones interleaved, so that they share reads and batches

@@ -232,6 +232,10 @@ class Pipeline:
                 return _wrong_form(
                     "postprocess", f"output {name!r} has dtype {arr.dtype}, which the wire lacks"
                 )
+            if arr.dtype.kind == "O" and not _utf8(arr):
+                return _wrong_form(
+                    "postprocess", f"output {name!r} holds a string that is not valid Unicode"
+                )
             if arr.ndim == 0 or arr.shape[0] != rows:
                 return _wrong_form(
                     "postprocess",
@@ -240,6 +244,17 @@ class Pipeline:
                 )
             outputs[name] = arr
         return outputs
+
+
+def _utf8(arr: np.ndarray) -> bool:
+    """Whether every str element encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        for element in arr.flat:
+            if isinstance(element, str):
+                element.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _raw_inputs(item: Item) -> Inputs:
