@@ -1,7 +1,8 @@
 """Regenerate the test vectors section of docs/protocol.md from their decoded meaning.
 
 Each vector is written as a ``### vector: NAME`` heading, a sentence, a ```hex block (the exact
-bytes, whitespace not significant) and a ```json block (what the bytes mean).
+bytes, whitespace not significant) and a ```json block (what the bytes mean). Version 2's
+vectors (``string`` and ``bytes`` tensors, ``model.pipeline``) follow in a subsection of their own.
 ``tests/test_protocol_vectors.py`` parses that section and checks the codec against it.
 
     .venv/bin/python scripts/make_vectors.py            # print the section
@@ -29,6 +30,7 @@ HEX_LINE = 100  # hex digits per line: the contract's 50-byte example fits on on
 
 SHA = "331e28ee7a0bb404c47bddc1fdf82fd7e86cb47045be80fe65b658d9e01bfd40"
 MODEL = {"name": "demo", "version": "1", "sha256": SHA}
+HANDLER_SHA = "9f2c51e0b8a4d3c6e1f7a2b5c8d9e0f1a2b3c4d5e6f708192a3b4c5d6e7f8091"
 
 # (name, sentence, meaning). A "rejected" vector is written by hand as "hex", so it checks the
 # decoder without going through the encoder; its meaning is the code a receiver answers.
@@ -160,10 +162,125 @@ VECTORS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
+# (v2) The subsection after VECTORS: its heading, its sentence, and its vectors as above.
+TEXT_HEADING = "### Version 2: string and bytes tensors, pipelines"
+TEXT_INTRO = (
+    "Contract version 2's `string` and `bytes` tensors, and a reply's `model.pipeline`. In the "
+    "meaning, a `string` tensor's `values` are its elements as JSON strings, and a `bytes` "
+    "tensor's `values` are its elements in hex (JSON has no bytes); in the bytes, each element "
+    "is one msgpack str or bin, in C order."
+)
+TEXT_VECTORS: list[tuple[str, str, dict[str, Any]]] = [
+    (
+        "string-tensor",
+        "A `string` tensor of three rows: `text`, shape `[3]`, holding an ASCII sentence, an "
+        "empty string (`a0`) and text with a 2-byte and a 4-byte UTF-8 character.",
+        {
+            "kind": "request",
+            "inputs": {
+                "text": {
+                    "dtype": "string",
+                    "shape": [3],
+                    "values": ["hello world", "", "caf\u00e9 \U0001f600"],
+                }
+            },
+        },
+    ),
+    (
+        "bytes-tensor",
+        "A `bytes` tensor of two rows: `image`, shape `[2]`, holding the 8-byte PNG signature "
+        "and `00 ff 61 62 63 00`, whose NUL bytes, trailing one included, are part of it; "
+        "with a reply TTL of 60 s.",
+        {
+            "kind": "request",
+            "inputs": {
+                "image": {
+                    "dtype": "bytes",
+                    "shape": [2],
+                    "values": ["89504e470d0a1a0a", "00ff61626300"],
+                }
+            },
+            "reply_ttl_s": 60,
+        },
+    ),
+    (
+        "reply-pipeline",
+        "The ok reply of a worker with a pipeline to `bytes-tensor`: outputs `label` (`string`, "
+        "shape `[2]`) and `score` (float32, shape `[2]`); `model.pipeline` names the handler "
+        "and the sha256 of its source file.",
+        {
+            "kind": "reply",
+            "rid": "req-44",
+            "ok": True,
+            "outputs": {
+                "label": {"dtype": "string", "shape": [2], "values": ["cat", "dog"]},
+                "score": {"dtype": "float32", "shape": [2], "values": [0.875, 0.5]},
+            },
+            "model": {
+                **MODEL,
+                "pipeline": {"handler": "handlers:ImagePipeline", "sha256": HANDLER_SHA},
+            },
+            "worker": "host-1234",
+            "batch_rows": 4,
+            "timings_ms": {"queued": 2.5, "inference": 1.25},
+        },
+    ),
+    (
+        "rejected-string-invalid-utf8",
+        "Malformed: a `string` tensor whose one element is the msgpack str `a2 c3 28`, which is "
+        "not UTF-8 (`c3` starts a 2-byte character that `28` does not continue). Such bytes go "
+        "in a `bytes` tensor, as bin.",
+        {
+            "kind": "request",
+            "rejected": "MALFORMED",
+            "hex": "81a6696e7075747381a47465787483a56474797065a6737472696e67a573686170659101"
+            "a46461746191a2c328",
+        },
+    ),
+    (
+        "rejected-string-count",
+        "Malformed: a `string` tensor of shape `[2]` whose `data` holds one element.",
+        {
+            "kind": "request",
+            "rejected": "MALFORMED",
+            "hex": "81a6696e7075747381a47465787483a56474797065a6737472696e67a573686170659102"
+            "a46461746191a161",
+        },
+    ),
+    (
+        "rejected-bin-in-string-tensor",
+        "Malformed: a `string` tensor whose element is a msgpack bin (`c4 01 61`), not a str.",
+        {
+            "kind": "request",
+            "rejected": "MALFORMED",
+            "hex": "81a6696e7075747381a47465787483a56474797065a6737472696e67a573686170659101"
+            "a46461746191c40161",
+        },
+    ),
+]
+
+
 def array_of(tensor: dict[str, Any]) -> np.ndarray:
-    """The array a tensor's meaning describes (values are flat, in C order)."""
+    """The array a tensor's meaning describes (values are flat, in C order; a bytes tensor's
+    in hex)."""
+    if tensor["dtype"] == "string":
+        return codec.as_tensor(list(tensor["values"])).reshape(tensor["shape"])
+    if tensor["dtype"] == "bytes":
+        values = [bytes.fromhex(v) for v in tensor["values"]]
+        return codec.as_tensor(values).reshape(tensor["shape"])
     dtype = codec.DTYPES[tensor["dtype"]]
     return np.array(tensor["values"], dtype=dtype).reshape(tensor["shape"])
+
+
+def model_of(model: dict[str, Any]) -> codec.ModelRef:
+    """The ModelRef a reply's ``model`` meaning describes, its pipeline included."""
+    pipeline = model.get("pipeline")
+    return codec.ModelRef(
+        model["name"],
+        model["version"],
+        model["sha256"],
+        None if pipeline is None else codec.PipelineRef(**pipeline),
+    )
 
 
 def encode(meaning: dict[str, Any]) -> bytes:
@@ -194,7 +311,7 @@ def reply_of(meaning: dict[str, Any]) -> codec.Reply:
     return codec.Reply(
         rid=meaning["rid"],
         ok=meaning["ok"],
-        model=codec.ModelRef(**meaning["model"]),
+        model=model_of(meaning["model"]),
         worker=meaning["worker"],
         timings_ms=dict(meaning["timings_ms"]),
         outputs=None if outputs is None else {k: array_of(t) for k, t in outputs.items()},
@@ -220,14 +337,23 @@ def pretty(value: Any, indent: int = 0, width: int = 96) -> str:
 def section() -> str:
     """The generated markdown, markers included."""
     out = [BEGIN, ""]
-    for name, sentence, meaning in VECTORS:
+    out += vectors(VECTORS)
+    out += [TEXT_HEADING, "", TEXT_INTRO, ""]
+    out += vectors(TEXT_VECTORS)
+    out.append(END)
+    return "\n".join(out)
+
+
+def vectors(table: list[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """The markdown lines of each vector in ``table``."""
+    out = []
+    for name, sentence, meaning in table:
         hexed = encode(meaning).hex()
         lines = [hexed[i : i + HEX_LINE] for i in range(0, len(hexed), HEX_LINE)] or [""]
         out += [f"### vector: {name}", "", sentence, "", "```hex", *lines, "```", ""]
         shown = {k: v for k, v in meaning.items() if k != "hex"}  # the hex block shows those
         out += ["```json", pretty(shown), "```", ""]
-    out.append(END)
-    return "\n".join(out)
+    return out
 
 
 def main() -> int:

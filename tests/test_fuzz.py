@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,15 @@ import pytest
 import redis
 from fuzzing import (
     ADMIT_CODES,
+    INVALID_UTF8,
     FuzzTarget,
     Mutator,
     fuzz_admit,
     fuzz_worker,
     iter_bodies,
+    raw_str,
     schema_for,
+    text_schema,
 )
 from harness import running_worker, write_config
 from hypothesis import HealthCheck, given, settings
@@ -37,6 +41,7 @@ from producer import codec, guards
 from producer.errors import WireFormatError
 from worker.admit import admit
 from worker.items import DeadLetter, Refused
+from worker.layouts import Layouts
 from worker.stream import RawEntry
 
 TARGET = FuzzTarget("demo", max_request_bytes=16384, max_batch_size=8)
@@ -375,12 +380,12 @@ def test_a_long_string_in_meta_is_too_large_by_meta_s_own_limit() -> None:
 
 
 @pytest.mark.parametrize("where", ["dtype", "outputs"])
-def test_strings_over_the_limit_are_malformed(where: str) -> None:
+def test_long_strings_outside_tensor_data_are_malformed_and_quoted_short(where: str) -> None:
     raw = pack("s" * 70_000)
     body = with_raw(where, raw) if where != "dtype" else tensor_with_raw(where, raw)
     err = refused(body)
     assert err.code == "MALFORMED"
-    assert "max_str_len" in err.message
+    assert len(err.message) < 400
 
 
 @pytest.mark.parametrize(
@@ -400,6 +405,257 @@ def test_error_messages_stay_short_whatever_the_body_holds(body: bytes) -> None:
     err = refused(body)
     assert err.code == "MALFORMED"
     assert len(err.message) < 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# (v2) String and bytes tensors: their own rules, and what a hostile one may cost
+
+ASTRAL = "\U0001f600"  # 4 bytes of UTF-8; makes Python hold its whole str at 4 bytes a character
+
+
+def text_body(dtype: str, shape: Any, data: Any) -> bytes:
+    """A demo body whose one input is a ``dtype`` tensor; "\x00placeholder" in ``data`` marks
+    where ``spliced`` puts raw msgpack."""
+    return pack({"inputs": {"features": {"dtype": dtype, "shape": shape, "data": data}}})
+
+
+def spliced(body: bytes, raw: bytes) -> bytes:
+    return body.replace(pack("\x00placeholder"), raw, 1)
+
+
+def text_outcome(body: bytes, max_element_bytes: int | None = None) -> tuple[str, str]:
+    """(code, message) of decoding ``body``; anything but WireFormatError fails the test."""
+    try:
+        codec.decode_request(body, BIG, max_element_bytes)
+    except WireFormatError as exc:
+        return exc.code, exc.message
+    return "OK", ""
+
+
+def seconds(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("bad", INVALID_UTF8, ids=lambda b: b.hex())
+@pytest.mark.parametrize("where", ["first", "last-of-many", "bytes-tensor", "0-d"])
+def test_invalid_utf8_in_a_text_tensor_is_malformed_with_a_short_message(
+    bad: bytes, where: str
+) -> None:
+    element = raw_str(b"x" * 60_000 + bad)  # long, so an echo would show
+    if where == "first":
+        body = text_body("string", [1, 2], ["\x00placeholder", "b"])
+    elif where == "last-of-many":
+        body = text_body("string", [1, 1000], ["a"] * 999 + ["\x00placeholder"])
+    elif where == "bytes-tensor":
+        body = text_body("bytes", [1, 2], [b"a", "\x00placeholder"])
+    else:
+        body = text_body("string", [], ["\x00placeholder"])
+    body = spliced(body, element)
+    code, message = text_outcome(body)
+    assert code == "MALFORMED"
+    assert "not valid UTF-8" in message
+    assert "'bytes' tensor" in message
+    assert len(message) < 300
+    assert outcome(body, BIG) == "MALFORMED"
+
+
+@pytest.mark.parametrize(
+    ("element", "factor"),
+    [(b"\xff" * (BIG - 100), 4), ("e" * (BIG - 100), 4), (ASTRAL * (BIG // 4 - 25), 7)],
+    ids=["bytes", "ascii-str", "astral-str"],
+)
+def test_a_huge_element_is_too_large_cheaply_and_not_echoed(
+    element: str | bytes, factor: int
+) -> None:
+    # Given a body of one element of almost 16 MiB, and a 1 MiB max_element_bytes
+    body = text_body("bytes" if isinstance(element, bytes) else "string", [1], [element])
+    assert len(body) <= BIG
+    # Then it is refused by size, in bounded time and memory, naming the size only
+    code, message = text_outcome(body, 1 << 20)
+    assert code == "TOO_LARGE"
+    assert f"is {BIG - 100} bytes, over limits.max_element_bytes=1048576" in message
+    assert len(message) < 200
+    assert seconds(lambda: text_outcome(body, 1 << 20)) < 2
+    assert peak_bytes(lambda: text_outcome(body, 1 << 20)) < factor * len(body)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "data"),
+    [
+        ("string", [1, 1000], [""] * 1000),
+        ("bytes", [1, 1000], [b""] * 1000),
+        ("string", [0], []),
+        ("bytes", [3, 0], []),
+        ("string", [], [""]),
+    ],
+    ids=["empty-strs", "empty-bins", "shape-0", "shape-3x0", "0-d-empty"],
+)
+def test_empty_elements_and_empty_tensors_are_well_formed(
+    dtype: str, shape: list[int], data: list[Any]
+) -> None:
+    body = text_body(dtype, shape, data)
+    assert text_outcome(body, 0) == ("OK", "")
+    # The demo model takes float32: the worker answers that, not MALFORMED
+    assert outcome(body, BIG) == "INVALID_INPUT"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[2**64 - 1] * 32, [2**62, 2**62], [0, 2**63], [2**31] * 3, [3], [1], [], [0]],
+    ids=["rank-32-of-uint64-max", "2**124", "zero-and-2**63", "2**93", "3", "1", "0-d", "0"],
+)
+@pytest.mark.parametrize("dtype", ["string", "bytes"])
+def test_counts_that_do_not_match_the_shape_are_malformed_without_allocating(
+    dtype: str, shape: list[int]
+) -> None:
+    data: list[Any] = ["a", "b"] if dtype == "string" else [b"a", b"b"]
+    body = text_body(dtype, shape, data)
+    code, message = text_outcome(body)
+    assert code == "MALFORMED"
+    assert "data has 2 elements but shape" in message
+    assert len(message) < 400  # regression: a rank-32 shape made a 1,373-character message
+    assert peak_bytes(lambda: text_outcome(body)) < 100_000
+
+
+@pytest.mark.parametrize("dtype", ["string", "bytes"])
+def test_many_tiny_elements_cost_little_up_to_the_value_limit(dtype: str) -> None:
+    # Given as many distinct one- to four-byte elements as a body may hold values
+    n = codec.MAX_VALUES - 16
+    elements = [f"{i:x}" if dtype == "string" else f"{i:x}".encode() for i in range(n)]
+    body = text_body(dtype, [1, n], elements)
+    # Then they are read in well under a second, at under ~120 bytes an element
+    assert text_outcome(body, 4) == ("OK", "")
+    assert seconds(lambda: text_outcome(body, 4)) < 1
+    assert peak_bytes(lambda: text_outcome(body, 4)) < 120 * n
+    assert outcome(body, BIG) == "INVALID_INPUT"
+
+
+@pytest.mark.parametrize("n", [codec.MAX_VALUES, 200_000])
+@pytest.mark.parametrize("dtype", ["string", "bytes"])
+def test_more_elements_than_the_value_limit_are_refused_before_any_is_built(
+    dtype: str, n: int
+) -> None:
+    body = text_body(dtype, [n], ["" if dtype == "string" else b""] * n)
+    code, message = text_outcome(body)
+    assert code == "MALFORMED"
+    assert f"more than {codec.MAX_VALUES} msgpack values" in message
+    assert "string or bytes tensor" in message
+    assert seconds(lambda: text_outcome(body)) < 0.5
+    assert peak_bytes(lambda: text_outcome(body)) < 100_000
+
+
+@pytest.mark.parametrize("depth", [1, 100, 1000, 5000])
+@pytest.mark.parametrize("level", [b"\x91", b"\x81\xa1k"], ids=["arrays", "maps"])
+@pytest.mark.parametrize("dtype", ["string", "bytes"])
+def test_nesting_in_place_of_an_element_is_malformed_with_a_short_message(
+    dtype: str, level: bytes, depth: int
+) -> None:
+    good: Any = "a" if dtype == "string" else b"a"
+    body = text_body(dtype, [1, 3], [good, "\x00placeholder", good])
+    body = spliced(body, level * depth + b"\xc0")
+    code, message = text_outcome(body)
+    assert code == "MALFORMED"
+    assert len(message) < 300
+    assert outcome(body, BIG) == "MALFORMED"
+    assert peak_bytes(lambda: text_outcome(body)) < 4_000_000
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xdd\xff\xff\xff\xff",
+        b"\xdb\x7f\xff\xff\xffabc",
+        b"\xc6\xff\xff\xff\xff\x00",
+        b"\xdf\xff\xff\xff\xff\xc0",
+        b"\xdd\x00\x00\x10\x00" * 1000,
+    ],
+    ids=["array32", "str32", "bin32", "map32", "nested-arrays"],
+)
+@pytest.mark.parametrize("where", ["element", "data"])
+def test_declared_but_absent_lengths_in_text_data_are_malformed_without_allocating(
+    raw: bytes, where: str
+) -> None:
+    data: Any = ["a", "\x00placeholder"] if where == "element" else "\x00placeholder"
+    body = spliced(text_body("string", [2], data), raw)
+    assert text_outcome(body)[0] == "MALFORMED"
+    assert peak_bytes(lambda: text_outcome(body)) < 100_000
+
+
+def test_invalid_utf8_late_in_a_large_body_is_refused_in_bounded_time_and_memory() -> None:
+    # Given 16 MiB of strings Python holds at 4 bytes a character, the last one not UTF-8:
+    # the unpacker builds them all before it meets it, and the body is read twice (the second
+    # pass steps around 'meta', which may hold such bytes)
+    element = "a" * 250 + ASTRAL  # 256 bytes with its header
+    n = 65_000  # under MAX_VALUES, which would refuse the body before reading any
+    body = text_body("string", [n], [element] * (n - 1) + ["\x00placeholder"])
+    body = spliced(body, raw_str(b"a" * 250 + b"\xf0\x9f\x98"))
+    assert BIG - 200_000 < len(body) <= BIG
+    code, message = text_outcome(body)
+    assert code == "MALFORMED"
+    assert message.startswith("body holds a msgpack str that is not valid UTF-8")
+    assert seconds(lambda: text_outcome(body)) < 5
+    # Memory, measured on an eighth of it (tracing 65,000 strings is slow)
+    small = text_body("string", [n // 8], [element] * (n // 8 - 1) + ["\x00placeholder"])
+    small = spliced(small, raw_str(b"\xff"))
+    assert text_outcome(small)[0] == "MALFORMED"
+    assert peak_bytes(lambda: text_outcome(small)) < 8 * len(small)
+
+
+def test_admit_on_a_text_model_gives_every_text_mutation_an_allowed_code() -> None:
+    # Given a model that takes strings, so text mutations get past the dtype check, with a
+    # 64-byte max_element_bytes; and the layouts a worker keeps, which must never admit a body
+    # that decoding would refuse
+    schema = text_schema(TARGET, max_element_bytes=64)
+    mutator = Mutator(TARGET, 11)
+    layouts = Layouts()
+    codes: Counter[str] = Counter()
+    for index in range(1000):
+        entry = RawEntry(b"1-0", {b"rid": b"r%d" % index, b"body": mutator.text_mutation()})
+        limits = {"max_request_bytes": TARGET.max_request_bytes, "max_element_bytes": 64}
+        item = admit(entry, schema, **limits)
+        fast = admit(entry, schema, layouts=layouts, **limits)
+        code = item.error.code if isinstance(item, Refused) else "OK"
+        assert code == (fast.error.code if isinstance(fast, Refused) else "OK")
+        if isinstance(item, Refused):
+            assert len(item.error.message) < 500
+            codes["over max_element_bytes"] += "max_element_bytes" in item.error.message
+        codes[code] += 1
+    assert {"OK", "MALFORMED", "INVALID_INPUT", "TOO_LARGE"} <= set(codes), codes
+    assert codes["over max_element_bytes"], codes
+
+
+@settings(FAST, max_examples=100)
+@given(msgpack_values, st.sampled_from(["string", "bytes"]), st.booleans())
+def test_arbitrary_msgpack_values_as_text_data_or_elements_get_a_code(
+    value: Any, dtype: str, as_element: bool
+) -> None:
+    data = ["a" if dtype == "string" else b"a", value] if as_element else value
+    body = text_body(dtype, [1, 2], data)
+    assert text_outcome(body, 8)[0] in {"OK", "MALFORMED", "TOO_LARGE"}
+    assert outcome(body) in ADMIT_CODES
+
+
+@pytest.mark.parametrize(
+    ("data", "shape"),
+    [(["a", "\x00placeholder"], [2]), (["a"], [2**64 - 1] * 32), (["a", b"b"], [2])],
+    ids=["invalid-utf8", "count", "element-type"],
+)
+def test_replies_with_hostile_text_outputs_are_refused_short(data: Any, shape: Any) -> None:
+    doc = {
+        "rid": "r1",
+        "ok": True,
+        "outputs": {"y": {"dtype": "string", "shape": shape, "data": data}},
+        "model": {"name": "demo", "version": "1", "sha256": "0" * 64},
+        "worker": "w",
+        "timings_ms": {"queued": 0.0, "inference": 0.0},
+    }
+    raw = spliced(pack(doc), raw_str(b"\xff" * 5000))  # the first case's placeholder
+    assert reply_or_code(raw) == "MALFORMED"
+    with pytest.raises(WireFormatError) as info:
+        codec.decode_reply(raw)
+    assert len(info.value.message) < 400
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 Each positive vector is also rebuilt with a small msgpack writer written here from the spec, the
 way an implementation in another language would, so the vectors do not merely echo the codec.
+A ``string`` tensor's values are JSON strings, and a ``bytes`` tensor's are hex (v2).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ CONTRACT_EXAMPLE = (
     "a464617461c4080000803f000020c0"
 )
 REQUIRED = {"contract-example", "multi-input", "zero-sized-dim", "reply-ok", "reply-error"}
+# (v2) string and bytes tensors, and a reply's model.pipeline
+REQUIRED_V2 = {
+    "string-tensor",
+    "bytes-tensor",
+    "reply-pipeline",
+    "rejected-string-invalid-utf8",
+}
 
 _HEADING = re.compile(r"^### vector: (?P<name>[a-z0-9-]+)\s*$", re.MULTILINE)
 _BLOCK = re.compile(r"^```(?P<lang>hex|json)\n(?P<text>.*?)^```$", re.MULTILINE | re.DOTALL)
@@ -128,8 +136,15 @@ def _header(n: int, fix: int | None, fix_max: int, tags: tuple[bytes | None, ...
 
 
 def hand_tensor(t: dict[str, Any]) -> dict[str, Any]:
-    """A tensor's wire map from its meaning, packing elements with struct (little-endian)."""
-    data = struct.pack(f"<{len(t['values'])}{_STRUCT[t['dtype']]}", *t["values"])
+    """A tensor's wire map from its meaning, packing elements with struct (little-endian); a
+    string or bytes tensor's elements as an array of str or bin."""
+    data: Any
+    if t["dtype"] == "string":
+        data = list(t["values"])
+    elif t["dtype"] == "bytes":
+        data = [bytes.fromhex(v) for v in t["values"]]
+    else:
+        data = struct.pack(f"<{len(t['values'])}{_STRUCT[t['dtype']]}", *t["values"])
     return {"dtype": t["dtype"], "shape": t["shape"], "data": data}
 
 
@@ -161,14 +176,35 @@ def hand_reply(m: dict[str, Any]) -> bytes:
 # Values
 
 
+def values_of(t: dict[str, Any]) -> list[Any]:
+    """A tensor meaning's values as Python values: a bytes tensor's from hex."""
+    return [bytes.fromhex(v) for v in t["values"]] if t["dtype"] == "bytes" else t["values"]
+
+
 def array_of(t: dict[str, Any]) -> np.ndarray:
+    if t["dtype"] in ("string", "bytes"):
+        return codec.as_tensor(values_of(t)).reshape(t["shape"])
     return np.array(t["values"], dtype=codec.DTYPES[t["dtype"]]).reshape(t["shape"])
 
 
 def assert_tensor_means(array: np.ndarray, t: dict[str, Any]) -> None:
-    assert array.dtype == codec.DTYPES[t["dtype"]]
+    if t["dtype"] in ("string", "bytes"):
+        assert array.dtype == object
+        assert codec.wire_dtype(array) == t["dtype"]
+    else:
+        assert array.dtype == codec.DTYPES[t["dtype"]]
     assert list(array.shape) == t["shape"]
-    assert array.ravel().tolist() == t["values"]
+    assert array.ravel().tolist() == values_of(t)
+
+
+def model_of(m: dict[str, Any]) -> codec.ModelRef:
+    pipeline = m.get("pipeline")
+    return codec.ModelRef(
+        m["name"],
+        m["version"],
+        m["sha256"],
+        None if pipeline is None else codec.PipelineRef(pipeline["handler"], pipeline["sha256"]),
+    )
 
 
 def meta_raw_of(m: dict[str, Any]) -> bytes | None:
@@ -182,7 +218,7 @@ def meta_raw_of(m: dict[str, Any]) -> bytes | None:
 
 
 def test_document_holds_the_required_vectors() -> None:
-    assert set(VECTORS) >= REQUIRED
+    assert set(VECTORS) >= REQUIRED | REQUIRED_V2
     assert REJECTED, "the document should show bodies a receiver must refuse"
 
 
@@ -247,7 +283,7 @@ def test_reply_vector_decodes_to_its_meaning(name: str) -> None:
     reply = codec.decode_reply(raw)
     assert reply.rid == m["rid"]
     assert reply.ok is m["ok"]
-    assert reply.model == codec.ModelRef(**m["model"])
+    assert reply.model == model_of(m["model"])
     assert reply.worker == m["worker"]
     assert reply.timings_ms == m["timings_ms"]
     assert reply.batch_rows == m.get("batch_rows")
@@ -272,7 +308,7 @@ def test_reply_vector_is_what_the_encoders_write(name: str) -> None:
     reply = codec.Reply(
         rid=m["rid"],
         ok=m["ok"],
-        model=codec.ModelRef(**m["model"]),
+        model=model_of(m["model"]),
         worker=m["worker"],
         timings_ms=m["timings_ms"],
         outputs=None if outputs is None else {k: array_of(t) for k, t in outputs.items()},
@@ -290,6 +326,27 @@ def test_rejected_vector_is_refused_with_its_code(name: str) -> None:
     with pytest.raises(WireFormatError) as info:
         codec.decode_request(raw, max_bytes=1 << 20)
     assert info.value.code == m["rejected"]
+
+
+def test_v2_vectors_show_text_elements_and_a_pipeline() -> None:
+    # Given the v2 vectors, when read as msgpack, then elements are str and bin, in order
+    text = msgpack.unpackb(VECTORS["string-tensor"][0])["inputs"]["text"]
+    assert text["data"] == ["hello world", "", "caf\u00e9 \U0001f600"]
+    image = msgpack.unpackb(VECTORS["bytes-tensor"][0])["inputs"]["image"]
+    assert image["data"][1] == b"\x00\xffabc\x00"  # the trailing NUL is kept
+    reply = msgpack.unpackb(VECTORS["reply-pipeline"][0])
+    assert set(reply["model"]["pipeline"]) == {"handler", "sha256"}
+    assert reply["outputs"]["label"]["data"] == ["cat", "dog"]
+
+
+def test_invalid_utf8_vector_is_refused_as_not_utf8() -> None:
+    raw, _ = VECTORS["rejected-string-invalid-utf8"]
+    with pytest.raises(WireFormatError) as info:
+        codec.decode_request(raw, max_bytes=1 << 20)
+    assert "not valid UTF-8" in info.value.message
+    # The same two bytes as bin, in a bytes tensor, are well formed
+    as_bin = raw.replace(b"\xa6string", b"\xa5bytes").replace(b"\xa2\xc3\x28", b"\xc4\x02\xc3\x28")
+    assert codec.decode_request(as_bin, max_bytes=1 << 20).inputs["text"][0] == b"\xc3\x28"
 
 
 def test_vectors_section_matches_its_generator() -> None:

@@ -17,13 +17,15 @@ bodies), ``hostile`` (raw msgpack pieces), ``mutator`` (seeded mutations and fuz
 """
 
 from .admit_driver import fuzz_admit
+from .hostile import INVALID_UTF8, raw_str
 from .mutator import Mutator, iter_bodies
 from .oracle import ADMIT_CODES, WORKER_CODES
-from .target import SPECS, FuzzTarget, ModelSpec, schema_for
+from .target import SPECS, FuzzTarget, ModelSpec, schema_for, text_schema
 from .worker_driver import fuzz_worker, wait_for_worker
 
 __all__ = [
     "ADMIT_CODES",
+    "INVALID_UTF8",
     "SPECS",
     "WORKER_CODES",
     "FuzzTarget",
@@ -32,6 +34,8 @@ __all__ = [
     "fuzz_admit",
     "fuzz_worker",
     "iter_bodies",
+    "raw_str",
     "schema_for",
+    "text_schema",
     "wait_for_worker",
 ]

@@ -60,3 +60,25 @@ HOSTILE_RAW: list[bytes] = [
     b"\xd6\xff\x00\x00\x00\x01",  # timestamp 32
     b"\xc1",  # never used
 ]
+
+# (v2) Bytes that are not UTF-8, as the payload of a msgpack str: a string tensor's element.
+INVALID_UTF8: list[bytes] = [
+    b"\xff",  # never in UTF-8
+    b"\x80",  # a continuation byte with nothing to continue
+    b"ab\xc3",  # a 2-byte sequence cut short
+    b"\xc0\xaf",  # overlong '/'
+    b"\xed\xa0\x80",  # a UTF-16 surrogate, U+D800
+    b"\xf4\x90\x80\x80",  # past U+10FFFF
+    b"\xf8\x88\x80\x80\x80",  # a 5-byte form, retired
+]
+
+
+def raw_str(payload: bytes) -> bytes:
+    """A msgpack str of ``payload``, UTF-8 or not (msgpack's packer only writes valid ones)."""
+    n = len(payload)
+    if n < 32:
+        return bytes([0xA0 | n]) + payload
+    for head, width in ((b"\xd9", 1), (b"\xda", 2)):
+        if n < 1 << (8 * width):
+            return head + n.to_bytes(width, "big") + payload
+    return b"\xdb" + n.to_bytes(4, "big") + payload

@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 
 from .bodies import DAY_MS, ValidBodies
-from .hostile import HOSTILE_RAW, HOSTILE_SHAPES, INTERESTING_BYTES, pack, raw_map
+from .hostile import (
+    HOSTILE_RAW,
+    HOSTILE_SHAPES,
+    INTERESTING_BYTES,
+    INVALID_UTF8,
+    pack,
+    raw_map,
+    raw_str,
+)
 from .target import FuzzTarget
 
 
@@ -49,6 +57,7 @@ class Mutator(ValidBodies):
             self._reply_ttl,
             self._oversize,
             self._duplicate_key,
+            self._text,
         ]
 
     # -- mutations ------------------------------------------------------------------------------
@@ -292,6 +301,61 @@ class Mutator(ValidBodies):
         pairs = [(pack(k), pack(v)) for k, v in doc.items()]
         pairs.append((pack(key), pack(self.rng.choice([doc[key], 1, "a" * 5000]))))
         return raw_map(pairs)
+
+    def _text(self, doc: dict[str, Any]) -> bytes:
+        """(v2) A string or bytes tensor in place of an input (or as a new one): well formed,
+        or breaking a rule of its own: its element count, an element's type, UTF-8, nesting
+        in place of an element, many tiny elements, one huge element, data not an array."""
+        rng = self.rng
+        dtype = rng.choice(["string", "bytes"])
+        rows = rng.choice([1, 2, self.target.max_batch_size + 1])
+        shape = rng.choice([[rows], [rows, 2], [], [0], [rows, 0]])
+        elements: Any = [self._text_element(dtype) for _ in range(math.prod(shape))]
+        raw: bytes | None = None  # msgpack spliced in place of the placeholder element
+        choice = rng.randrange(9)
+        if choice == 0:  # one more or one fewer than the shape holds
+            elements = elements[:-1] if elements and rng.random() < 0.5 else [*elements, ""]
+        elif choice == 1:  # an element of the other type, or of no text type
+            wrong: list[Any] = [b"b", "s", 1, None, 2.5, True, ["s"], {"k": "v"}]
+            elements = [*elements[:-1], rng.choice(wrong)]
+        elif choice == 2:  # a str that is not UTF-8, in either kind of tensor
+            raw = raw_str(b"ok" * rng.randint(0, 40) + rng.choice(INVALID_UTF8))
+        elif choice == 3:  # nesting where an element should be
+            depth = rng.choice([1, 10, 1000, 1100])
+            raw = rng.choice([b"\x91", b"\x81\xa1k"]) * depth + b"\xc0"
+        elif choice == 4:  # many tiny elements: the body's value count, not its bytes, is big
+            count = rng.choice([1000, 4096, 8000])
+            shape = [rng.choice([1, 2]), count]
+            elements = ["" if dtype == "string" else b""] * (shape[0] * count)
+        elif choice == 5:  # one element about as large as the body may be
+            size = self.target.max_request_bytes + rng.randint(-200, 64)
+            shape, elements = [1], ["e" * size if dtype == "string" else b"e" * size]
+        elif choice == 6:  # data that is not an array of elements
+            elements = rng.choice([b"bin", "str", {"0": "a"}, None, 7, [[]]])
+        elif choice == 7:  # a declared-but-absent length or an ext where an element should be
+            raw = rng.choice(HOSTILE_RAW)
+        if raw is not None:
+            elements = [*(elements if isinstance(elements, list) else [])[:-1], "\x00placeholder"]
+        doc["inputs"][rng.choice([*doc["inputs"], "text"])] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data": elements,
+        }
+        body = pack(doc)
+        return body if raw is None else body.replace(pack("\x00placeholder"), raw, 1)
+
+    def text_mutation(self) -> bytes:
+        """A body whose one input, ``text``, is what ``_text`` makes of it (for a text model)."""
+        doc = self.valid_doc()
+        doc["inputs"] = {}
+        doc.pop("outputs", None)  # the demo model's names
+        return self._text(doc)
+
+    def _text_element(self, dtype: str) -> str | bytes:
+        rng = self.rng
+        if dtype == "bytes":
+            return rng.randbytes(rng.randint(0, 8))
+        return "".join(rng.choice("a\u00e9\u65e5\U0001f600\x00 ") for _ in range(rng.randint(0, 8)))
 
     # -- whole entries --------------------------------------------------------------------------
 

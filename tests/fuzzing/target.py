@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from producer.codec import STRING
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, RedisConfig, WorkerConfig
 from worker.model import TensorSpec
 from worker.schema import Schema
@@ -62,3 +63,18 @@ def schema_for(target: FuzzTarget) -> Schema:
         limits=LimitsConfig(max_request_bytes=target.max_request_bytes),
     )
     return Schema(tensors(spec.inputs), tensors(spec.outputs), config)
+
+
+def text_schema(target: FuzzTarget, max_element_bytes: int) -> Schema:
+    """(v2) A Schema like ``schema_for``'s, of a model that takes ``text`` (string, one per row)
+    and gives ``label`` (string): what text mutations meet past the demo model's dtype check."""
+    config = WorkerConfig(
+        RedisConfig(),
+        ModelConfig("text", Path("text.onnx")),
+        batching=BatchingConfig(max_batch_size=target.max_batch_size),
+        limits=LimitsConfig(
+            max_request_bytes=target.max_request_bytes, max_element_bytes=max_element_bytes
+        ),
+    )
+    text, label = TensorSpec("text", STRING, ("N",)), TensorSpec("label", STRING, ("N",))
+    return Schema((text,), (label,), config)
