@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -133,7 +133,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
 
     def map(
         self,
-        arrays: Mapping[str, ArrayLike],
+        arrays: Mapping[str, ArrayLike | Iterable[Any]],
         *,
         rows_per_request: int | None = None,
         concurrency: int = 64,
@@ -142,6 +142,12 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         stop_on_timeout: bool = False,
     ) -> ChunksT:
         """Run arrays through the model in requests of at most ``rows_per_request`` rows.
+
+        Each input is an array (a list of str or bytes is a string or bytes tensor), or an
+        iterator of rows (a generator, an open file), read only as requests are sent, so an
+        input larger than memory streams; ``producer.maprows.Blocks`` takes arrays of many rows
+        each. Inputs must end together (ValueError when one runs out first). ``AsyncClient``
+        reads iterators on its event loop.
 
         Yields one Chunk per request, in input order (``AsyncClient``: an async iterator); a
         failed request is a Chunk with ``error`` set. ``rows_per_request`` defaults to the

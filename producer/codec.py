@@ -37,6 +37,7 @@ __all__ = [
     "BYTES",
     "DTYPES",
     "MAX_META_BYTES",
+    "MAX_NAME_CHARS",
     "MAX_RANK",
     "MAX_VALUES",
     "STRING",

@@ -8,14 +8,28 @@ drawn within it, laid out as the model takes them (rows on each input's batch ax
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from worker.schema import InputRule
+from worker.tensorspec import TensorSpec
 
-__all__ = ["synthetic", "value_range"]
+__all__ = ["Rule", "synthetic", "value_range"]
+
+
+class Rule(Protocol):
+    """What warmup values need of an input's rule (``worker.schema.InputRule`` is one)."""
+
+    @property
+    def spec(self) -> TensorSpec: ...
+    @property
+    def min(self) -> float | None: ...
+    @property
+    def max(self) -> float | None: ...
+    @property
+    def warmup_shape(self) -> tuple[int, ...] | None: ...
+    @property
+    def batch_axis(self) -> int | None: ...
 
 
 def value_range(
@@ -46,7 +60,7 @@ def _representable(bound: float, dtype: np.dtype[Any]) -> float:
     return float(dtype.type(min(max(bound, -top), top)))
 
 
-def synthetic(rule: InputRule, rows: int, rng: np.random.Generator) -> np.ndarray:
+def synthetic(rule: Rule, rows: int, rng: np.random.Generator) -> np.ndarray:
     spec = rule.spec
     axis = rule.batch_axis
     others = [d for a, d in enumerate(spec.dims) if a != axis]
