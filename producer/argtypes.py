@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from producer import keys
+from producer.codec import DTYPES
 from producer.errors import RedbatchError
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "UsageError",
+    "dtype_specs",
     "model_name",
     "non_negative_float",
     "positive_float",
@@ -68,6 +70,21 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
     return value
+
+
+def dtype_specs(text: str) -> list[tuple[str, str]]:
+    """``NAME=DTYPE[,NAME=DTYPE...]``: numeric wire dtypes for named inputs."""
+    specs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, dtype = part.partition("=")
+        if not name.strip() or dtype.strip() not in DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not NAME=DTYPE with DTYPE one of {', '.join(DTYPES)}"
+            )
+        specs.append((name.strip(), dtype.strip()))
+    if not specs:
+        raise argparse.ArgumentTypeError("give at least one NAME=DTYPE")
+    return specs
 
 
 def model_name(text: str) -> str:

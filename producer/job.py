@@ -1,35 +1,45 @@
-"""One batch job: an input file's rows sent through a model, the replies stacked, the job measured.
+"""One batch job: an input's rows sent through a model, the replies written, the job measured.
 
 This is the library half of ``redbatch run``, kept apart from the command (``producer.runcmd``)
 so that a job can be run and reported from Python (the tests do) without argv: ``run_job``
-feeds the rows through ``Client.map`` and stacks the replies in input order, and
-``format_summary`` is the report. The files (``load_inputs`` reads the .npy/.npz, memory-mapped
-where it can be; ``write_outputs``/``write_errors`` write the results atomically) are
-``producer.jobfiles``', re-exported here.
+feeds the rows through ``Client.map`` and hands the replies, in input order, to a sink;
+``producer.jobsummary`` counts and reports. The input is arrays, or a ``blocks.Source`` read
+block by block as map() sends (``producer.ledger`` keeps the keys of the rows in flight); the
+outputs go to a ``sinks.Sink`` (arrays in memory by default, an .npz or a .parquet), the
+failures to the errors file (``jobfiles.ErrorsFile``) as they come. Nothing the job holds grows
+with the input but a few counters: a run over an input far larger than memory runs in a
+bounded window.
 """
 
 from __future__ import annotations
 
 import time
-from array import array as float_array
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from producer import maprows
 from producer.argtypes import UsageError
+from producer.blocks import Block, Source
 from producer.codec import ErrorInfo
 from producer.core import Chunk
 from producer.errors import RedbatchError, RedisFull
 from producer.jobfiles import FailedRequest, load_inputs, write_errors, write_outputs
+from producer.jobsummary import RunSummary, format_summary, one_line
+from producer.ledger import Ledger
+from producer.sinks import MemorySink, Sink
 from producer.window import WAIT_TIMEOUT
 
 #: The client-side code of rows a run never sent because Redis was full (``RedisFull``).
 REDIS_FULL = "REDIS_FULL"
+#: The client-side code of input records a reader could not turn into rows (never sent).
+UNREADABLE = "UNREADABLE"
+_FILL_ROWS = 65536  # rows never sent are written to the outputs this many at a time
 
 __all__ = [
+    "REDIS_FULL",
+    "UNREADABLE",
     "FailedRequest",
     "Mapper",
     "RunSummary",
@@ -48,81 +58,12 @@ __all__ = [
 # The job
 
 
-@dataclass(slots=True)
-class RunSummary:
-    """What a job did: rows, requests, timing, batches, who served it, and the stacked outputs.
-
-    ``requests`` and ``rows_answered`` count what a worker answered (ok or not): late requests,
-    rows never sent and rows cut off by Ctrl-C are failures but not answers, so the throughput
-    is what the workers did. ``latencies_ms`` holds one latency per answered request, measured
-    client-side from sending the request to receiving its reply (8 bytes each: a job of millions
-    of requests keeps them all). ``batch_rows`` counts successful requests by the rows of the
-    batch they ran in (from the reply). ``failed_rows`` counts failed rows by error code.
-    ``failures`` lists failed row ranges; adjacent answered requests that failed with the same
-    code and message are one entry (without a rid), so a bad column costs one entry, not one a
-    request (late ones keep one entry each, with the rid a late reply may still come under).
-    """
-
-    rows: int
-    rows_per_request: int | None = None
-    requests: int = 0
-    rows_answered: int = 0
-    rows_failed: int = 0
-    wall_s: float = 0.0
-    latencies_ms: float_array[float] = field(default_factory=lambda: float_array("d"))
-    batch_rows: Counter[int] = field(default_factory=Counter)
-    served: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)
-    failed_rows: Counter[str] = field(default_factory=Counter)
-    failures: list[FailedRequest] = field(default_factory=list)
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    interrupted: bool = False  # stopped by Ctrl-C: what came back is kept, the rest listed
-    stopped_by: str | None = None  # the error that stopped the run early (Redis full or gone)
-
-    def fail(self, failure: FailedRequest) -> None:
-        """Count a failed request and list it, merged into the last entry when it continues
-        that entry's rows with the same code and message."""
-        self.rows_failed += failure.stop - failure.start
-        self.failed_rows[failure.code] += failure.stop - failure.start
-        last = self.failures[-1] if self.failures else None
-        if (
-            last is not None
-            and failure.code != WAIT_TIMEOUT  # a late request's rid may still get a reply
-            and last.stop == failure.start
-            and (last.code, last.message) == (failure.code, failure.message)
-        ):
-            self.failures[-1] = FailedRequest(
-                last.start, failure.stop, None, last.code, last.message
-            )
-        else:
-            self.failures.append(failure)
-
-    @property
-    def rows_ok(self) -> int:
-        return self.rows - self.rows_failed
-
-    @property
-    def rows_per_s(self) -> float:
-        """Rows answered per second of the job (not counting rows that were never answered)."""
-        return self.rows_answered / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.rows_failed == 0
-
-    def latency_percentiles_ms(self) -> dict[str, float]:
-        """p50, p90, p99 and max of the per-request latencies (empty when there are none)."""
-        if not self.latencies_ms:
-            return {}
-        values = np.percentile(self.latencies_ms, [50, 90, 99, 100])
-        return dict(zip(("p50", "p90", "p99", "max"), (float(v) for v in values), strict=True))
-
-
 class Mapper(Protocol):
     """What run_job needs of a client: ``Client.map``."""
 
     def map(
         self,
-        arrays: Mapping[str, np.ndarray],
+        arrays: Mapping[str, Any],
         *,
         rows_per_request: int | None,
         concurrency: int,
@@ -134,85 +75,198 @@ class Mapper(Protocol):
 
 def run_job(
     client: Mapper,
-    arrays: Mapping[str, np.ndarray],
+    inputs: Mapping[str, np.ndarray] | Source,
     *,
     rows_per_request: int | None = 1,
     concurrency: int = 256,
     outputs: Sequence[str] | None = None,
     timeout_s: float = 60.0,
-    on_rows: Callable[[int], object] | None = None,
+    on_progress: Callable[[int], object] | None = None,
+    sink: Sink | None = None,
+    errors: Callable[[FailedRequest], object] | None = None,
 ) -> RunSummary:
-    """Send every row of ``arrays`` through ``client.map`` and stack the replies in input order.
+    """Send every row of ``inputs`` through ``client.map`` and hand the replies, in input order,
+    to ``sink`` (default: a ``MemorySink``, whose arrays become ``summary.outputs``).
 
-    Rows of failed requests are NaN in float outputs and zero otherwise, and are listed in
-    ``failures``. When a reply does not come within ``timeout_s``, the job sends nothing more:
-    the requests already in flight are still awaited (each within its own timeout), and the rows
+    Rows of failed requests are NaN in float outputs and zero otherwise (null in Parquet), and
+    are listed in ``failures``, or written to ``errors`` (the errors file's ``write``) as they
+    come. When a reply does not come within ``timeout_s``, the job sends nothing more: the
+    requests already in flight are still awaited (each within its own timeout), and the rows
     never sent are one failure with code ``WAIT_TIMEOUT`` (a client-side code). A job whose
     workers are gone thus ends after one timeout, not one per window of requests. Ctrl-C
-    (KeyboardInterrupt) stops it too, with the rows not yet answered listed as ``NOT_ANSWERED``
-    and ``interrupted`` set, so that the caller can still write what came back. ``on_rows(n)``
-    is called as rows come back (a progress bar's ``update``).
+    (KeyboardInterrupt) stops it too, with the rows not yet answered listed as
+    ``NOT_ANSWERED`` and ``interrupted`` set, so that the caller can still write what came
+    back. ``on_progress(n)`` is called as rows come back, ``n`` in the source's unit: rows
+    (and records skipped), or bytes of the input for text and JSON lines.
     """
-    n_rows = leading_rows(arrays)
-    summary = RunSummary(rows=n_rows, rows_per_request=rows_per_request)
-    stacker = _Stacker(n_rows)
-    done = 0
-    started = time.monotonic()
-    chunks = client.map(
-        arrays,
-        rows_per_request=rows_per_request,
-        concurrency=concurrency,
-        outputs=list(outputs) if outputs is not None else None,
-        timeout_s=timeout_s,
-        stop_on_timeout=True,
+    source = inputs if isinstance(inputs, Source) else _array_source(inputs)
+    job = _Job(source, sink or MemorySink(), on_progress, errors)
+    return job.run(client, rows_per_request, concurrency, outputs, timeout_s)
+
+
+def _array_source(arrays: Mapping[str, np.ndarray]) -> Source:
+    rows = leading_rows(arrays)
+    return Source(
+        "arrays", list(arrays), "row", iter([Block(dict(arrays))]), rows, rows, "row", arrays
     )
-    late: Chunk | None = None  # the first request whose reply did not come in time
-    try:
-        for chunk in chunks:
-            if chunk.error is not None and chunk.error.code == WAIT_TIMEOUT:
-                late = late or chunk
-            else:
-                _record_reply(summary, chunk)
-            error = chunk.error
-            if chunk.ok:
-                error = stacker.put(chunk.start, chunk.stop, chunk.outputs or {})
-            elif error is None:
+
+
+class _Job:
+    """One run_job call: map()'s chunks to the sink, the summary and the errors."""
+
+    def __init__(
+        self,
+        source: Source,
+        sink: Sink,
+        on_progress: Callable[[int], object] | None,
+        errors: Callable[[FailedRequest], object] | None,
+    ) -> None:
+        self.source = source
+        self.sink = sink
+        self.ledger = Ledger(source)
+        self.summary = RunSummary(rows=source.rows or 0, spill=errors)
+        self.on_progress = on_progress
+        self.done = 0  # rows yielded by map()
+        self.position = 0  # progress reported, in the source's unit
+
+    def run(
+        self,
+        client: Mapper,
+        rows_per_request: int | None,
+        concurrency: int,
+        outputs: Sequence[str] | None,
+        timeout_s: float,
+    ) -> RunSummary:
+        summary, source = self.summary, self.source
+        summary.rows_per_request = rows_per_request
+        arrays = source.arrays
+        started = time.monotonic()
+        chunks = client.map(
+            arrays if arrays is not None else maprows.chunks(source.names, self.ledger.inputs()),
+            rows_per_request=rows_per_request,
+            concurrency=concurrency,
+            outputs=list(outputs) if outputs is not None else None,
+            timeout_s=timeout_s,
+            stop_on_timeout=True,
+        )
+        late: Chunk | None = None  # the first request whose reply did not come in time
+        try:
+            for chunk in chunks:
+                if chunk.error is not None and chunk.error.code == WAIT_TIMEOUT:
+                    late = late or chunk
+                else:
+                    _record_reply(summary, chunk)
+                self._take(chunk)
+            self._skips(None)
+            if not self._all_done():  # map() stopped sending at a late reply
+                self._fail_rest(*_not_sent(late, timeout_s))
+        except RedisFull as exc:  # map() stopped sending, and awaited what it had sent
+            self._fail_rest(REDIS_FULL, one_line(exc))
+            summary.stopped_by = one_line(exc)
+        except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
+            self._fail_rest("NOT_ANSWERED", one_line(exc))
+            summary.stopped_by = one_line(exc)
+        except KeyboardInterrupt:
+            summary.interrupted = True
+            message = "the run was interrupted (Ctrl-C) before these rows were answered."
+            self._fail_rest("NOT_ANSWERED", message)
+        finally:
+            _close(chunks, summary)
+        summary.wall_s = time.monotonic() - started
+        self._count_rows()
+        summary.flush_failures()
+        summary.output_columns = self.sink.describe()
+        if isinstance(self.sink, MemorySink):
+            summary.outputs = self.sink.arrays
+        return summary
+
+    def _take(self, chunk: Chunk) -> None:
+        """One answered (or late) request: its rows to the sink, its failure listed."""
+        self._skips(chunk.start)
+        keys = self.ledger.keys(chunk.start, chunk.stop)
+        error = chunk.error
+        if chunk.ok:
+            error = self.sink.put(chunk.start, chunk.stop, keys, chunk.outputs or {})
+        else:
+            self.sink.put(chunk.start, chunk.stop, keys, None)
+            if error is None:
                 error = ErrorInfo("INTERNAL", "the reply carried no error detail.")
-            if error is not None:
-                summary.fail(
-                    FailedRequest(chunk.start, chunk.stop, chunk.rid, error.code, error.message)
-                )
-            done = chunk.stop
-            if on_rows is not None:
-                on_rows(chunk.stop - chunk.start)
-        if done < n_rows:  # map() stopped sending at a late reply
-            summary.fail(_not_sent(done, n_rows, late, timeout_s))
-    except RedisFull as exc:  # map() stopped sending, and awaited what it had sent
-        summary.fail(FailedRequest(done, n_rows, None, REDIS_FULL, one_line(exc)))
-        summary.stopped_by = one_line(exc)
-    except RedbatchError as exc:  # Redis went away mid-run: keep what came back, mark the rest
-        summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", one_line(exc)))
-        summary.stopped_by = one_line(exc)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-        message = "the run was interrupted (Ctrl-C) before these rows were answered."
-        summary.fail(FailedRequest(done, n_rows, None, "NOT_ANSWERED", message))
-    finally:
-        _close(chunks, summary)
-    summary.wall_s = time.monotonic() - started
-    summary.outputs = stacker.arrays
-    return summary
+        if error is not None:
+            ends = (keys[0], keys[-1]) if self.source.keyed and keys is not None else None
+            self.summary.fail(
+                FailedRequest(chunk.start, chunk.stop, chunk.rid, error.code, error.message, ends)
+            )
+        self.done = chunk.stop
+        self._progress(chunk.stop - chunk.start, self.ledger.position(chunk.stop))
+
+    def _skips(self, row: int | None) -> None:
+        """List the records skipped before ``row`` (None: every one read)."""
+        skipped = self.ledger.skipped_until(row)
+        for at, record in skipped:
+            keys = (record.key, record.key)
+            self.summary.skip(FailedRequest(at, at, None, UNREADABLE, record.message, keys))
+        if skipped:
+            self._progress(len(skipped), -1)
+
+    def _progress(self, rows: int, position: int) -> None:
+        if self.on_progress is None:
+            return
+        if self.source.unit == "row":
+            self.on_progress(rows)
+        elif position > self.position:
+            self.on_progress(position - self.position)
+            self.position = position
+
+    def _all_done(self) -> bool:
+        ledger = self.ledger
+        return ledger.ended and self.done >= ledger.rows_read
+
+    def _fail_rest(self, code: str, message: str) -> None:
+        """List the rows after the last one yielded: sent and not answered, or never sent."""
+        self._skips(self.done)
+        ledger = self.ledger
+        if ledger.error is not None and self.done >= ledger.rows_read:
+            return  # the reader's failure ended the input here: listed by _count_rows
+        stop = ledger.rows_known()
+        if stop is not None and stop <= self.done:
+            return
+        if self.source.arrays is not None and stop is not None:  # positional: rows as today
+            for start in range(self.done, stop, _FILL_ROWS):  # a piece at a time: memory
+                self.sink.put(start, min(start + _FILL_ROWS, stop), None, None)
+        keys = (ledger.key(self.done), None) if self.source.keyed else None
+        self.summary.fail(FailedRequest(self.done, stop, None, code, message, keys))
+        self._skips(None)  # records read among those rows, which were never rows either
+
+    def _count_rows(self) -> None:
+        """The input's size, as far as it is known, once the job is over."""
+        summary, ledger = self.summary, self.ledger
+        if ledger.error is not None and self.done >= ledger.rows_read:
+            message = f"the input could not be read past this row: {one_line(ledger.error)}"
+            summary.fail(FailedRequest(self.done, None, None, UNREADABLE, message, None))
+            summary.stopped_by = message
+        known = ledger.rows_known()
+        skipped = summary.rows_skipped
+        if self.source.arrays is not None:
+            summary.rows = self.source.rows or 0
+        elif known is not None:
+            summary.rows = known + skipped
+        else:
+            summary.rows = ledger.rows_read + skipped
+            summary.rows_unread = True
+        if ledger.ended and self.source.unit != "row" and self.on_progress is not None:
+            total = self.source.total or 0
+            if total > self.position:
+                self.on_progress(total - self.position)
 
 
-def _not_sent(start: int, stop: int, late: Chunk | None, timeout_s: float) -> FailedRequest:
+def _not_sent(late: Chunk | None, timeout_s: float) -> tuple[str, str]:
     if late is None:  # a Mapper that ended early on its own
-        message = "not answered: the client ended before these rows were sent."
-        return FailedRequest(start, stop, None, "NOT_ANSWERED", message)
+        return "NOT_ANSWERED", "not answered: the client ended before these rows were sent."
     message = (
         f"not sent: the run stopped sending at rows {late.start}:{late.stop}, whose reply did "
         f"not come within {timeout_s:g} s (is a worker serving this model?)."
     )
-    return FailedRequest(start, stop, None, WAIT_TIMEOUT, message)
+    return WAIT_TIMEOUT, message
 
 
 def _close(chunks: Iterable[Chunk], summary: RunSummary) -> None:
@@ -231,49 +285,12 @@ def _record_reply(summary: RunSummary, chunk: Chunk) -> None:
     """Count one answered chunk, and take its latency, batch size and serving worker."""
     summary.requests += 1
     summary.rows_answered += chunk.stop - chunk.start
-    summary.latencies_ms.append(chunk.latency_ms)
+    summary.add_latency(chunk.latency_ms)
     result = chunk.result
     if result.ok and result.batch_rows is not None:
         summary.batch_rows[int(result.batch_rows)] += 1
     model = result.model
     summary.served[(result.worker, model.name, model.version, model.sha256)] += 1
-
-
-class _Stacker:
-    """Output arrays allocated on the first successful reply, filled in place by row range."""
-
-    def __init__(self, n_rows: int) -> None:
-        self.n_rows = n_rows
-        self.arrays: dict[str, np.ndarray] = {}
-
-    def put(self, start: int, stop: int, outputs: Mapping[str, np.ndarray]) -> ErrorInfo | None:
-        """Place one answer's rows; an answer that does not fit is returned as an error.
-
-        The first answer fixes the output names and shapes: a later one with other names (a
-        worker of another model version, say) or shapes is a failure of those rows, never a
-        silent gap in the output.
-        """
-        if self.arrays and set(outputs) != set(self.arrays):
-            return ErrorInfo(
-                "OUTPUT_MISMATCH",
-                f"rows {start}:{stop} came back with outputs {sorted(outputs)}, but earlier rows "
-                f"had {sorted(self.arrays)}; were workers of different model versions serving?",
-            )
-        for name, part in outputs.items():
-            target = self.arrays.get(name)
-            shape = (self.n_rows, *part.shape[1:])
-            if target is not None and (target.shape != shape or len(part) != stop - start):
-                return ErrorInfo(
-                    "OUTPUT_MISMATCH",
-                    f"output {name!r} for rows {start}:{stop} has shape {part.shape}, which "
-                    f"does not stack with {target.shape}.",
-                )
-        for name, part in outputs.items():
-            if name not in self.arrays:
-                fill = np.nan if np.issubdtype(part.dtype, np.inexact) else 0
-                self.arrays[name] = np.full((self.n_rows, *part.shape[1:]), fill, dtype=part.dtype)
-            self.arrays[name][start:stop] = part
-        return None
 
 
 def leading_rows(arrays: Mapping[str, np.ndarray]) -> int:
@@ -286,87 +303,3 @@ def leading_rows(arrays: Mapping[str, np.ndarray]) -> int:
         detail = ", ".join(f"{n} has {r if r >= 0 else 'no'} rows" for n, r in rows.items())
         raise UsageError(f"every input needs the same number of rows (at least 1): {detail}.")
     return counts.pop()
-
-
-# ---------------------------------------------------------------------------------------------
-# The summary
-
-
-def format_summary(
-    summary: RunSummary, *, output_path: str | None = None, errors_path: str | None = None
-) -> str:
-    """The report ``redbatch run`` prints (and the demo prints) after a job."""
-    s = summary
-    size = ""
-    if s.rows_per_request == 1:
-        size = " of 1 row"
-    elif s.rows_per_request is not None:
-        size = f" of up to {s.rows_per_request} rows"
-    unanswered = s.rows - s.rows_answered
-    lines = [
-        f"rows        {s.rows_ok} ok, {s.rows_failed} failed, {s.rows} total, "
-        f"in {s.requests} request{'s' if s.requests != 1 else ''}{size}"
-        + (f"; {unanswered} not answered" if unanswered else "")
-        + (" (interrupted)" if s.interrupted else ""),
-        f"wall        {s.wall_s:.2f} s, throughput {s.rows_per_s:,.0f} rows/s "
-        f"({s.requests / s.wall_s if s.wall_s else 0:,.0f} requests/s)",
-    ]
-    pct = s.latency_percentiles_ms()
-    if pct:
-        lines.append(
-            "latency     "
-            + "  ".join(f"{k} {v:.1f} ms" for k, v in pct.items())
-            + "  (per request, client-side: sent to reply received)"
-        )
-    else:
-        lines.append("latency     none measured (no request was answered)")
-    if s.batch_rows:
-        mean = sum(rows * n for rows, n in s.batch_rows.items()) / s.batch_rows.total()
-        lines.append(
-            f"batch rows  mean {mean:.1f} "
-            "(rows in the batch each successful request ran in, from its reply)"
-        )
-        lines.append(f"  {'batch rows':>10}  {'requests':>8}")
-        lines += [
-            f"  {label:>10}  {count:>8}  {bar}".rstrip()
-            for label, count, bar in _histogram(s.batch_rows)
-        ]
-    for (worker, model, version, sha), count in sorted(s.served.items()):
-        lines.append(
-            f"served by   {worker}: model {model} version {version} "
-            f"(sha256 {sha[:12]}), {count} requests"
-        )
-    if s.failed_rows:
-        codes = ", ".join(
-            f"{code} {n} row{'s' if n != 1 else ''}" for code, n in s.failed_rows.most_common()
-        )
-        where = f"; listed in {errors_path}" if errors_path else ""
-        lines.append(f"failed      {codes}{where}")
-        first = s.failures[0]
-        lines.append(f"  first: rows {first.start}:{first.stop} {first.code}: {first.message}")
-    if output_path is not None:
-        shapes = ", ".join(f"{n} {a.dtype} {list(a.shape)}" for n, a in s.outputs.items())
-        lines.append(f"output      {output_path}: {shapes or 'no outputs (no request succeeded)'}")
-    return "\n".join(lines)
-
-
-def _histogram(distinct: Counter[int], width: int = 40) -> list[tuple[str, int, str]]:
-    """Counts per value when there are few distinct values, else per power-of-two bucket
-    (1, 2-3, 4-7, ...), each with a bar of '#' scaled to the largest count."""
-    if len(distinct) <= 12:
-        buckets = [(str(v), distinct[v]) for v in sorted(distinct)]
-    else:
-        by_exp: Counter[int] = Counter()
-        for value, count in distinct.items():
-            by_exp[max(value, 1).bit_length() - 1] += count
-        buckets = []
-        for exp in range(min(by_exp), max(by_exp) + 1):
-            low, high = 1 << exp, (1 << (exp + 1)) - 1
-            buckets.append((f"{low}-{high}", by_exp.get(exp, 0)))
-    top = max(n for _, n in buckets)
-    return [(label, n, "#" * max(1 if n else 0, round(width * n / top))) for label, n in buckets]
-
-
-def one_line(exc: BaseException) -> str:
-    """The exception's message with its whitespace collapsed, or its type's name when empty."""
-    return " ".join(str(exc).split()) or type(exc).__name__

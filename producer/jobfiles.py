@@ -2,8 +2,10 @@
 
 ``load_inputs`` memory-maps what it can (an .npy, and an .npz's uncompressed members), so a
 file larger than memory can be sent; ``write_outputs`` and ``write_errors`` write through a
-temporary file renamed over the target, so that a crash or Ctrl-C never leaves half a file.
-``FailedRequest`` is one line of the errors file.
+temporary file renamed over the target (``AtomicFile``), so that a crash or Ctrl-C never leaves
+half a file. ``FailedRequest`` is one line of the errors file; ``ErrorsFile`` writes them as
+they come, so that a long run's failures are not held in memory. (The other inputs are
+``producer.sources``', the other outputs ``producer.sinks``'.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ import numpy as np
 from producer.argtypes import UsageError
 from producer.codec import DTYPES
 
-__all__ = ["FailedRequest", "load_inputs", "write_errors", "write_outputs"]
+__all__ = [
+    "AtomicFile",
+    "ErrorsFile",
+    "FailedRequest",
+    "load_inputs",
+    "write_errors",
+    "write_outputs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +40,27 @@ class FailedRequest:
     """Rows ``start:stop`` that failed: a request answered ok = false or late (WAIT_TIMEOUT,
     with its rid), or, with no rid, rows never answered: those after a late reply stopped the
     run (WAIT_TIMEOUT), never sent because Redis was full (REDIS_FULL), or left when Redis
-    failed or Ctrl-C came (NOT_ANSWERED)."""
+    failed or Ctrl-C came (NOT_ANSWERED). ``stop`` is None for rows to the end of an input
+    that was never read to its end (its length unknown). An input record that could not be
+    read (UNREADABLE) is an entry with ``start == stop``: the row it would have been.
+
+    ``keys``, for inputs whose rows have keys (a file's path, a line number, ``--key``), holds
+    the keys of the first and the last row (None where those rows were never read)."""
 
     start: int
-    stop: int
+    stop: int | None
     rid: str | None
     code: str
     message: str
+    keys: tuple[Any, Any] | None = None
+
+    def as_json(self) -> str:
+        """The errors file's line: start, stop, rid, code, message, and key and last_key."""
+        row = {"start": self.start, "stop": self.stop, "rid": self.rid, "code": self.code}
+        row["message"] = self.message
+        if self.keys is not None:
+            row["key"], row["last_key"] = self.keys
+        return json.dumps(row, default=_json_value)
 
 
 _SENDABLE = {(dt.kind, dt.itemsize) for dt in DTYPES.values()}
@@ -114,21 +137,57 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
         return np.lib.format.read_array(member, allow_pickle=False)
 
 
+class AtomicFile:
+    """A file written under a temporary name in ``path``'s directory, renamed over ``path`` by
+    ``commit()``; ``discard()`` removes it. The file keeps the permissions of the one it
+    replaces, or gets those a plain ``open`` would give a new one (0666 less the umask), never
+    the temporary file's 0600."""
+
+    def __init__(self, path: Path, *, binary: bool = True) -> None:
+        self.path = path
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.tmp = Path(tmp)
+        try:
+            _set_mode(fd, path)
+            self.file: Any = os.fdopen(
+                fd, "wb" if binary else "w", encoding=None if binary else "utf-8"
+            )
+        except BaseException:
+            os.close(fd)
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def commit(self) -> None:
+        """Flush to disk and rename over the target."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Remove the temporary file; the target stays as it was."""
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _json_value(value: Any) -> Any:
+    """A key json cannot write as it is: a numpy scalar as its value, anything else as text."""
+    return value.item() if isinstance(value, np.generic) else str(value)
+
+
 def _write_atomic(path: Path, write: Callable[[Any], None], *, binary: bool) -> None:
-    """Write through a temporary file in the same directory, then rename over ``path``. The
-    file keeps the permissions of the one it replaces, or gets those a plain ``open`` would
-    give a new one (0666 less the umask), never the temporary file's 0600."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write through an ``AtomicFile``."""
+    target = AtomicFile(path, binary=binary)
     try:
-        _set_mode(fd, path)
-        with os.fdopen(fd, "wb" if binary else "w") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write(target.file)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        target.discard()
         raise
+    target.commit()
 
 
 def _set_mode(fd: int, path: Path) -> None:
@@ -170,11 +229,27 @@ def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:
 
 def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:
     """One JSON line per failed row range: start, stop, rid (of its one request, else None),
-    code, message (empty when none)."""
+    code, message (empty when none), and key and last_key for keyed inputs."""
 
     def write(fh: Any) -> None:
         for f in failures:
-            row = {"start": f.start, "stop": f.stop, "rid": f.rid, "code": f.code}
-            fh.write(json.dumps({**row, "message": f.message}) + "\n")
+            fh.write(f.as_json() + "\n")
 
     _write_atomic(path, write, binary=False)
+
+
+class ErrorsFile:
+    """The errors file written as failures come (``write``), renamed into place by
+    ``commit()``; ``discard()`` leaves the previous file as it was."""
+
+    def __init__(self, path: Path) -> None:
+        self._target = AtomicFile(path, binary=False)
+
+    def write(self, failure: FailedRequest) -> None:
+        self._target.file.write(failure.as_json() + "\n")
+
+    def commit(self) -> None:
+        self._target.commit()
+
+    def discard(self) -> None:
+        self._target.discard()

@@ -325,7 +325,7 @@ def fit_rows(session: Session, plan: window.MapPlan) -> Plan[None]:
     """Give ``plan`` the live workers' row limit, or check the caller's against it."""
     if plan.needs_row_limit:
         plan.use_row_limit(row_limit((yield from workers(session)), session.settings))
-    elif plan.rows:
+    elif plan.has_rows:
         check_rows_per_request(plan.rows_per_request, (yield from workers(session)))
 
 

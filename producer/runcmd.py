@@ -1,23 +1,23 @@
-"""``redbatch run``: an input file's rows through a model's workers, the replies written.
+"""``redbatch run``: an input's rows through a model's workers, the replies written.
 
 The command half of a job: its options, the checks made before anything is sent (paths, and the
-inputs against a live worker's record: names, dtypes, row shapes, outputs, rows per request),
-Ctrl-C and SIGTERM handling, and the exit status. The work itself is ``producer.job``'s:
-``load_inputs``, ``run_job``, ``write_errors``/``write_outputs`` and ``format_summary``.
+inputs against a live worker's record: ``producer.runchecks``), Ctrl-C and SIGTERM handling,
+and the exit status. The work itself is ``producer.job``'s ``run_job``; the input is opened by
+``producer.sources``, the outputs written by ``producer.sinks``, the errors file by
+``producer.jobfiles``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from producer import argtypes
 from producer.argtypes import (
@@ -27,35 +27,62 @@ from producer.argtypes import (
     UsageError,
     print_error,
 )
-from producer.job import (
-    RunSummary,
-    format_summary,
-    leading_rows,
-    load_inputs,
-    run_job,
-    write_errors,
-    write_outputs,
-)
+from producer.blocks import Source, SourceOptions
+from producer.job import RunSummary, format_summary, run_job
+from producer.jobfiles import ErrorsFile
 from producer.memory import DEFAULT_HIGH_WATERMARK
+from producer.runchecks import check_against_workers, model_dtypes, single_input_name
+from producer.sinks import Sink, open_sink
+from producer.sources import FORMATS, input_kind, open_source
 
 __all__ = ["HELP", "add_arguments", "run_command"]
 
 HELP = """\
-Send every row of an .npy or .npz file as requests to the model's workers, stack the replies in
-input order into one .npz, and print a summary (rows ok and failed, throughput, latency
-percentiles, batch sizes, the workers and model versions that served).
+Send every row of an input as requests to the model's workers, write the replies in input
+order, and print a summary (rows ok and failed, throughput, latency percentiles, batch sizes,
+the workers and model versions that served).
 
-An .npy is the model's single input, named by --input-name or by a live worker's record; an
-.npz holds one array per input, named as the model names them. Rows of failed requests are NaN
-(float outputs) or 0 in the output and are listed in the errors file: one JSON line per failed
-request, or per range of rows that share one fate (never sent, not answered), with "start" and
-"stop" row numbers. When a reply does not come within --timeout-s of its request, the run sends
-nothing more: the requests already in flight are still awaited, each late one is cancelled and
-listed with the client-side code WAIT_TIMEOUT, and so are the rows never sent. A crashed
-worker's requests are taken over after the workers' claim_idle_ms (30 s by default), so keep
---timeout-s above it. Ctrl-C or SIGTERM stops the run too, writing the rows answered so far and
-listing the rest as NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's
-output and errors file stay as they were).
+Inputs (the kind is told from the name; --format overrides):
+  X.npy, X.npz       arrays, memory-mapped: an .npy is the model's single input (named by
+                     --input-name or a live worker's record), an .npz holds one array per input
+  DIR/, 'GLOB'       one bytes row per file, sorted by path (a directory: every file under it,
+                     hidden ones left out; quote a glob so the shell leaves it alone; '**'
+                     recurses); the input named as for an .npy; key: path
+  X.txt              one string row per line, its newline (\\n or \\r\\n) removed and nothing
+                     else; empty lines are skipped (--keep-empty-lines sends them); key: line
+  X.jsonl, X.ndjson  one JSON object per line; the first one's keys are the inputs (--columns
+                     picks them; other keys of later lines are ignored):
+                     strings are string rows, numbers and lists of numbers numeric ones
+                     (dtype: --dtype, else the live workers' dtype for that input, else int64
+                     for integers, float32 for other numbers; a value the cast would change,
+                     1.5 as int64 or 300 as uint8, is not sent); key: line, or --key
+  X.parquet, X.arrow, X.feather
+                     columns via pyarrow (pip install 'redbatch[parquet]'): strings, binary,
+                     numbers, and (fixed-size) lists of numbers as 2-D rows; dtypes as for
+                     JSON lines; key: row (0-based), or --key
+Every input but arrays is read a block at a time as rows are sent, so an input far larger
+than memory streams through in bounded memory. A record that cannot be a row (a file that
+cannot be read, a line that is not UTF-8 or not an object with every input, a value of
+another type or shape than the first row's, a null) is skipped, listed as UNREADABLE, and the
+run goes on.
+
+Outputs: Y.npz (one array per output, plus the key array for inputs other than arrays) or
+Y.parquet (the key column, then one column per output; pyarrow). Both are written as the
+replies come, in bounded memory: a .parquet a row group at a time; an .npz through a
+temporary file per output beside it, zipped at the end (so it needs its size again in free
+disk meanwhile). Text outputs in an .npz are fixed-width arrays (NumPy drops trailing NUL
+bytes of bytes outputs: write a .parquet to keep them). Rows of failed requests are
+NaN (float outputs), 0 or empty in an .npz, null in a .parquet, and are listed in the errors
+file: one JSON line per failed request, or per range of rows that share one fate (never sent,
+not answered), with "start" and "stop" row numbers ("stop" null: to the end of an input that
+was never read to its end) and, for keyed inputs, the "key" and "last_key" of its rows.
+When a reply does not come within --timeout-s of its request, the run sends nothing more: the
+requests already in flight are still awaited, each late one is cancelled and listed with the
+client-side code WAIT_TIMEOUT, and so are the rows never sent. A crashed worker's requests are
+taken over after the workers' claim_idle_ms (30 s by default), so keep --timeout-s above it.
+Ctrl-C or SIGTERM stops the run too, writing the rows answered so far and listing the rest as
+NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's output and errors
+file stay as they were).
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 
@@ -63,20 +90,70 @@ examples:
   redbatch run --model demo --input x.npy --output y.npz
   redbatch run --model demo --input x.npy --input-name x --output y.npz --errors bad.jsonl
   redbatch run --model demo --input inputs.npz --output y.npz --rows-per-request 16 --no-progress
+  redbatch run --model vision --input 'images/**/*.jpg' --output labels.parquet
+  redbatch run --model embed --input sentences.txt --output vectors.parquet
+  redbatch run --model ranker --input queries.jsonl --key id --dtype features=float32 \\
+      --output scores.parquet
+  redbatch run --model ranker --input table.parquet --columns text,features --key id \\
+      --output scores.npz
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``run`` command's options (the connection options are ``cli``'s)."""
     parser.add_argument("--model", required=True, type=argtypes.model_name, help="model name")
-    parser.add_argument("--input", required=True, metavar="X.npy|X.npz", help="input array file")
-    parser.add_argument("--output", required=True, metavar="Y.npz", help="where to write outputs")
+    parser.add_argument(
+        "--input",
+        required=True,
+        metavar="PATH",
+        help="an .npy, .npz, .txt, .jsonl, .parquet or .arrow file, a directory, or a quoted glob",
+    )
+    parser.add_argument(
+        "--output", required=True, metavar="Y.npz|Y.parquet", help="where to write outputs"
+    )
     parser.add_argument(
         "--errors",
         metavar="ERRS.jsonl",
         help="failed requests, one JSON line each (default: OUTPUT.errors.jsonl)",
     )
-    parser.add_argument("--input-name", metavar="NAME", help="input name for an .npy file")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="the input's kind (default: auto, from its name; a directory or glob is 'files')",
+    )
+    parser.add_argument(
+        "--input-name",
+        metavar="NAME",
+        help="input name for an .npy, a .txt or files (default: the model's one input, from a "
+        "live worker)",
+    )
+    parser.add_argument(
+        "--columns",
+        type=_output_names,
+        metavar="NAME[,NAME]",
+        help=".jsonl, .parquet, .arrow: the columns to send (default: all but --key)",
+    )
+    parser.add_argument(
+        "--key",
+        metavar="COLUMN",
+        help=".jsonl, .parquet, .arrow: a column carried to the outputs and the errors file to "
+        "join rows back by (default: the line number, or the row index)",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=argtypes.dtype_specs,
+        action="extend",
+        default=[],
+        metavar="NAME=DTYPE[,...]",
+        help=".jsonl, .parquet, .arrow: send a numeric input as this dtype (repeatable)",
+    )
+    parser.add_argument(
+        "--keep-empty-lines",
+        action="store_true",
+        help=".txt: send empty lines as empty strings (default: skip them; keys still name "
+        "each row's line)",
+    )
     parser.add_argument(
         "--outputs",
         type=_output_names,
@@ -155,10 +232,11 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
 def _run(args: argparse.Namespace) -> int:
     from producer.client import Client
 
-    input_path, output_path = Path(args.input), Path(args.output)
+    output_path = Path(args.output)
     errors_path = Path(args.errors) if args.errors else Path(f"{output_path}.errors.jsonl")
-    _check_run_paths(input_path, output_path, errors_path)
+    kind = _check_run_paths(args, output_path, errors_path)
     summary = None
+    written = _Written()
     try:
         with Client(
             args.model,
@@ -169,40 +247,99 @@ def _run(args: argparse.Namespace) -> int:
             memory_high_watermark=args.memory_high_watermark,
         ) as c:
             records = [r for r in c.workers() if isinstance(r, dict)]
-            arrays = load_inputs(input_path, lambda: _single_input_name(args, records))
-            _check_against_workers(args, arrays, records)
-            progress = _progress_bar(leading_rows(arrays), disable=args.no_progress)
+            source = _open_input(args, kind, records, (output_path, errors_path))
+            key_name = source.key_name if source.keyed or output_path.suffix == ".parquet" else None
+            written.sink = open_sink(output_path, key_name)
+            written.errors = ErrorsFile(errors_path)
+            progress = _progress_bar(source.total, source.unit, disable=args.no_progress)
             try:
                 summary = run_job(
                     c,
-                    arrays,
+                    source,
                     rows_per_request=args.rows_per_request,
                     concurrency=args.concurrency,
                     outputs=args.outputs,
                     timeout_s=args.timeout_s,
-                    on_rows=progress.update,
+                    on_progress=progress.update,
+                    sink=written.sink,
+                    errors=written.errors.write,
                 )
             finally:
                 progress.close()
     except KeyboardInterrupt:
         if summary is None:
+            written.discard()
             raise
         summary.interrupted = True  # came after the job, while closing: the results stand
-    return _finish_run(summary, output_path, errors_path)
+    except BaseException:
+        written.discard()
+        raise
+    return _finish_run(summary, written, output_path, errors_path)
 
 
-def _finish_run(summary: RunSummary, output_path: Path, errors_path: Path) -> int:
+def _open_input(
+    args: argparse.Namespace, kind: str, records: list[dict[str, Any]], exclude: tuple[Path, ...]
+) -> Source:
+    """The input opened, and its first rows checked against a live worker's record."""
+    options = SourceOptions(
+        input_name=lambda: single_input_name(args, records),
+        format=kind,
+        columns=tuple(args.columns) if args.columns else None,
+        key=args.key,
+        dtypes=dict(args.dtype),
+        model_dtypes=model_dtypes(records),
+        keep_empty_lines=args.keep_empty_lines,
+        exclude=exclude,
+    )
+    source = open_source(args.input, options)
+    if source.arrays is not None:
+        first = source.arrays
+    else:  # the first block, read ahead and put back
+        block = next(source.blocks, None)
+        if block is None:
+            return source
+        source.blocks = itertools.chain([block], source.blocks)
+        first = block.inputs if block.rows else {}
+    key_name = source.key_name if source.keyed or args.output.endswith(".parquet") else None
+    if first:
+        check_against_workers(args, first, records, source.kind, key_name)
+    return source
+
+
+class _Written:
+    """The run's output and errors file while they are written (temporary files)."""
+
+    def __init__(self) -> None:
+        self.sink: Sink | None = None
+        self.errors: ErrorsFile | None = None
+
+    def commit(self) -> None:
+        """The errors file first: it says what the outputs lack."""
+        assert self.sink is not None
+        assert self.errors is not None
+        self.errors.commit()
+        self.sink.commit()
+
+    def discard(self) -> None:
+        for part in (self.sink, self.errors):
+            if part is not None:
+                part.discard()
+
+
+def _finish_run(
+    summary: RunSummary, written: _Written, output_path: Path, errors_path: Path
+) -> int:
     """Write the errors file, then the outputs (Ctrl-C held meanwhile), print the summary, and
     say how the run ended. Interrupted before any reply came, nothing is written, so that the
     files of an earlier run are kept as a pair."""
     if summary.interrupted and not summary.requests:
+        written.discard()
         print(format_summary(summary))
         print(f"output      {output_path} and {errors_path}: not written (nothing answered)")
         print_error("interrupted before any reply came; nothing was written")
         return EXIT_INTERRUPTED
     with _sigint_deferred() as deferred:
-        write_errors(errors_path, summary.failures)  # first: it says what the outputs lack
-        write_outputs(output_path, summary.outputs)
+        written.commit()
     print(format_summary(summary, output_path=str(output_path), errors_path=str(errors_path)))
     if summary.stopped_by is not None:
         print_error(f"the run stopped early: {summary.stopped_by}")
@@ -241,117 +378,39 @@ def _sigint_deferred() -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
-def _check_run_paths(input_path: Path, output_path: Path, errors_path: Path) -> None:
-    if not input_path.is_file():
-        raise UsageError(f"input file {str(input_path)!r} does not exist.")
+def _check_run_paths(args: argparse.Namespace, output_path: Path, errors_path: Path) -> str:
+    """Check the paths before Redis is asked anything; returns the input's kind."""
+    kind = input_kind(args.input, args.format)
+    input_path = Path(args.input)
+    if kind != "files" and not input_path.is_file():
+        raise UsageError(f"input file {args.input!r} does not exist.")
     for path in (output_path, errors_path):
         if not path.parent.is_dir():
             raise UsageError(f"directory {str(path.parent)!r} for {str(path)!r} does not exist.")
-    if output_path.resolve() == input_path.resolve():
+    if kind != "files" and output_path.resolve() == input_path.resolve():
         raise UsageError("--output must not be the --input file.")
-    if errors_path.resolve() in (input_path.resolve(), output_path.resolve()):
-        which = "--input" if errors_path.resolve() == input_path.resolve() else "--output"
+    if errors_path.resolve() == output_path.resolve() or (
+        kind != "files" and errors_path.resolve() == input_path.resolve()
+    ):
+        which = "--output" if errors_path.resolve() == output_path.resolve() else "--input"
         raise UsageError(f"--errors must not be the {which} file.")
-    if output_path.suffix != ".npz":
+    if output_path.suffix not in (".npz", ".parquet"):
         raise UsageError(
             f"--output {str(output_path)!r}: outputs are written as an .npz (one array per "
-            "model output); give a name that ends in .npz."
+            "model output) or a .parquet (one column per output); give a name that ends in "
+            ".npz or .parquet."
         )
+    return kind
 
 
-def _single_input_name(args: argparse.Namespace, records: list[dict[str, Any]]) -> str:
-    """The input name for a .npy: --input-name, or the one input a live worker reports."""
-    if args.input_name:
-        return str(args.input_name)
-    for record in records:
-        names = [i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)]
-        if len(names) == 1 and isinstance(names[0], str):
-            return names[0]
-        if len(names) > 1:
-            raise UsageError(
-                f"model {args.model!r} takes {len(names)} inputs ({', '.join(map(str, names))}); "
-                "pass an .npz holding one array per input."
-            )
-    raise UsageError(
-        f"no live worker reports the input name of model {args.model!r}; "
-        "pass --input-name NAME, or start a worker first."
-    )
-
-
-def _check_against_workers(
-    args: argparse.Namespace, arrays: Mapping[str, np.ndarray], records: list[dict[str, Any]]
-) -> None:
-    """Fail before sending anything when a live worker already says every request would fail."""
-    if not records:
-        print(
-            f"redbatch: note: no live worker for model {args.model!r}; "
-            "requests wait in the stream until one starts.",
-            file=sys.stderr,
-        )
-        return
-    record = records[0]
-    expected = {i.get("name") for i in record.get("inputs") or [] if isinstance(i, dict)}
-    if expected and set(arrays) != expected:
-        raise UsageError(
-            f"input arrays {sorted(arrays)} do not match model {args.model!r} inputs "
-            f"{sorted(map(str, expected))}."
-        )
-    _check_dtypes(args.model, arrays, record)
-    _check_shapes(args.model, arrays, record)
-    outputs = {o.get("name") for o in record.get("outputs") or [] if isinstance(o, dict)}
-    unknown = sorted(set(args.outputs or ()) - outputs) if outputs else []
-    if unknown:
-        raise UsageError(
-            f"--outputs {', '.join(unknown)}: model {args.model!r} has no such output; it has "
-            f"{', '.join(sorted(map(str, outputs)))}."
-        )
-    limit = (record.get("batching") or {}).get("max_batch_size")
-    if isinstance(limit, int) and args.rows_per_request and args.rows_per_request > limit:
-        raise UsageError(
-            f"--rows-per-request {args.rows_per_request} is over the workers' "
-            f"max_batch_size={limit}; use {limit} or less."
-        )
-
-
-def _check_dtypes(model: str, arrays: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
-    """A dtype the model does not take fails every request, one by one: say so before sending
-    (the workers never convert types; the file is the caller's to cast)."""
-    for spec in record.get("inputs") or []:
-        if not isinstance(spec, dict) or spec.get("name") not in arrays:
-            continue
-        want, got = spec.get("dtype"), arrays[spec["name"]].dtype.newbyteorder("=")
-        with contextlib.suppress(TypeError):  # a dtype numpy does not know: let the worker judge
-            if isinstance(want, str) and want and got != np.dtype(want):
-                raise UsageError(
-                    f"input {spec['name']!r} is {got}, but model {model!r} takes {want}: every "
-                    f"request would be refused. Cast the array first, e.g. "
-                    f"np.save(path, x.astype(np.{want}))."
-                )
-
-
-def _check_shapes(model: str, arrays: Mapping[str, np.ndarray], record: dict[str, Any]) -> None:
-    """Likewise a row shape the model does not take: every request would be refused, one by
-    one (a 200,000-row file cost 30 s of worker time and a 34 MB errors file)."""
-    for spec in record.get("inputs") or []:
-        shape = spec.get("shape") if isinstance(spec, dict) else None
-        if not isinstance(shape, list) or spec.get("name") not in arrays or not shape:
-            continue
-        got = arrays[spec["name"]].shape
-        fits = len(got) == len(shape) and all(
-            not isinstance(want, int) or want < 0 or want == have
-            for want, have in zip(shape[1:], got[1:], strict=True)
-        )
-        if not fits:
-            rows_of = ", ".join(str(d if isinstance(d, int) and d >= 0 else "N") for d in shape[1:])
-            raise UsageError(
-                f"input {spec['name']!r} has shape {list(got)}, but model {model!r} takes "
-                f"rows of shape [{rows_of}] (the model's shape is {shape}): every request "
-                "would be refused."
-            )
-
-
-def _progress_bar(total: int, *, disable: bool) -> Any:
+def _progress_bar(total: int | None, unit: str, *, disable: bool) -> Any:
     from tqdm import tqdm
 
     # disable=None lets tqdm turn itself off when stderr is not a terminal.
-    return tqdm(total=total, unit="row", file=sys.stderr, disable=True if disable else None)
+    return tqdm(
+        total=total,
+        unit=unit,
+        unit_scale=unit == "B",
+        file=sys.stderr,
+        disable=True if disable else None,
+    )

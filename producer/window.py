@@ -12,9 +12,9 @@ without Redis.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 from producer.connection import block_s
 from producer.core import (
@@ -29,6 +29,7 @@ from producer.core import (
     parse_reply_or_fail,
 )
 from producer.errors import RedisFull, WaitTimeout
+from producer.maprows import RowFeed
 
 #: The client-side code of a request whose reply did not come in time (map() and ``redbatch
 #: run``); its request is cancelled, so a worker that has not formed its batch yet skips it.
@@ -149,8 +150,14 @@ class MapPlan:
 
     At most ``concurrency`` requests are in flight, and at most ``2 * concurrency`` are held
     between being sent and being yielded, so a slow first request cannot make the plan buffer
-    the whole input. ``plans.run_map`` loops: ``take()`` and send, ``sent()``, yield ``ready()``,
-    then wait on ``waiter`` and hand its Results to ``answered()``, until ``finished``.
+    the whole input. ``plans.run_map`` loops: ``take()`` and send, ``sent()``, yield
+    ``ready()``, then wait on ``waiter`` and hand its Results to ``answered()``, until
+    ``finished``.
+
+    The inputs are a ``maprows.RowFeed`` (arrays, iterators of rows, ``Blocks``), read only as
+    requests are sent, so an iterator over an input larger than memory is read a window at a
+    time. Each request's rows are kept until it is answered (views, for arrays), to send it
+    again after an interruption.
 
     With ``stop_on_timeout``, the first late reply stops the sending: the requests already in
     flight are still awaited and yielded, and then the plan is finished with the rows after
@@ -162,7 +169,7 @@ class MapPlan:
     def __init__(
         self,
         settings: Settings,
-        arrays: Mapping[str, ArrayLike],
+        arrays: Mapping[str, Any],
         *,
         rows_per_request: int | None,
         concurrency: int,
@@ -172,12 +179,15 @@ class MapPlan:
     ) -> None:
         if type(concurrency) is not int or concurrency < 1:
             raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}.")
-        self._arrays, self.rows = _leading_rows(arrays)
+        self._feed = RowFeed(arrays)
+        #: The row count when known in advance (an input is an array), else None.
+        self.rows = self._feed.rows
         self._concurrency = concurrency
         self._outputs = outputs
         self._rows_per_request = 0
         self._next_start = 0
         self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
+        self._rows_of: dict[str, dict[str, np.ndarray]] = {}  # rid -> its rows, until answered
         self._sent_at: dict[str, float] = {}  # rid -> monotonic send time
         self._answered: dict[int, Chunk] = {}  # start -> chunk
         self._next_yield = 0  # start of the next chunk to yield
@@ -195,9 +205,14 @@ class MapPlan:
         return self._rows_per_request or None
 
     @property
+    def has_rows(self) -> bool:
+        """True when there are rows to send (an iterator is read ahead by one row to know)."""
+        return self._next_start > 0 or self._feed.has_rows()
+
+    @property
     def needs_row_limit(self) -> bool:
         """True when the caller gave no rows_per_request and there are rows to send."""
-        return self._rows_per_request == 0 and self.rows > 0
+        return self._rows_per_request == 0 and self.has_rows
 
     def use_row_limit(self, rows_per_request: int) -> None:
         """Send at most ``rows_per_request`` rows per request."""
@@ -218,7 +233,7 @@ class MapPlan:
         plan has yielded every request it sent."""
         if self.stopped:
             return not self._in_flight and not self._answered
-        return self._next_yield >= self.rows
+        return self._feed.exhausted and self._next_yield >= self._next_start
 
     def take(self, now_s: float) -> list[Submission]:
         """The requests to send now to fill the window; ``now_s`` is the Unix time."""
@@ -228,12 +243,12 @@ class MapPlan:
             return []
         room = min(self._concurrency - len(self._in_flight), 2 * self._concurrency - self._held)
         subs = []
-        while room > 0 and self._next_start < self.rows:
+        while room > 0 and (inputs := self._feed.take(self._rows_per_request)) is not None:
             start = self._next_start
-            stop = min(start + self._rows_per_request, self.rows)
-            inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
+            stop = start + len(next(iter(inputs.values())))
             sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
             self._in_flight[sub.rid] = (start, stop)
+            self._rows_of[sub.rid] = inputs
             self._next_start = stop
             self._held += 1
             subs.append(sub)
@@ -251,6 +266,7 @@ class MapPlan:
         stop sending; the requests already in flight are still awaited."""
         for sub in subs:
             start, _ = self._in_flight.pop(sub.rid)
+            del self._rows_of[sub.rid]
             self._next_start = min(self._next_start, start)
             self._held -= 1
         self.stopped = True
@@ -260,6 +276,7 @@ class MapPlan:
         """Record replies that arrived by ``now`` (monotonic); failed ones keep ``error``."""
         for result in results:
             start, stop = self._in_flight.pop(result.rid)
+            del self._rows_of[result.rid]
             latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
             late = result.error is not None and result.error.code == WAIT_TIMEOUT
             self.stopped = self.stopped or (late and self._stop_on_timeout)
@@ -271,12 +288,10 @@ class MapPlan:
         """The requests whose reply is still awaited (not answered, not given up on), built
         again from their rows (bodies are not kept: up to ``concurrency`` of them could be
         large) with the same rids, to send again after an interruption."""
-        subs = []
-        for rid in self.waiter.rids():
-            start, stop = self._in_flight[rid]
-            inputs = {name: arr[start:stop] for name, arr in self._arrays.items()}
-            subs.append(build_submission(inputs, outputs=self._outputs, rid=rid, now_s=now_s))
-        return subs
+        return [
+            build_submission(self._rows_of[rid], outputs=self._outputs, rid=rid, now_s=now_s)
+            for rid in self.waiter.rids()
+        ]
 
     def ready(self) -> list[Chunk]:
         """The answered chunks that come next in input order, removed from the plan."""
@@ -286,18 +301,3 @@ class MapPlan:
             self._next_yield = chunk.stop
             self._held -= 1
         return chunks
-
-
-def _leading_rows(arrays: Mapping[str, ArrayLike]) -> tuple[dict[str, np.ndarray], int]:
-    """The inputs as arrays, and the row count they share."""
-    if not arrays:
-        raise ValueError("map() needs at least one input array.")
-    as_arrays = {name: np.asarray(a) for name, a in arrays.items()}
-    for name, a in as_arrays.items():
-        if a.ndim == 0:
-            raise ValueError(f"map() splits inputs by rows; input {name!r} is a scalar.")
-    rows = {name: a.shape[0] for name, a in as_arrays.items()}
-    if len(set(rows.values())) > 1:
-        listed = ", ".join(f"{name!r} has {n}" for name, n in rows.items())
-        raise ValueError(f"map() needs every input to have the same number of rows: {listed}.")
-    return as_arrays, next(iter(rows.values()))

@@ -519,7 +519,7 @@ def test_run_job_interrupted_while_handling_a_reply_keeps_it() -> None:
         if len(calls) == 2:
             raise KeyboardInterrupt
 
-    summary = run_job(client, {"x": x}, on_rows=progress)
+    summary = run_job(client, {"x": x}, on_progress=progress)
 
     assert summary.interrupted
     assert client.closed
@@ -677,6 +677,27 @@ def test_help_describes_each_command(argv: list[str], capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "examples:" in out
     assert "usage: redbatch" in out
+
+
+def test_run_help_documents_every_option_and_input_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from producer import runcmd
+
+    parser = argparse.ArgumentParser()
+    runcmd.add_arguments(parser)
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+    assert main(["run", "--help"]) == 0
+
+    out = capsys.readouterr().out
+    for action in options:
+        assert action.help, f"{action.option_strings[0]} has no help"
+        assert action.option_strings[0] in out
+    for kind in (".npy", ".txt", ".jsonl", ".parquet", ".arrow", "glob", "Y.parquet"):
+        assert kind in out
+    assert "pip install 'redbatch[parquet]'" in out
+    assert "bounded memory" in out
 
 
 def test_python_dash_m_producer_is_the_same_command_line() -> None:

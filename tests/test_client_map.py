@@ -4,6 +4,7 @@ on a real Redis with a fake replier standing in for the worker."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,9 +20,11 @@ from fakes import (
     reply_to_entries,
     xs,
 )
+from test_run_sources import EchoWorker
 
-from producer import keys
+from producer import codec, core, keys, window
 from producer.errors import InvalidInput, NoWorkerInfo
+from producer.maprows import Blocks, RowFeed
 
 if TYPE_CHECKING:
     from shells import Shell
@@ -155,3 +158,130 @@ def test_workers_lists_live_records_and_forgets_expired_ones(
 
     assert [r["name"] for r in records] == ["a", "b"]
     assert rconn.smembers(keys.workers_key(PREFIX, MODEL)) == {b"a", b"b"}
+
+
+# ---------------------------------------------------------------------------------------------
+# string and bytes inputs, and inputs streamed from iterators
+
+
+@pytest.fixture
+def echo(redis_url: str) -> Iterator[EchoWorker]:
+    """Answers each string or bytes input ``s`` with ``s`` and ``s_len``, numbers doubled."""
+    worker = EchoWorker(redis_url, MODEL)
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+@pytest.mark.usefixtures("echo")
+def test_map_sends_lists_and_generators_of_str_and_bytes_rows_in_order(client: Any) -> None:
+    words = [f"w{i}" * (i % 4 + 1) for i in range(50)]
+    blobs = (bytes([i]) * (i % 3) + b"\x00" for i in range(50))  # trailing NULs kept
+
+    chunks = list(
+        client.map({"s": words, "b": blobs, "x": xs(50)}, rows_per_request=3, concurrency=4)
+    )
+
+    assert [(c.start, c.stop) for c in chunks] == [(i, min(i + 3, 50)) for i in range(0, 50, 3)]
+    outputs = {
+        name: np.concatenate([c.outputs[name] for c in chunks]).tolist()
+        for name in ("s", "s_len", "b", "x")
+    }
+    assert outputs["s"] == words
+    assert outputs["s_len"] == [len(w) for w in words]
+    assert outputs["b"] == [bytes([i]) * (i % 3) + b"\x00" for i in range(50)]
+    assert outputs["x"] == (xs(50) * 2).tolist()
+
+
+@pytest.mark.usefixtures("echo")
+def test_map_takes_numpy_text_arrays(client: Any) -> None:
+    unicode = np.array(["é", "üb", "c"])  # 'U'
+    raw = np.array([b"a", b"bb", b"ccc"])  # 'S'
+    objects = np.array(["x", "yy", "zzz"], dtype=object)  # named by its first element
+
+    [chunk] = list(client.map({"u": unicode, "r": raw, "o": objects}, rows_per_request=3))
+
+    assert chunk.outputs["u"].tolist() == ["é", "üb", "c"]
+    assert chunk.outputs["r"].tolist() == [b"a", b"bb", b"ccc"]
+    assert chunk.outputs["o_len"].tolist() == [1, 2, 3]
+
+
+@pytest.mark.usefixtures("echo")
+def test_map_reads_an_iterator_only_as_it_sends(client: Any) -> None:
+    # Given a generator that counts the rows taken from it
+    taken = 0
+
+    def lines() -> Iterator[str]:
+        nonlocal taken
+        for i in range(2000):
+            taken += 1
+            yield f"line {i}"
+
+    chunks = client.map({"s": lines()}, rows_per_request=2, concurrency=4)
+
+    # Then the first chunk comes back before the generator was read beyond the window (at
+    # most 2 * concurrency requests held, one row read ahead), and every row comes back
+    first = next(chunks)
+    assert taken <= 2 * 4 * 2 + 1
+    rest = list(chunks)
+    assert taken == 2000
+    assert [r for c in [first, *rest] for r in c.outputs["s"]] == [f"line {i}" for i in range(2000)]
+
+
+def test_map_inputs_that_end_apart_raise_value_error(client: Any, replier: FakeReplier) -> None:
+    chunks = client.map(
+        {"x": xs(4), "y": (v for v in xs(6))}, rows_per_request=2, concurrency=2, timeout_s=20
+    )
+    with pytest.raises(ValueError, match="same number of rows: after row 4"):
+        list(chunks)
+
+
+def test_map_of_an_empty_iterator_yields_nothing(client: Any) -> None:
+    # No worker is registered, and none is needed for zero rows
+    assert list(client.map({"s": iter([])})) == []
+
+
+def test_map_of_an_iterator_takes_rows_per_request_from_the_live_workers(
+    client: Any, rconn: redis.Redis, replier: FakeReplier
+) -> None:
+    register_worker(rconn, "w-small", 4)
+
+    chunks = list(client.map({"x": (row for row in xs(10))}, concurrency=2))
+
+    assert [(c.start, c.stop) for c in chunks] == [(0, 4), (4, 8), (8, 10)]
+    np.testing.assert_array_equal(np.concatenate([c.outputs["y"] for c in chunks]), xs(10) * 2)
+
+
+def test_map_request_bodies_are_the_rows_encoded_whatever_feeds_them() -> None:
+    # Given the same float rows as an array, as blocks of other sizes, and as a row iterator
+    settings = core.Settings.create(MODEL, PREFIX, None, False)
+    x = np.random.default_rng(3).random((23, 5), dtype=np.float32)
+    feeds = {
+        "array": x,
+        "blocks": Blocks([x[:4], x[4:4], x[4:15], x[15:]]),
+        "rows": iter(list(x)),
+    }
+    # Then each request's body is the codec's encoding of its rows, byte for byte
+    expected = [codec.encode_request({"x": x[i : i + 5]}) for i in range(0, 23, 5)]
+    for feed in feeds.values():
+        plan = window.MapPlan(
+            settings, {"x": feed}, rows_per_request=5, concurrency=8, outputs=None, timeout_s=5
+        )
+        assert [sub.body for sub in plan.take(now_s=0)] == expected
+
+
+def test_map_reads_objects_numpy_converts_as_arrays_not_as_iterators() -> None:
+    class Frame:  # a pandas Series or a tensor: iterable, but an array to numpy
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            return xs(4)
+
+        def __iter__(self) -> Iterator[np.ndarray]:
+            raise AssertionError("read as an array, not row by row")
+
+    feed = RowFeed({"x": Frame(), "t": ["a", "b", "c", "d"]})
+
+    assert feed.rows == 4
+    taken = feed.take(3)
+    assert taken is not None
+    np.testing.assert_array_equal(taken["x"], xs(4)[:3])
+    assert codec.wire_dtype(taken["t"]) == "string"
