@@ -83,6 +83,7 @@ def test_live_worker_record_is_in_redis_and_removed_on_clean_exit(
             "name": "features",
             "dtype": "float32",
             "shape": [-1, 16],
+            "batch_axis": 0,
             "min": -5.0,
             "max": 5.0,
             "reject_non_finite": True,
