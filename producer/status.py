@@ -29,8 +29,10 @@ from producer.statusformat import (
     memory_summary,
     printable,
     producers_refused,
+    record_lines,
     show,
     table,
+    tensor_spec,
 )
 
 __all__ = [
@@ -476,23 +478,5 @@ def _format_workers(status: ModelStatus) -> list[str]:
         lines.append(f"  {w.name}:")
         if w.get("error"):
             lines.append(f"    {w.get('error')}")
-        lines += [f"    input  {tensor_spec(t, ranged=True)}" for t in w.get("inputs") or []]
-        lines += [f"    output {tensor_spec(t, ranged=False)}" for t in w.get("outputs") or []]
+        lines += [f"    {line}" for line in record_lines(w.record)]
     return lines
-
-
-def tensor_spec(spec: Any, *, ranged: bool) -> str:
-    """One input or output of a worker record, as status shows it and the worker logs it:
-    name, dtype, shape (? for a free dimension) and, with ``ranged``, the configured range."""
-    if not isinstance(spec, dict):
-        return show(spec)
-    shape = spec.get("shape")
-    dims = "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]" if shape else "-"
-    text = f"{show(spec.get('name'))} {show(spec.get('dtype'))} {dims}"
-    if ranged:
-        low, high = spec.get("min"), spec.get("max")
-        if low is not None or high is not None:
-            text += f" range [{show(low, '-inf')}, {show(high, 'inf')}]"
-        if spec.get("reject_non_finite"):
-            text += " finite only"
-    return text

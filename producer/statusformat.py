@@ -1,5 +1,6 @@
 """Text pieces ``redbatch status`` and its ``--watch`` view share: terminal-safe text, tables,
-durations, byte sizes, and what Redis memory means for producers.
+durations, byte sizes, what Redis memory means for producers, and how a worker's record names
+its tensors and its pipeline.
 
 Both reports say the same thing about memory in the same words, so an operator who knows one
 reads the other: how full Redis is against ``maxmemory``, and whether producers are refused
@@ -21,10 +22,13 @@ __all__ = [
     "duration",
     "memory_notes",
     "memory_summary",
+    "pipeline_summary",
     "printable",
     "producers_refused",
+    "record_lines",
     "show",
     "table",
+    "tensor_spec",
 ]
 
 #: What the reports say when ``INFO memory`` cannot be read (an ACL user without ``+info``).
@@ -127,3 +131,67 @@ def memory_notes(reading: MemoryReading) -> list[str]:
             "replies without a word; set noeviction (docs/security.md)"
         )
     return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# A worker's record
+
+
+def tensor_spec(spec: Any, *, ranged: bool) -> str:
+    """One input or output of a worker record, as status shows it and the worker logs it:
+    name, dtype, shape (? for a free dimension) and, with ``ranged``, the configured range."""
+    if not isinstance(spec, dict):
+        return show(spec)
+    shape = spec.get("shape")
+    dims = "[" + ", ".join("?" if d == -1 else str(d) for d in shape) + "]" if shape else "-"
+    text = f"{show(spec.get('name'))} {show(spec.get('dtype'))} {dims}"
+    if ranged:
+        low, high = spec.get("min"), spec.get("max")
+        if low is not None or high is not None:
+            text += f" range [{show(low, '-inf')}, {show(high, 'inf')}]"
+        if spec.get("reject_non_finite"):
+            text += " finite only"
+    return text
+
+
+def pipeline_summary(pipeline: Any) -> str:
+    """A record's ``pipeline`` in one line: handler, its source's sha256 prefix, threads, time
+    limit, batch hooks and options (``handler:Class (sha256 1a2b3c4d5e6f), 2 threads, ...``)."""
+    if not isinstance(pipeline, dict):
+        return show(pipeline)
+    parts = [f"{show(pipeline.get('handler'))} (sha256 {show(pipeline.get('sha256'))[:12]})"]
+    threads = pipeline.get("threads")
+    parts.append(f"{show(threads)} thread{'' if threads == 1 else 's'}")
+    if pipeline.get("timeout_s") is not None:
+        parts.append(f"timeout {show(pipeline.get('timeout_s'))} s")
+    hooks = pipeline.get("batch_hooks")
+    if hooks:
+        parts.append("batch hooks " + ", ".join(map(str, hooks)))
+    options = pipeline.get("options")
+    if isinstance(options, dict) and options:
+        parts.append("options " + ", ".join(f"{k}={v!r}" for k, v in options.items()))
+    return ", ".join(parts)
+
+
+def record_lines(record: dict[str, Any]) -> list[str]:
+    """A worker's tensors as status lists them: with a pipeline, the pipeline and what requests
+    send and replies carry, then the model's own inputs and outputs."""
+    lines, model = [], ""
+    pipeline = record.get("pipeline")
+    if isinstance(pipeline, dict):
+        lines.append(f"pipeline {pipeline_summary(pipeline)}")
+        lines += [
+            f"request input  {tensor_spec(t, ranged=False)}" for t in _list(pipeline, "inputs")
+        ]
+        lines += [
+            f"reply output   {tensor_spec(t, ranged=False)}" for t in _list(pipeline, "outputs")
+        ]
+        model = "model "
+    lines += [f"{model}input  {tensor_spec(t, ranged=True)}" for t in _list(record, "inputs")]
+    lines += [f"{model}output {tensor_spec(t, ranged=False)}" for t in _list(record, "outputs")]
+    return lines
+
+
+def _list(record: dict[str, Any], key: str) -> list[Any]:
+    value = record.get(key)
+    return value if isinstance(value, list) else []

@@ -4,8 +4,11 @@ Each refresh takes a ``Snapshot`` (``producer.watchstats.take_snapshot``): the m
 stream's and group's counters and, when asked, the workers' ``/metrics``. ``render`` turns two
 snapshots into a frame of plain text: backlog and where it sits, requests in and out per second,
 Redis memory against ``maxmemory`` (and whether producers are refused), dead letters, worker-side
-latency percentiles and batch rows from the metrics histograms, and each live worker's model
-version, providers and requests per second; ``producer.watchstats`` does the maths. Callers'
+latency percentiles and batch rows from the metrics histograms, each live worker's model
+version, providers and requests per second, and, from its record's running totals, how long its
+pipeline's hooks take per request, how busy its hook threads and its model are, and the verdict
+``producer.stages`` gives (bound by preprocessing, or by the model); ``producer.watchstats``
+does the maths. Callers'
 end-to-end latency is not in Redis; ``redbatch run`` and ``python -m tools.bench`` measure it.
 
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
@@ -23,13 +26,14 @@ from urllib.parse import urlsplit
 
 import redis
 
-from producer import argtypes, core, keys
+from producer import argtypes, core, keys, stages
 from producer.argtypes import UsageError
 from producer.errors import ConnectionFailed
 from producer.statusformat import INFO_REFUSED, memory_notes, memory_summary, printable, show, table
 from producer.watchstats import (
     Scrape,
     Snapshot,
+    StageWatch,
     WorkerRates,
     epoch_s,
     flow_per_s,
@@ -46,6 +50,7 @@ __all__ = [
     "DEFAULT_INTERVAL_S",
     "Scrape",
     "Snapshot",
+    "StageWatch",
     "WorkerRates",
     "add_arguments",
     "render",
@@ -76,6 +81,7 @@ def render(
     redis_url: str | None = None,
     interval_s: float = DEFAULT_INTERVAL_S,
     problem: str | None = None,
+    stage_rates: StageWatch | None = None,
 ) -> str:
     """One frame of the view: ``before`` is the previous snapshot (None on the first frame)."""
     s = now.status
@@ -94,6 +100,7 @@ def render(
     lines += _metrics_lines(before, now)
     lines.append("")
     lines += _worker_lines(now, rates)
+    lines += _stage_lines(now, stage_rates)
     return "\n".join(map(printable, lines))
 
 
@@ -221,6 +228,49 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
     return lines + table(rows, indent="  ")
 
 
+def _stage_lines(now: Snapshot, watched: StageWatch | None) -> list[str]:
+    """Per worker whose record has ``stages``: hook time per request, how busy its pipeline
+    threads and model were between its last two heartbeats, and the verdict."""
+    sampled = [w for w in now.status.workers if isinstance(w.get("stages"), dict)]
+    if not sampled:
+        return []
+    found = watched.rates if watched else {}
+    header = ["NAME", "THREADS", "BUSY", "PRE/REQ", "PRE CPU", "POST/REQ", "POST CPU"]
+    rows = [[*header, "MODEL BUSY", "CPU", "REQ/S"]]
+    verdicts = []
+    for w in sampled:
+        r = found.get(w.name)
+        if r is None:
+            continue
+        rows.append(
+            [
+                w.name,
+                str(r.threads) if r.threads else "-",
+                f"{r.hooks:.0%}" if r.threads else "-",
+                _ms(r.pre_ms),
+                _ms(r.pre_cpu_ms),
+                _ms(r.post_ms),
+                _ms(r.post_cpu_ms),
+                f"{r.model:.0%}",
+                f"{r.cpu:.2f}",
+                f"{r.requests_per_s if r.threads else r.rows_per_s:,.0f}",
+            ]
+        )
+        verdicts.append(f"  {w.name}: {stages.verdict(r)}")
+    lines = [
+        "",
+        "stages      per request (PRE, POST: wall and CPU ms in the pipeline's hooks), busy "
+        "share of the hook threads and the model, worker CPU in cores; between heartbeats",
+    ]
+    if len(rows) == 1:
+        return [*lines, "            from the workers' next heartbeats on (every 5 s)"]
+    return lines + table(rows, indent="  ", right=frozenset(range(1, 10))) + verdicts
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else format_seconds(value / 1000.0)
+
+
 def _age(at_s: float | None, now_s: float) -> str:
     return "-" if at_s is None else f"{format_seconds(max(now_s - at_s, 0.0))} ago"
 
@@ -294,6 +344,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     clear = stream.isatty()
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     rates = WorkerRates()
+    stage_rates = StageWatch()
     before: Snapshot | None = None
     frames = 0
     try:
@@ -310,6 +361,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 now = before
             else:
                 rates.update(now.status.workers)
+                stage_rates.update(now.status.workers)
             frame = render(
                 None if problem else before,
                 now,
@@ -317,6 +369,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 redis_url=where,
                 interval_s=args.interval_s or DEFAULT_INTERVAL_S,
                 problem=problem,
+                stage_rates=stage_rates,
             )
             stream.write((_CLEAR if clear else ("\n" if frames else "")) + frame + "\n")
             stream.flush()

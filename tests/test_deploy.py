@@ -531,6 +531,18 @@ _SCENARIO = {
     'redbatch_redis_maxmemory_bytes{job="n",instance="c"}': "0x300",
     'redbatch_backlog_oldest_age_seconds{job="w",instance="a"}': "0+15x300",
     'redbatch_dead_letters{job="w",instance="a"}': "0x20 2x280",
+    # Job p: two pipeline workers whose 2 hook threads are 95% busy; a's model runs 15% of the
+    # time (bound by preprocessing), b's 80% (the model is busy too). Job q: no pipeline.
+    'redbatch_pipeline_busy_seconds_total{job="p",instance="a",stage="preprocess"}': "0+27x300",
+    'redbatch_pipeline_busy_seconds_total{job="p",instance="a",stage="postprocess"}': "0+1.5x300",
+    'redbatch_pipeline_threads{job="p",instance="a"}': "2x300",
+    'redbatch_inference_seconds_sum{job="p",instance="a"}': "0+2.25x300",
+    'redbatch_pipeline_busy_seconds_total{job="p",instance="b",stage="preprocess"}': "0+28.5x300",
+    'redbatch_pipeline_threads{job="p",instance="b"}': "2x300",
+    'redbatch_inference_seconds_sum{job="p",instance="b"}': "0+12x300",
+    'redbatch_pipeline_busy_seconds_total{job="q",instance="c",stage="preprocess"}': "0x300",
+    'redbatch_pipeline_threads{job="q",instance="c"}': "0x300",
+    'redbatch_inference_seconds_sum{job="q",instance="c"}': "0+15x300",
 }
 _FIRING = {  # eval time: the (alertname, job) pairs firing then
     "1m": set(),
@@ -539,12 +551,15 @@ _FIRING = {  # eval time: the (alertname, job) pairs firing then
         ("RedbatchRedisMemoryHeadroomCritical", "w"),
         ("RedbatchBacklogOldestRequestOld", "w"),
         ("RedbatchDeadLettersGrowing", "w"),
-    },
-    "70m": {  # the dead letters stopped growing; the unlimited Redis has been so for an hour
+    },  # job p's rates over 5m reach their figures ~5 min in: pending until after 11m
+    # The dead letters stopped growing; the unlimited Redis has been so for an hour; job p's
+    # worker a has been bound by preprocessing for over 10 min (b's model is busy too)
+    "70m": {
         ("RedbatchRedisMemoryHeadroomLow", "w"),
         ("RedbatchRedisMemoryHeadroomCritical", "w"),
         ("RedbatchBacklogOldestRequestOld", "w"),
         ("RedbatchRedisMaxmemoryUnset", "n"),
+        ("RedbatchBoundByPreprocessing", "p"),
     },
 }
 

@@ -17,8 +17,12 @@ The modules, from the bottom up:
 - ``metrics``: the worker's /metrics diffed, CPU and memory from /proc; ``processes``: the
   redis-server, workers and benchkit runs the bench starts; ``provenance``: what the figures
   depend on (machine, versions, commit);
-- ``runner``: one run (ceilings, phases, the report); ``scenarios`` and ``drain``: the presets;
-- ``report``: targets, tables, JSON, chart; ``cli``: the ``python -m tools.bench`` options.
+- ``runner``: one run (ceilings, phases, the report); ``scenarios``, ``drain`` and
+  ``pipelines``: the presets; ``burn``: the preprocessing-bound handler the pipeline preset
+  serves; ``hooks``: a pipeline's preprocessing alone on N threads (run as a process, like
+  ``tools.benchkit``);
+- ``report`` and ``pipereport``: targets, tables, JSON, chart; ``cli``: the
+  ``python -m tools.bench`` options.
 
 This package exports what ``tools.bench.__main__`` runs (``add_arguments``, ``run_command``), the
 pure pieces the tests check, and what ``tools.benchkit`` drives its protocol-only ceiling with

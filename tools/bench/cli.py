@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib.util
 import tempfile
+import tomllib
 from pathlib import Path
 
 import redis
@@ -20,6 +21,7 @@ from producer import argtypes, core, keys
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
 from tools.bench.load import CALLERS
+from tools.bench.pipelines import IMAGE_CONFIG
 from tools.bench.processes import private_redis
 from tools.bench.report import format_report, plot, pyplot, write_json
 from tools.bench.runner import Bench, Options
@@ -234,7 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=argtypes.positive_int,
         default=0,
         metavar="N",
-        help="then measure each ratio target of tiny-closed and heavy-closed N more times, its "
+        help="then measure each ratio target of tiny-closed, heavy-closed and pipeline N more "
+        "times, its "
         "ceiling and its phase back to back, and judge it by the median ratio: on a machine "
         "whose speed drifts, a ceiling measured minutes before its phase can be off by a third",
     )
@@ -280,6 +283,17 @@ def _check_model(model: str, no_start: bool) -> None:
         )
 
 
+def _check_example_model() -> None:
+    """The pipeline preset serves the image example's trained model, fetched apart: say so
+    before a long run, not at its end."""
+    config = tomllib.loads(IMAGE_CONFIG.read_text(encoding="utf-8"))
+    if not (IMAGE_CONFIG.parent / config["model"]["path"]).is_file():
+        raise UsageError(
+            "the pipeline scenario serves the image example's model, which is not fetched yet: "
+            "run python scripts/fetch_models.py image (or leave out the pipeline scenario)."
+        )
+
+
 def _options(args: argparse.Namespace) -> Options:
     scenarios = tuple(args.scenario or ())
     custom = bool(args.concurrency or args.rate)
@@ -294,6 +308,8 @@ def _options(args: argparse.Namespace) -> Options:
         raise UsageError("--metrics-url and --model-file go with --no-start.")
     if not scenarios:
         _check_model(args.model, args.no_start)
+    if "pipeline" in scenarios:
+        _check_example_model()
     if args.binding != "off" and "cuda" not in args.providers:
         raise UsageError(f"--binding {args.binding} is a CUDA setting: add cuda to --providers.")
     if args.rounds:

@@ -135,6 +135,7 @@ class LoadSpec:
     warmup_s: float = 0.5
     timeout_s: float = 30.0
     seed: int = 0
+    bodies: tuple[bytes, ...] = ()  # encoded requests to send instead of rows drawn for inputs
 
     def share(self, index: int, producers: int) -> LoadSpec:
         """Producer ``index``'s part: its callers, or its share of the rate, and its own seed."""
@@ -194,7 +195,7 @@ def _closed_loop(spec: LoadSpec, conn: redis.Redis, tally: ProducerTally, t0: fl
     """C callers: every reply is answered at once by a new request, until the window ends."""
     w1 = t0 + spec.warmup_s + spec.duration_s
     replies = Replies(conn, spec.prefix, spec.timeout_s, tally, (t0 + spec.warmup_s, w1))
-    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed)
+    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies)
     try:
         while True:
             now = time.monotonic()
@@ -250,7 +251,7 @@ def _open_loop(spec: LoadSpec, conn: redis.Redis, tally: ProducerTally, t0: floa
         target=_receive, args=(replies, inbox, failure), name="replies", daemon=True
     )
     receiver.start()
-    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed)
+    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies)
     try:
         i = 0
         while i < len(times) and not failure:

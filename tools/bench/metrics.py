@@ -1,7 +1,8 @@
 """Where the time and the cores went: the worker's /metrics diffed, and CPU and memory from /proc.
 
 The worker's ``/metrics`` histograms are scraped at the measured window's start and end and
-diffed (``worker_view``), which says where a request's time went on the worker's side. These
+diffed (``worker_view``), which says where a request's time went on the worker's side, and for
+a pipeline how busy its hook threads and its model were (``pipeline_view``). These
 machines are shared and a busy neighbour moves every figure, so each measurement also records
 who used the cores (``cpu_sample``, ``cpu_cores``): the whole machine, Redis (its INFO), the
 worker and the producers; and where Redis's one thread went, by command (``redis_commands``,
@@ -19,6 +20,7 @@ from typing import Any
 
 import redis
 
+from producer import stages
 from tools.bench.errors import BenchError
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "machine_busy_s",
     "memory_kib",
     "outside_ms",
+    "pipeline_view",
     "redis_commands",
     "redis_per_request",
     "scrape",
@@ -97,6 +100,35 @@ def worker_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "mean_batch_rows": diff.get("redbatch_batch_rows_sum", 0.0) / runs if runs else 0.0,
         "batch_rows_histogram": {k: int(v) for k, v in buckets.items()},
         "stages": stages,
+    }
+
+
+def pipeline_view(
+    before: dict[str, float],
+    after: dict[str, float],
+    record: dict[str, Any],
+    seconds: float,
+    cores: int | None = None,
+) -> dict[str, Any]:
+    """A pipeline worker's stages between two scrapes: its hooks' wall and CPU ms per request,
+    how busy its hook threads and its model were, and the verdict (``producer.stages``)."""
+    r = stages.rates(stages.from_metrics(before, cores), stages.from_metrics(after, cores), seconds)
+    pipeline = record["pipeline"]
+    return {
+        "handler": pipeline["handler"],
+        "sha256": pipeline["sha256"],
+        "threads": pipeline["threads"],
+        "options": pipeline.get("options", {}),
+        "per_request_ms": {
+            "preprocess": r.pre_ms,
+            "preprocess_cpu": r.pre_cpu_ms,
+            "postprocess": r.post_ms,
+            "postprocess_cpu": r.post_cpu_ms,
+        },
+        "busy": {"hooks": r.hooks, "preprocess": r.pre, "postprocess": r.post, "model": r.model},
+        "cpu_cores": {"hooks": r.hooks_cpu, "worker": r.cpu},
+        "requests_per_s": r.requests_per_s,
+        "verdict": stages.verdict(r),
     }
 
 

@@ -9,6 +9,7 @@ whole run is ``runner.Bench``'s.
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from tools.bench.metrics import (
     cpu_sample,
     machine_busy_s,
     outside_ms,
+    pipeline_view,
     redis_commands,
     redis_per_request,
     scrape,
@@ -37,11 +39,14 @@ from tools.bench.processes import (
     WorkerSetup,
     benchkit,
     flags,
+    request_inputs,
+    run_json,
 )
 from tools.bench.report import say
 
-__all__ = ["Options", "Phases", "Workers"]
+__all__ = ["HOOKS", "Options", "Phases", "Workers"]
 
+HOOKS = "tools.bench.hooks"  # a pipeline's preprocessing alone, run as a process
 _QUIET_CORES = 0.25  # --quiet-s: busier than this, and someone else is using the machine
 _CPU_USERS = ("worker", "redis", "producers")  # the processes a request costs CPU in
 
@@ -95,7 +100,7 @@ class Workers:
             return self.current
         self.stop()
         say(f"starting a worker: {setup.model}, max_batch_size {setup.max_batch_size}")
-        path = self.model_file(setup.model)
+        path = setup.model_path or self.model_file(setup.model)
         worker = WorkerProcess(setup, path, self.url, self.workdir, self.providers, self.binding)
         self.current = worker.start()
         _say_fallback("the worker", self.providers, worker.record["runtime"]["providers"])
@@ -128,7 +133,7 @@ class Phases:
             "machine": provenance.machine(url),
             "source": provenance.source(),
             "settings": settings,
-            "ceilings": {"bare": {}, "protocol": {}, "asyncio": {}},
+            "ceilings": {"bare": {}, "protocol": {}, "asyncio": {}, "preprocess": {}},
             "phases": [],
             "drain": None,
             "rounds": {},
@@ -207,14 +212,45 @@ class Phases:
             self.report["ceilings"]["asyncio"][model] = result
         return result
 
-    def _ceiling(self, *args: str, timeout_s: float) -> dict[str, Any]:
-        """A ``benchkit`` measurement, with the cores it, Redis and anything else used."""
+    def preprocess_alone(
+        self,
+        model: str,
+        pipeline: dict[str, Any],
+        source_dir: Path,
+        body_out: Path,
+        keep: bool = True,
+    ) -> dict[str, Any]:
+        """A pipeline's ``preprocess`` alone on its ``threads`` threads (``tools.bench.hooks``),
+        writing the request it preprocessed to ``body_out``; ``keep``: in the report."""
+        threads = int(pipeline.get("threads", 1))
+        say(f"ceiling: preprocessing alone, {pipeline['handler']}, {threads} threads")
+        argv = flags(
+            handler=pipeline["handler"],
+            source_dir=source_dir,
+            options=json.dumps(pipeline.get("options", {})),
+            threads=threads,
+            duration_s=self._ceiling_s,
+            warmup_s=min(self.o.warmup_s, 0.5),
+            body_out=body_out,
+        )
+        timeout_s = 120 + 2 * self._ceiling_s
+        result = self._ceiling(*argv, timeout_s=timeout_s, module=HOOKS)
+        if keep:
+            self.report["ceilings"]["preprocess"][model] = result
+        return result
+
+    def _ceiling(self, *args: str, timeout_s: float, module: str | None = None) -> dict[str, Any]:
+        """A ``benchkit`` measurement (or another measuring ``module``'s), with the cores it,
+        Redis and anything else used."""
         self.wait_for_quiet()
         conn = redis.Redis.from_url(self.url, socket_timeout=10)
         try:
             before = cpu_sample(conn, {})
             children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            result = benchkit(*args, timeout_s=timeout_s, redis_url=self.url)
+            if module is None:
+                result = benchkit(*args, timeout_s=timeout_s, redis_url=self.url)
+            else:
+                result = run_json(module, *args, timeout_s=timeout_s, redis_url=self.url)
             after = cpu_sample(conn, {})
             done = resource.getrusage(resource.RUSAGE_CHILDREN)
         finally:
@@ -256,7 +292,7 @@ class Phases:
         ``keep``: as one of the run's phases, in the report."""
         worker = self.workers.get(setup)
         self.report["machine"].setdefault("onnxruntime", worker.record["runtime"]["onnxruntime"])
-        spec = self.load_spec(PREFIX, setup.served, worker.record["inputs"], load)
+        spec = self.load_spec(PREFIX, setup.served, request_inputs(worker.record), load)
         urls = [worker.metrics_url]
         phase = self._measure(phase_id, spec, setup.model, worker.record, urls, [worker.pid], keep)
         if not keep:
@@ -266,6 +302,11 @@ class Phases:
         if spec.mode == "closed" and spec.concurrency >= CALLERS:
             self.max_throughput[setup] = phase["throughput_per_s"]
         return phase
+
+    def rerun(self, phase_id: str, label: str) -> dict[str, Any]:
+        """Phase ``phase_id`` of this run again, its setup and load, kept out of the report."""
+        setup, load = self._loads[phase_id]
+        return self.phase(label, setup, load, keep=False)
 
     def load_spec(self, prefix: str, served: str, inputs: Any, load: dict[str, Any]) -> LoadSpec:
         o = self.o
@@ -333,6 +374,10 @@ class Phases:
         phase["cpu_budget"] = self._cpu_budget(phase)
         if phase["worker_side"] is not None:
             phase["worker_side"]["outside_ms"] = outside_ms(phase)
+            if record.get("pipeline"):
+                seconds = after[1]["t"] - before[1]["t"]
+                cores = self.report["machine"]["cpus_usable"]
+                phase["pipeline"] = pipeline_view(before[0], after[0], record, seconds, cores)
         if keep:
             self.report["phases"].append(phase)
         lat = phase["latency_ms"]

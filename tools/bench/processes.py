@@ -29,6 +29,7 @@ from tools.bench.errors import BenchError
 from tools.localredis import free_port
 
 __all__ = [
+    "BENCHKIT",
     "POLL_S",
     "PREFIX",
     "WorkerProcess",
@@ -36,11 +37,15 @@ __all__ = [
     "benchkit",
     "flags",
     "private_redis",
+    "request_inputs",
+    "run_json",
     "worker_records",
 ]
 
 #: The key prefix of the workers the bench starts.
 PREFIX = "rbbench"
+#: The module that builds the synthetic models and measures the ceilings.
+BENCHKIT = "tools.benchkit"
 POLL_S = 0.02  # readiness and drain polls: a started process gives no event to wait on
 _WORKER_START_S = 180.0
 
@@ -51,9 +56,17 @@ def flags(**options: object) -> list[str]:
 
 
 def benchkit(*args: str, timeout_s: float, redis_url: str | None = None) -> dict[str, Any]:
-    """Run ``python -m tools.benchkit ARGS`` and return the JSON it prints; ``redis_url``
-    goes in the environment, where no process listing shows its password."""
-    command = [sys.executable, "-m", "tools.benchkit", *args]
+    """Run ``python -m tools.benchkit ARGS`` and return the JSON it prints."""
+    return run_json(BENCHKIT, *args, timeout_s=timeout_s, redis_url=redis_url)
+
+
+def run_json(
+    module: str, *args: str, timeout_s: float, redis_url: str | None = None
+) -> dict[str, Any]:
+    """Run ``python -m MODULE ARGS`` (a measuring child: ``tools.benchkit``,
+    ``tools.bench.hooks``) and return the JSON it prints last; ``redis_url`` goes in the
+    environment, where no process listing shows its password."""
+    command = [sys.executable, "-m", module, *args]
     env = child_env(REDIS_URL=redis_url) if redis_url else child_env()
     try:
         done = subprocess.run(
@@ -98,12 +111,17 @@ def private_redis() -> Iterator[str]:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSetup:
-    """What a started worker serves: a synthetic model under a name, and its batching."""
+    """What a started worker serves: a synthetic model (or ``model_path``) under a name, its
+    batching, and any further config tables (``extra``: a pipeline, limits), its handler's
+    module found on ``pythonpath``."""
 
     model: str
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
     name: str = ""  # the served model name; the synthetic model's name when empty
+    model_path: Path | None = None  # a model file of its own instead of the synthetic one
+    extra: str = ""  # TOML tables appended to the generated config
+    pythonpath: str = ""  # a directory the worker imports the pipeline's handler from
 
     @property
     def served(self) -> str:
@@ -154,7 +172,7 @@ reply_ttl_s = 600
 
 [metrics]
 port = {self.port}
-""",
+{setup.extra}""",
             encoding="utf-8",
         )
         self._proc: subprocess.Popen[bytes] | None = None
@@ -173,8 +191,12 @@ port = {self.port}
         """Start the worker and return once /readyz says it reads the stream."""
         command = [sys.executable, "-m", "worker", "--config", str(self.config)]
         # REDIS_URL overrides the config's redis.url: set it, so that a REDIS_URL in the
-        # caller's environment cannot point the bench's workers at another Redis.
-        env = {**os.environ, "REDIS_URL": self.url}
+        # caller's environment cannot point the bench's workers at another Redis. The
+        # checkout goes on PYTHONPATH (a pipeline's handler may live in tools.bench), and so
+        # does the setup's own directory of handlers.
+        env = child_env(REDIS_URL=self.url)
+        if self.setup.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join((self.setup.pythonpath, env["PYTHONPATH"]))
         with self.log.open("wb") as log:
             self._proc = subprocess.Popen(
                 [*command, "--name", self.name, "--log-level", "WARNING"],
@@ -216,6 +238,13 @@ port = {self.port}
             self._proc.kill()
             self._proc.wait(timeout=10)
         self._proc = None
+
+
+def request_inputs(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inputs a request sends, from a worker record: its pipeline's raw inputs when it
+    has one, else the model's."""
+    pipeline = record.get("pipeline") or {}
+    return list(pipeline.get("inputs") or record["inputs"])
 
 
 def worker_records(

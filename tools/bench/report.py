@@ -18,6 +18,7 @@ from typing import Any
 
 from tools.bench.chart import plot, pyplot
 from tools.bench.load import CALLERS
+from tools.bench.pipereport import format_pipelines, image_reference
 
 __all__ = [
     "CELERY_REQUESTS_PER_S",
@@ -108,6 +109,11 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
          heavy, high, ">=", 20.0),
         ("drain-memory", f"drain {drain.get('requests', 0):,}: worker peak RSS over idle RSS",
          rss.get("drain_peak"), rss.get("idle"), "<=", 1.5),
+        ("pipeline-threads", "preprocessing-bound pipeline: req/s at threads 2 over threads 1",
+         rate("pipeline/cpu-t2"), rate("pipeline/cpu-t1"), ">=", 1.5),
+        ("pipeline-image", "image example: req/s over the lesser of preprocessing alone (same "
+         "threads) and bare session.run at max_batch_size",
+         rate("pipeline/image"), image_reference(report), ">=", 0.8),
     ]  # fmt: skip
     found = []
     for target_id, what, once, once_reference, op, threshold in rows:
@@ -179,6 +185,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_format_cpu(report), *_format_budget(report["phases"])]
         lines += _format_redis(report["phases"])
         lines += _format_tail(report["phases"])
+        lines += format_pipelines(report)
         lines += ["", *_format_batches(report["phases"])]
     if report.get("drain"):
         lines += ["", *_format_drain(report["drain"])]
@@ -224,6 +231,12 @@ def _format_ceilings(ceilings: dict[str, Any]) -> list[str]:
             f"  protocol only     {model:<8} {c['throughput_per_s']:,.0f} req/s "
             f"({CALLERS} in flight, p50 {c['latency_ms'].get('p50', 0):.1f} ms; no model, "
             "no decoding)"
+        )
+    for model, c in (ceilings.get("preprocess") or {}).items():
+        lines.append(
+            f"  preprocess alone  {model:<8} {c['requests_per_s']:,.0f} req/s ({c['threads']} "
+            f"threads, {c['call_ms'].get('p50', 0):.2f} ms per call p50, "
+            f"{c['cpu_ms_per_request']:.2f} CPU ms per request; {c['handler']}, no Redis)"
         )
     for model, c in ceilings["asyncio"].items():
         lines.append(
@@ -308,8 +321,11 @@ def _format_cpu(report: dict[str, Any]) -> list[str]:
         "the machine less everything the bench started, i.e. a neighbour's load)",
         f"{'measurement':<24} " + " ".join(f"{c:>9}" for c in columns),
     ]
-    rows = [(f"ceiling {kind} {model}", c.get("cpu_cores")) for kind in ("bare", "protocol",
-            "asyncio") for model, c in report["ceilings"][kind].items()]  # fmt: skip
+    kinds = ("bare", "protocol", "asyncio", "preprocess")
+    ceilings = [(kind, model, c) for kind in kinds for model, c in
+                report["ceilings"].get(kind, {}).items()]  # fmt: skip
+    short = {"preprocess": "pre"}  # the column is 24 wide
+    rows = [(f"ceiling {short.get(k, k)} {m}", c.get("cpu_cores")) for k, m, c in ceilings]
     rows += [(p["id"], p.get("cpu_cores")) for p in report["phases"]]
     if report.get("drain"):
         rows.append(("drain", report["drain"].get("cpu_cores")))

@@ -15,7 +15,7 @@ from typing import Any
 
 from tools.bench import provenance
 from tools.bench.phases import Options, Phases, Workers
-from tools.bench.processes import WorkerSetup, worker_records
+from tools.bench.processes import WorkerSetup, request_inputs, worker_records
 from tools.bench.report import say, targets
 from tools.bench.scenarios import SCENARIOS, Paired
 
@@ -109,6 +109,6 @@ class Bench(Phases):
             specs.write_text(json.dumps({k: record[k] for k in ("inputs", "outputs")}))
             self.protocol(o.model, ("--specs", str(specs)), sizes[-1])
         for phase_id, load, kind in self._custom_phases():
-            spec = self.load_spec(o.prefix, o.model, record["inputs"], load)
+            spec = self.load_spec(o.prefix, o.model, request_inputs(record), load)
             phase = self._measure(phase_id, spec, o.model, record, o.metrics_urls)
             phase["series"] = f"{o.model} {kind}"

@@ -4,7 +4,7 @@ Each preset is fixed, so runs on different days or commits compare. ``python -m 
 --scenario NAME`` runs one; ``runner.Bench`` first measures the union of the chosen presets'
 ceilings (bare ``session.run`` at their batch sizes, the Redis protocol alone, the asyncio
 batcher), then calls each preset's ``run`` with itself, typed as the ``phases.Phases`` it
-drives. The drain preset lives in ``drain.py``.
+drives. The drain preset lives in ``drain.py``, the pipeline preset in ``pipelines.py``.
 
 A preset whose targets set a phase against a ceiling names them as ``Paired``: with
 ``--rounds N`` the bench measures each such ceiling and its phase again N times, back to back,
@@ -20,6 +20,7 @@ from typing import Any
 from tools.bench.drain import drain
 from tools.bench.load import CALLERS
 from tools.bench.phases import Phases
+from tools.bench.pipelines import image_again, pipelines, threads_again
 from tools.bench.processes import WorkerSetup
 
 __all__ = ["SCENARIOS", "Paired", "Scenario"]
@@ -133,6 +134,15 @@ SCENARIOS: dict[str, Scenario] = {
         _sweep,
         "heavy model: closed loop at 1 to 128 callers, Poisson at 25 to 90% of the maximum",
         bare=(("heavy", (1, 32)),),
+    ),
+    "pipeline": Scenario(
+        pipelines,
+        "pipelines: a preprocessing-bound one at threads 2 vs 1; the image example vs its "
+        "preprocessing alone and bare session.run",
+        paired=(
+            Paired("pipeline-threads", "pipeline/cpu-t2", threads_again),
+            Paired("pipeline-image", "pipeline/image", image_again),
+        ),
     ),
     "drain": Scenario(
         drain,

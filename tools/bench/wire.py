@@ -94,7 +94,8 @@ class ProducerTally:
 
 
 class Sender:
-    """Pipelined XADDs of bodies encoded once, under fresh rids (a random tag and a count)."""
+    """Pipelined XADDs of bodies encoded once, under fresh rids (a random tag and a count);
+    ``bodies`` given (an encoded image, say) are sent instead of rows drawn for ``inputs``."""
 
     def __init__(
         self,
@@ -103,11 +104,12 @@ class Sender:
         model: str,
         inputs: Sequence[dict[str, Any]],
         seed: int,
+        bodies: Sequence[bytes] = (),
     ) -> None:
         self.conn = conn
         self.stream = keys.request_stream(prefix, model)
         count = max(1, min(BODIES, _BODIES_BYTES // max(row_bytes(inputs), 1)))
-        self.bodies = [
+        self.bodies = list(bodies) or [
             core.build_submission(input_rows(inputs, 1, seed + i), now_s=0.0).body
             for i in range(count)
         ]
