@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import os
 import sys
 import threading
 import time
@@ -111,6 +112,8 @@ class StageTotals:
 
     def __init__(self) -> None:
         self.threads = 0
+        self._started = time.monotonic()
+        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
         self._lock = threading.Lock()
         self._totals = {stage: [0, 0.0, 0.0] for stage in (*STAGES, "model")}
 
@@ -122,14 +125,21 @@ class StageTotals:
             total[2] += cpu_s
 
     def snapshot(self) -> dict[str, Any]:
-        """{"threads", "cpu_s" (the process's), and per stage {"requests", "busy_s",
-        "cpu_s"}}; the model's requests are rows and its CPU is not apart from the process's."""
+        """{"threads", "cpu_s" (the process's), "uptime_s", "cores", and per stage
+        {"requests", "busy_s", "cpu_s"}}; the model's requests are rows and its CPU is not apart
+        from the process's."""
         with self._lock:
             stages = {
                 stage: {"requests": n, "busy_s": round(busy, 6), "cpu_s": round(cpu, 6)}
                 for stage, (n, busy, cpu) in self._totals.items()
             }
-        return {"threads": self.threads, "cpu_s": round(time.process_time(), 6), **stages}
+        return {
+            "threads": self.threads,
+            "cpu_s": round(time.process_time(), 6),
+            "uptime_s": round(time.monotonic() - self._started, 6),  # times two samples exactly
+            "cores": self._cores or os.cpu_count() or 0,
+            **stages,
+        }
 
 
 class Metrics(Events):

@@ -111,7 +111,7 @@ def render(
     canvas.header(
         [
             f"redbatch dashboard ({dashboard_name(args.dashboard)}): every panel's own PromQL "
-            f"evaluated by Prometheus {prom.version()} on a real run of 2 workers",
+            f"evaluated by Prometheus {prom.version()} on a real run of {len(workers)} workers",
             "— drawn with matplotlib, not Grafana (Grafana is not installable here)",
         ],
         lines,
