@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -24,6 +24,7 @@ from producer.errors import WireFormatError
 from producer.guards import (
     _MAX_QUOTE,
     MAX_META_BYTES,
+    MAX_RANK,
     MAX_VALUES,
     _key_error,
     _kind,
@@ -32,6 +33,15 @@ from producer.guards import (
     _readable_extras,
     _unpack_body,
 )
+from producer.text import (
+    BYTES,
+    STRING,
+    as_text_tensor,
+    decode_text,
+    text_elements,
+    text_name,
+)
+from producer.text import TEXT_DTYPES as _TEXT_DTYPES
 
 __all__ = [
     "BYTES",
@@ -80,18 +90,9 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 _NAME_OF_KIND = {(dt.kind, dt.itemsize): name for name, dt in DTYPES.items()}
 
-#: (v2) ``string`` and ``bytes`` tensors are numpy object arrays of ``str`` or ``bytes``. Both
-#: are ``dtype('O')`` to numpy, which compares them equal; the wire name rides in the dtype's
-#: metadata, which views, slices and reshapes keep (``wire_dtype`` reads it).
-STRING: np.dtype[Any] = np.dtype(object, metadata={"wire": "string"})
-BYTES: np.dtype[Any] = np.dtype(object, metadata={"wire": "bytes"})
-_TEXT_DTYPES = {"string": STRING, "bytes": BYTES}
-_TEXT_TYPES: dict[str, type[str] | type[bytes]] = {"string": str, "bytes": bytes}
-_TEXT_LEAVES = (str, bytes, bytearray, memoryview)  # what as_tensor sends as one element
 #: Every dtype name the wire carries, numeric first.
 WIRE_DTYPES: tuple[str, ...] = (*DTYPES, "string", "bytes")
 
-MAX_RANK = 32
 
 # Input and output names (and dtype names) longer than this are refused: no model has them, and
 # errors quote names. Only the elements of string tensors may be long strings.
@@ -184,104 +185,19 @@ def wire_dtype(arr: np.ndarray) -> str | None:
     """The wire name of ``arr``'s dtype, or None when the wire cannot carry it. An object array
     without a wire name in its dtype is named by its first element (``str`` or ``bytes``)."""
     kind = arr.dtype.kind
-    if kind == "U":
-        return "string"
-    if kind == "S":
-        return "bytes"
-    if kind == "O":
-        meta = arr.dtype.metadata
-        if meta is not None and meta.get("wire") in _TEXT_DTYPES:
-            return str(meta["wire"])
-        first = next(iter(arr.flat), "") if arr.size else ""
-        return "bytes" if isinstance(first, bytes | bytearray | memoryview) else "string"
+    if kind in "USO":
+        return text_name(arr)
     return _NAME_OF_KIND.get((kind, arr.dtype.itemsize))
 
 
 def as_tensor(value: Any) -> np.ndarray:
     """``value`` as the array it is sent as. A ``str`` or ``bytes`` (or a nested list of them)
-    becomes a ``string`` or ``bytes`` tensor; never through ``np.asarray``, whose fixed-width
-    byte strings drop trailing NUL bytes."""
+    becomes a ``string`` or ``bytes`` tensor (``producer.text``); never through
+    ``np.asarray``, whose fixed-width byte strings drop trailing NUL bytes."""
     if isinstance(value, np.ndarray):
         return value
-    if isinstance(value, _TEXT_LEAVES):
-        return _text_array([_element(value)], [])
-    if isinstance(value, list | tuple):
-        shape: list[int] = []
-        leaf: Any = value
-        while isinstance(leaf, list | tuple):
-            shape.append(len(leaf))
-            if not leaf:
-                break
-            leaf = leaf[0]
-        if isinstance(leaf, _TEXT_LEAVES):
-            # Not np.array(value, dtype=object): it unpacks bytearray and memoryview elements
-            # into their integers, and keeps ragged lists as elements.
-            if len(shape) > MAX_RANK:
-                raise WireFormatError(
-                    f"nested lists of str or bytes have {len(shape)} levels; at most {MAX_RANK}.",
-                    "INVALID_INPUT",
-                )
-            elements: list[Any] = []
-            _flatten(value, shape, 0, elements)
-            return _text_array(elements, shape)
-        arr = np.asarray(value)
-        if arr.dtype.kind in "US":  # numpy turns numbers beside str or bytes into text
-            elements = list(np.array(value, dtype=object).ravel())
-            text = [e for e in elements if isinstance(e, str | bytes)][:1]
-            _text_kind(text + elements)  # refuses the numbers, named by the text's type
-        return arr
-    return np.asarray(value)
-
-
-def _flatten(value: Any, shape: list[int], depth: int, out: list[Any]) -> None:
-    """Append the leaves of nested lists ``value`` to ``out`` in C order, checking that every
-    list at ``depth`` has ``shape[depth]`` items and that every leaf is at the same depth."""
-    if not isinstance(value, list | tuple):
-        _ragged(f"an item at depth {depth} is {_kind(value)} where the first is a list", shape)
-    if len(value) != shape[depth]:
-        _ragged(
-            f"a list at depth {depth} holds {len(value)} items, the first {shape[depth]}", shape
-        )
-    if depth + 1 < len(shape):
-        for item in value:
-            _flatten(item, shape, depth + 1, out)
-        return
-    for item in value:
-        if isinstance(item, list | tuple):
-            _ragged(f"an item at depth {depth + 1} is a list where the first is not", shape)
-        out.append(_element(item))
-
-
-def _ragged(what: str, shape: list[int]) -> NoReturn:
-    raise WireFormatError(
-        f"nested lists of str or bytes must be rectangular: {what} (shape {shape}).",
-        "INVALID_INPUT",
-    )
-
-
-def _element(value: Any) -> str | bytes:
-    return bytes(value) if isinstance(value, bytearray | memoryview) else value
-
-
-def _text_array(elements: list[Any], shape: list[int]) -> np.ndarray:
-    """An object array of ``str`` or ``bytes`` elements (all one type) with its wire dtype."""
-    arr = np.empty(len(elements), dtype=_TEXT_DTYPES[_text_kind(elements)])
-    arr[:] = elements
-    return arr.reshape(shape)
-
-
-def _text_kind(elements: list[Any]) -> str:
-    """``string`` or ``bytes``: the one type every element has."""
-    name = "bytes" if elements and isinstance(elements[0], bytes) else "string"
-    want = _TEXT_TYPES[name]
-    for element in elements:
-        if not isinstance(element, want):
-            raise WireFormatError(
-                f"a {name} tensor holds {type(element).__name__} {_quote(element)}; every "
-                f"element must be {want.__name__} (send str and bytes as separate inputs).",
-                "INVALID_INPUT",
-            )
-    return name
+    text = as_text_tensor(value)
+    return np.asarray(value) if text is None else text
 
 
 def encode_tensor(array: Any) -> dict[str, Any]:
@@ -295,13 +211,7 @@ def encode_tensor(array: Any) -> dict[str, Any]:
             "INVALID_INPUT",
         )
     if name in _TEXT_DTYPES:
-        flat = arr.ravel()  # C order
-        elements = [_element(v) for v in (flat.tolist() if arr.dtype.kind in "US" else flat)]
-        if elements and _text_kind(elements) != name:
-            raise WireFormatError(
-                f"a {name} tensor holds {type(elements[0]).__name__} elements.", "INVALID_INPUT"
-            )
-        return {"dtype": name, "shape": list(arr.shape), "data": elements}
+        return {"dtype": name, "shape": list(arr.shape), "data": text_elements(arr, name)}
     arr = np.require(arr, dtype=DTYPES[name], requirements="C")  # keeps 0-d arrays 0-d
     data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
     return {"dtype": name, "shape": list(arr.shape), "data": data}
@@ -322,7 +232,7 @@ def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) ->
     dtype_name = obj["dtype"]
     if isinstance(dtype_name, str) and dtype_name in _TEXT_DTYPES:
         shape = _check_shape(obj["shape"], where)
-        return _decode_text(dtype_name, shape, obj["data"], where, max_element_bytes)
+        return decode_text(dtype_name, shape, obj["data"], where, max_element_bytes)
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireFormatError(
@@ -345,47 +255,6 @@ def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) ->
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as exc:  # a 0-sized shape whose other dims are too large for numpy
         raise WireFormatError(f"{where}: shape {_quote(shape)} is too large to hold.") from exc
-
-
-def _decode_text(
-    name: str, shape: list[int], data: Any, where: str, max_element_bytes: int | None
-) -> np.ndarray:
-    """A ``string`` or ``bytes`` tensor's elements: an array of exactly prod(shape) str (UTF-8,
-    which the unpacker checked) or bin values, each within ``max_element_bytes``."""
-    kind = "str" if name == "string" else "bin"
-    if not isinstance(data, list):
-        raise WireFormatError(
-            f"{where}: a {name} tensor's data must be an array of msgpack {kind}, got "
-            f"{_kind(data)}."
-        )
-    count = math.prod(shape)
-    if len(data) != count:
-        raise WireFormatError(
-            f"{where}: data has {len(data)} elements but shape {_quote(shape)} needs "
-            f"{_quote(count)}."
-        )
-    want = _TEXT_TYPES[name]
-    limit = max_element_bytes
-    for index, element in enumerate(data):
-        if type(element) is not want:
-            raise WireFormatError(
-                f"{where}: element {index} of a {name} tensor must be msgpack {kind}, got "
-                f"{_kind(element)}."
-            )
-        # len() counts characters of a str: at most 4 UTF-8 bytes each, so only a str longer
-        # than a quarter of the limit is encoded to count its bytes
-        if limit is not None and len(element) > limit // 4 and (size := _size(element)) > limit:
-            raise WireFormatError(
-                f"{where}: element {index} is {size} bytes, over limits.max_element_bytes={limit}.",
-                "TOO_LARGE",
-            )
-    arr = np.empty(count, dtype=_TEXT_DTYPES[name])
-    arr[:] = data
-    return arr.reshape(shape)
-
-
-def _size(element: str | bytes) -> int:
-    return len(element.encode()) if isinstance(element, str) else len(element)
 
 
 def _check_shape(shape: Any, where: str) -> list[int]:

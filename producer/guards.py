@@ -22,6 +22,7 @@ from producer.errors import WireFormatError
 
 # The contract's limits that reading enforces (``producer.codec`` re-exports them).
 MAX_META_BYTES = 4096
+MAX_RANK = 32  # dimensions a tensor may have
 # Values a body may declare in all: a thousand inputs of rank 32 and 4 KiB of meta fit. Each value
 # the unpacker builds costs up to ~70 bytes (an empty list), so this caps it near 5 MB.
 MAX_VALUES = 1 << 16
