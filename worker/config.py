@@ -7,7 +7,6 @@ would be valid, before anything touches Redis or the model.
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
 import tomllib
@@ -15,14 +14,12 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
-
-from redis.connection import Connection, parse_url
 
 from producer.core import redact_url
 from producer.keys import DEFAULT_PREFIX, is_valid_model_name, is_valid_prefix
 from worker.configtable import Table
 from worker.errors import ConfigError
+from worker.redisurl import URL_FORMS, redis_url_problem
 
 __all__ = [
     "PROVIDERS",
@@ -66,10 +63,6 @@ _MAX_REPLY_TTL_S = 10 * 365 * 24 * 3600  # delivery.reply_ttl_s
 # thread wait, which killed it silently, and the worker served on with no lease renewal.
 _MAX_CLAIM_IDLE_MS = 24 * 3600 * 1000  # delivery.claim_idle_ms
 _MAX_RUN_S = 24 * 3600.0  # delivery.max_run_s
-_URL_FORMS = (
-    "Use redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
-    "unix:///path/to/redis.sock[?db=N]."
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +228,9 @@ def _redis(t: Table, url_override: str | None) -> RedisConfig:
         if url_override
         else "Config 'redis.url'"
     )
-    problem = _redis_url_problem(url)
+    problem = redis_url_problem(url)
     if problem is not None:
-        raise ConfigError(f"{where} has value {redact_url(url)!r}: {problem}. {_URL_FORMS}")
+        raise ConfigError(f"{where} has value {redact_url(url)!r}: {problem}. {URL_FORMS}")
     prefix = t.get_str("prefix", _default(RedisConfig, "prefix"))
     if not is_valid_prefix(prefix):
         raise ConfigError(
@@ -245,53 +238,6 @@ def _redis(t: Table, url_override: str | None) -> RedisConfig:
             "or spaces."
         )
     return RedisConfig(url=url, prefix=prefix)
-
-
-def _redis_url_problem(url: str) -> str | None:
-    """What is wrong with ``url`` as redis-py reads it, or None; never connects.
-
-    redis-py quietly serves db 0 for a path that is not a number, and fails only once the
-    model is loaded (a bad port) or at the first connection (a bad query option): checked here
-    so the worker stops before it loads the model.
-    """
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        return "the scheme must be redis://, rediss:// or unix://"
-    hint = "; a password with / ? # @ or : in it must be percent-encoded" if "@" in url else ""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        if "IPv6" in str(exc):
-            return f"the host is not a valid [IPv6] address{hint}"
-        return f"the port is not a number from 1 to 65535{hint}"
-    path = unquote(parts.path)
-    if parts.scheme == "unix":
-        if not path:
-            return "a unix:// URL needs the socket's absolute path after the third slash"
-    else:
-        if port == 0:
-            return "the port is not a number from 1 to 65535"
-        if path not in ("", "/") and re.fullmatch(r"/[0-9]+", path) is None:
-            return f"the database (the path after the host) must be a number, such as /0{hint}"
-    try:
-        kwargs = parse_url(url)
-        connection_class = kwargs.pop("connection_class", Connection)
-        kwargs.pop("max_connections", None)  # the pool's, not the connection's
-        connection_class(**kwargs)  # builds the connection object only; nothing is sent
-    except TypeError as exc:
-        unknown = re.search(r"argument '(\w+)'", str(exc))
-        option = repr(unknown.group(1)) if unknown else "in it"
-        return _scrub(f"the query option {option} is not a redis-py connection option here", url)
-    except Exception as exc:  # redis-py's own checks: ?db=x, ?protocol=4
-        return _scrub(str(exc).rstrip("."), url)
-    return None
-
-
-def _scrub(message: str, url: str) -> str:
-    """``message`` with every quoted word that could be part of the URL's password hidden."""
-    secret = url.partition("://")[2].rpartition("@")[0]
-    secret += "".join(re.findall(r"[?&]password=([^&#]*)", url))
-    return re.sub(r"'([^']+)'", lambda m: "'***'" if m.group(1) in secret else m.group(0), message)
 
 
 def _model(t: Table, base_dir: Path) -> ModelConfig:
@@ -467,8 +413,8 @@ def _inputs(t: Table) -> dict[str, InputConfig]:
     for name in t.data:
         it = t.table(name)
         it.check_keys({"min", "max", "warmup_shape", "batch_axis"})
-        lo = _bound(it, "min")
-        hi = _bound(it, "max")
+        lo = it.get_bound("min")
+        hi = it.get_bound("max")
         if lo is not None and hi is not None and lo > hi:
             raise ConfigError(
                 f"Config '{it.where('min')}' ({lo}) is above '{it.where('max')}' ({hi}). Swap them."
@@ -486,7 +432,7 @@ def _inputs(t: Table) -> dict[str, InputConfig]:
             min=lo,
             max=hi,
             warmup_shape=None if shape is None else tuple(shape),
-            batch_axis=_batch_axis(it),
+            batch_axis=it.get_batch_axis(),
         )
     return result
 
@@ -496,21 +442,8 @@ def _outputs(t: Table) -> dict[str, OutputConfig]:
     for name in t.data:
         ot = t.table(name)
         ot.check_keys({"batch_axis"})
-        result[name] = OutputConfig(name=name, batch_axis=_batch_axis(ot))
+        result[name] = OutputConfig(name=name, batch_axis=ot.get_batch_axis())
     return result
-
-
-def _batch_axis(t: Table) -> int | None:
-    """``batch_axis``: the axis that holds the rows (default 0), or "none" for no rows."""
-    value = t.data.get("batch_axis", 0)
-    if value == "none":
-        return None
-    if type(value) is not int or not 0 <= value < 32:
-        raise ConfigError(
-            f"Config '{t.where('batch_axis')}' has value {value!r}. Use the axis that holds "
-            'the rows (0 to 31; 0 is the default) or "none" for an input or output without rows.'
-        )
-    return value
 
 
 def _pipeline(t: Table) -> PipelineConfig:
@@ -540,22 +473,6 @@ def _pipeline(t: Table) -> PipelineConfig:
         timeout_s=t.get_number("timeout_s", d["timeout_s"], minimum=0.001, maximum=_MAX_RUN_S),
         options=dict(options),
     )
-
-
-def _bound(t: Table, key: str) -> float | None:
-    """``inputs.NAME.min`` or ``.max``; left out, or infinite on its own side, is no bound."""
-    value = t.data.get(key)
-    if type(value) is float and not math.isfinite(value):
-        no_bound = -math.inf if key == "min" else math.inf
-        if value == no_bound:
-            return None
-        why = "would switch the range check off" if math.isnan(value) else "no value would pass"
-        raise ConfigError(
-            f"Config '{t.where(key)}' has value {value!r}: {why}. Use a finite number, or leave "
-            f"it out (or set {no_bound}) for no bound."
-        )
-    result: float | None = t.get_number(key, None)
-    return result
 
 
 def _defaults(cls: type) -> dict[str, Any]:

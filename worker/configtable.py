@@ -110,3 +110,31 @@ class Table:
             raise ConfigError(
                 f"Config '{self.where(key)}' has value {value!r}. It must be <= {maximum}."
             )
+
+    def get_batch_axis(self) -> int | None:
+        """``batch_axis``: the axis that holds the rows (default 0), or "none" for no rows."""
+        value = self.data.get("batch_axis", 0)
+        if value == "none":
+            return None
+        if type(value) is not int or not 0 <= value < 32:
+            raise ConfigError(
+                f"Config '{self.where('batch_axis')}' has value {value!r}. Use the axis that "
+                'holds the rows (0 to 31; 0 is the default) or "none" for an input or output '
+                "without rows."
+            )
+        return value
+
+    def get_bound(self, key: str) -> float | None:
+        """``inputs.NAME.min`` or ``.max``; left out, or infinite on its own side, is no bound."""
+        value = self.data.get(key)
+        if type(value) is float and not math.isfinite(value):
+            no_bound = -math.inf if key == "min" else math.inf
+            if value == no_bound:
+                return None
+            why = "would switch the range check off" if math.isnan(value) else "no value would pass"
+            raise ConfigError(
+                f"Config '{self.where(key)}' has value {value!r}: {why}. Use a finite number, or "
+                f"leave it out (or set {no_bound}) for no bound."
+            )
+        result: float | None = self.get_number(key, None)
+        return result
