@@ -11,19 +11,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import redis
 
-from producer.keys import DEFAULT_PREFIX, workers_key
-from tools.localredis import LocalRedis, RedisNotInstalled
+from tools.services import redis_url, worker_process
 from tools.synthetic import save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
         else:
             save("demo", MODEL)
-            url = stack.enter_context(_redis())
-            stack.enter_context(_worker(url))
+            url = stack.enter_context(redis_url("demo"))
+            stack.enter_context(worker_process("demo", url, CONFIG, "demo", "demo-worker"))
         code = _produce(url, out, args.rows_per_request, args.concurrency)
     if code in (0, 1) and not args.external:
         _check(out, features)
@@ -75,64 +71,6 @@ def _features(rows: int) -> np.ndarray:
     """Rows inside the demo config's [-10, 10] input range, from a fixed seed."""
     x = np.random.default_rng(2024).normal(scale=2.0, size=(rows, 16)).astype(np.float32)
     return np.clip(x, -9.9, 9.9)
-
-
-@contextlib.contextmanager
-def _redis() -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url and _answers(url):
-        print(f"demo: using Redis at REDIS_URL ({url.split('@')[-1]})", flush=True)
-        yield url
-        return
-    why = "REDIS_URL does not answer" if url else "REDIS_URL is not set"
-    try:
-        server = LocalRedis()
-    except RedisNotInstalled as exc:
-        sys.exit(f"demo: {why}, and {exc}")
-    with server:
-        print(f"demo: {why}; started a throwaway redis-server on port {server.port}", flush=True)
-        yield server.url
-    print("demo: stopped the throwaway redis-server", flush=True)
-
-
-def _answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
-        with contextlib.closing(client):
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-@contextlib.contextmanager
-def _worker(url: str) -> Iterator[None]:
-    env = dict(os.environ, REDIS_URL=url)
-    cmd = [sys.executable, "-m", "worker", "--config", str(CONFIG), "--name", "demo-worker"]
-    print(f"demo: starting a worker: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
-    try:
-        _wait_ready(url, proc)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        print(f"demo: worker stopped (exit code {proc.returncode})", flush=True)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    """Wait until the worker's record appears in Redis (it registers once warm)."""
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    with contextlib.closing(client):
-        while not client.scard(workers_key(DEFAULT_PREFIX, "demo")):
-            if proc.poll() is not None:
-                sys.exit(f"demo: the worker exited with code {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                sys.exit("demo: the worker did not become ready in time")
-            time.sleep(0.1)  # a child process gives no readiness event to wait on
 
 
 def _produce(url: str, out: Path, rows_per_request: int, concurrency: int) -> int:

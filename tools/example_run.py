@@ -11,26 +11,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
 import subprocess
 import sys
-import time
 import tomllib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
-import redis
 
 from examples.common.reference import DirectRun, same_outputs
 from examples.image.handler import OrientationPipeline, sample_page
 from examples.text.handler import SentenceEmbedding
 from producer import Client
-from producer.keys import DEFAULT_PREFIX, workers_key
-from tools.localredis import LocalRedis, RedisNotInstalled
+from tools.services import redis_url, worker_process
 
 ROOT = Path(__file__).resolve().parents[1]
 Inputs = dict[str, np.ndarray]
@@ -119,8 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = ROOT / "examples" / args.example / "config.toml"
     requests = example.requests()
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(_redis())
-        stack.enter_context(_worker(url, config, example.model))
+        url = stack.enter_context(redis_url("example"))
+        name = f"{example.model}-example"
+        stack.enter_context(worker_process("example", url, config, example.model, name))
         with Client(example.model, url) as client:
             rids = client.submit_many(requests)
             served = [client.wait(rid, timeout_s=120) for rid in rids]
@@ -150,72 +145,6 @@ def _direct_run(example: Example, config: Path) -> DirectRun:
     table = tomllib.loads(config.read_text(encoding="utf-8"))
     handler = example.handler(**table["pipeline"].get("options", {}))
     return DirectRun(handler, config.parent / table["model"]["path"])
-
-
-def _fail(message: str) -> NoReturn:
-    print(f"example: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-# -- Redis and the worker, started and stopped here ---------------------------------------------
-
-
-@contextlib.contextmanager
-def _redis() -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url and _answers(url):
-        print(f"example: using Redis at REDIS_URL ({url.split('@')[-1]})", flush=True)
-        yield url
-        return
-    try:
-        server = LocalRedis()
-    except RedisNotInstalled as exc:
-        _fail(f"REDIS_URL does not answer, and {exc}")
-    with server:
-        print(f"example: started a throwaway redis-server on port {server.port}", flush=True)
-        yield server.url
-
-
-def _answers(url: str) -> bool:
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
-        with contextlib.closing(client):
-            return bool(client.ping())
-    except redis.RedisError:
-        return False
-
-
-@contextlib.contextmanager
-def _worker(url: str, config: Path, model: str) -> Iterator[None]:
-    cmd = [sys.executable, "-m", "worker", "--config", str(config), "--name", f"{model}-example"]
-    print(f"example: starting a worker: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.Popen(cmd, env=dict(os.environ, REDIS_URL=url), cwd=ROOT)
-    try:
-        _wait_ready(url, model, proc)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        print(f"example: worker stopped (exit code {proc.returncode})", flush=True)
-
-
-def _wait_ready(
-    url: str, model: str, proc: subprocess.Popen[bytes], timeout_s: float = 180
-) -> None:
-    """Wait until the worker's record appears in Redis (it registers once warm)."""
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + timeout_s
-    with contextlib.closing(client):
-        while not client.scard(workers_key(DEFAULT_PREFIX, model)):
-            if proc.poll() is not None:
-                _fail(f"the worker exited with code {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                _fail(f"the worker was not ready within {timeout_s:.0f} s")
-            time.sleep(0.1)  # a child process gives no readiness event to wait on
 
 
 if __name__ == "__main__":
