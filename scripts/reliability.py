@@ -137,10 +137,18 @@ def _steps(fuzz_n: int) -> list[Step]:
         Step(
             "full_speed_small_maxmemory",
             "3 producers at full speed for 15 s against 8 MiB of room under maxmemory, "
-            "2 workers: 2 back off on RedisFull and resend, 1 waits (wait_for_backlog); all "
-            "read their replies",
+            "2 workers on a model twice as deep as the others' (so that the producers outrun "
+            "them): 2 back off on RedisFull and resend, 1 waits (wait_for_backlog); all read "
+            "their replies",
             lambda d, seed: chaos.full_speed_small_maxmemory(
-                d, duration_s=15.0, workers=2, refusing=2, waiting=1, maxmemory_mib=8, seed=seed
+                d,
+                duration_s=15.0,
+                workers=2,
+                refusing=2,
+                waiting=1,
+                maxmemory_mib=8,
+                work_depth=16,
+                seed=seed,
             ),
         ),
     ]

@@ -83,8 +83,15 @@ def phase_kills(
     seed: int = 2,
 ) -> Result:
     """One worker armed to SIGKILL itself at ``point`` (each time it gets there) until ``kills``
-    deaths; each replacement gets a new name, so its entries must be claimed by another worker."""
-    s = Settings(claim_idle_ms=800, max_wait_ms=10, work_depth=2)
+    deaths; each replacement gets a new name, so its entries must be claimed by another worker.
+
+    An armed replacement may claim its dead predecessor's entry itself and run it alone, dying
+    on it again, so with ``kills`` of 3 one healthy request can be in hand at all three deaths
+    and is poisoned, as max_deliveries 3 says it must be (half the full tier's runs of
+    ``after_inference`` here, on the commit before pipelines too). As in ``fault_storm``, the
+    oracle wants every healthy request answered, so deliveries are allowed past the kills; the
+    crash pill scenario tests poisoning."""
+    s = Settings(claim_idle_ms=800, max_wait_ms=10, work_depth=2, max_deliveries=kills + 2)
     with Run(f"kill-{point}", workdir, seed, s) as run:
         armed = f"{point}=kill"
         deaths = Counter[str]()
