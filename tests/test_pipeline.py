@@ -175,7 +175,7 @@ def test_a_hook_that_hangs_is_bounded_and_the_worker_serves_on(
             hang.set()
     assert reply.error is not None
     assert reply.error.code == "INFERENCE_FAILED"
-    assert "pipeline.timeout_s = 1 s" in reply.error.message
+    assert "preprocess did not return within pipeline.timeout_s = 1 s" in reply.error.message
     assert after.ok
 
 

@@ -43,6 +43,7 @@ class Call:
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
+    label: str = "a pipeline hook"  # how errors and logs name it: "preprocess"
     future: Future[Any] = field(default_factory=Future)
     started: float | None = None  # monotonic, once a thread took it
     wall_s: float = 0.0
@@ -67,9 +68,11 @@ class HookPool:
         for _ in range(threads):
             self._start_thread()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, urgent: bool = False) -> Call:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, urgent: bool = False, label: str = ""
+    ) -> Call:
         """Queue ``fn(*args)``; an ``urgent`` call goes before every queued ordinary one."""
-        call = Call(fn, args)
+        call = Call(fn, args, label or "a pipeline hook")
         self._calls.put((0 if urgent else 1, next(self._order), call))
         return call
 
@@ -110,14 +113,14 @@ class HookPool:
             self.stuck += 1
             call.future.set_exception(
                 HookTimeout(
-                    f"{_hook_name(call.fn)} did not return within pipeline.timeout_s = "
+                    f"{call.label} did not return within pipeline.timeout_s = "
                     f"{self.timeout_s:g} s; its thread was abandoned"
                 )
             )
         log.error(
             "a pipeline hook hung; its requests are answered INFERENCE_FAILED and a new "
             "thread takes its place",
-            extra={"fields": {"hook": _hook_name(call.fn), "stuck_threads": self.stuck}},
+            extra={"fields": {"hook": call.label, "stuck_threads": self.stuck}},
         )
         self._start_thread()
 
@@ -152,8 +155,3 @@ class HookPool:
 def _settle(future: Future[Any], timeout_s: float) -> None:
     with contextlib.suppress(TimeoutError):
         future.exception(timeout=timeout_s)
-
-
-def _hook_name(fn: Callable[..., Any]) -> str:
-    target = getattr(fn, "__wrapped_hook__", fn)
-    return getattr(target, "__qualname__", None) or repr(target)

@@ -85,9 +85,11 @@ class Pipeline:
         if self.handler.preprocess_batch is not None and len(todo) > 1:
             for part in _parts(todo, self.pool.threads):
                 chunk = [raws[i] for i in part]
-                calls.append((self.pool.submit(self._pre_many, chunk), part))
+                calls.append((self.pool.submit(self._pre_many, chunk, label="preprocess"), part))
         else:
-            calls = [(self.pool.submit(self._pre_many, [raws[i]]), [i]) for i in todo]
+            calls = [
+                (self.pool.submit(self._pre_many, [raws[i]], label="preprocess"), [i]) for i in todo
+            ]
         return Pending(items, calls)
 
     def finish_preprocess(self, pending: Pending) -> list[Item]:
@@ -161,14 +163,16 @@ class Pipeline:
             indexed = list(range(len(args)))
             parts = _parts(indexed, self.pool.threads)
             calls = [
-                (self.pool.submit(self._post_many, [args[i] for i in part], urgent=True), part)
+                (
+                    self.pool.submit(
+                        self._post_many, [args[i] for i in part], urgent=True, label="postprocess"
+                    ),
+                    part,
+                )
                 for part in parts
             ]
         else:
-            calls = [
-                (self.pool.submit(self._post_many, [a], urgent=True), [i])
-                for i, a in enumerate(args)
-            ]
+            calls = [(self._submit_post([a]), [i]) for i, a in enumerate(args)]
         self.pool.wait([call for call, _ in calls])
         results: list[Result] = [None] * len(args)
         for call, indexes in calls:
@@ -179,6 +183,10 @@ class Pipeline:
             r if isinstance(r, Rejected) else _chosen(r, o.item.wanted)
             for r, o in zip(results, outcomes, strict=True)
         ]
+
+    def _submit_post(self, args: list[tuple[Inputs, Inputs, Inputs]]) -> Call:
+        """Postprocessing goes ahead of queued preprocessing: the model's thread waits on it."""
+        return self.pool.submit(self._post_many, args, urgent=True, label="postprocess")
 
     def _model_inputs(self, request: ValidRequest) -> Inputs:
         axes = self.schema.axes
