@@ -87,9 +87,16 @@ REDIS_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ResponseError)
 # Refusals that mean "not now" and guarantee the command did not run, so a retry is safe.
 # READONLY is left out: it means the URL reaches a replica, and retrying on the same pooled
 # connection keeps reaching it; following a failover is a Sentinel or Cluster client's job.
-_TRANSIENT_REFUSALS = (rex.OutOfMemoryError, rex.TryAgainError, rex.ClusterDownError)
+# On Redis Cluster, MOVED and ASK say that the slot is served elsewhere (now, or while it
+# migrates): nothing ran, and the caller follows them (producer/topology.py) and retries.
+_TRANSIENT_REFUSALS = (
+    rex.OutOfMemoryError,
+    rex.TryAgainError,
+    rex.ClusterDownError,
+    rex.AskError,  # MovedError is an AskError
+)
 # The same refusals as the codes that start an EXECABORT's reason (nothing of it ran).
-_TRANSIENT_CODES = frozenset({"OOM", "TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING"})
+_TRANSIENT_CODES = frozenset({"OOM", "TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING", "MOVED", "ASK"})
 # Errors of an unreachable or misconfigured server that no retry fixes.
 _NOT_TRANSIENT = (rex.AuthenticationError, rex.AuthorizationError)
 

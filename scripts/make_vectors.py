@@ -287,6 +287,8 @@ def encode(meaning: dict[str, Any]) -> bytes:
     """The bytes a vector's meaning encodes to, through the reference codec."""
     if "rejected" in meaning:
         return bytes.fromhex(meaning["hex"])
+    if meaning["kind"] == "keys":
+        return keys_of(meaning)["reply_key"].encode()
     if meaning["kind"] == "request":
         return codec.encode_request(
             {name: array_of(t) for name, t in meaning["inputs"].items()},
@@ -296,6 +298,56 @@ def encode(meaning: dict[str, Any]) -> bytes:
             reply_ttl_s=meaning.get("reply_ttl_s"),
         )
     return codec.encode_reply(reply_of(meaning))
+
+
+# (v2) Keys: the subsection after the tensors. The hex block is the reply key's UTF-8 bytes; the
+# meaning lists every key of one request on one shard, what ``submit`` returns, and the slot.
+KEYS_HEADING = "### Version 2: the keys of a request on a shard"
+KEYS_INTRO = (
+    "Every key of a request carries its shard's tag, so that they share one Redis Cluster slot "
+    "(CRC16 of the tag, modulo 16384). The bytes are the reply key's, in UTF-8; the meaning "
+    "holds the other keys, the handle the Python client's `submit` returns (the rid on the "
+    "model's first shard, `T/R` on another) and the slot. `shards` is the value of "
+    "`P:{M}:shards` (absent for one shard)."
+)
+KEYS_VECTORS: list[tuple[str, str, dict[str, Any]]] = [
+    (
+        "keys-first-shard",
+        "Request `9f1c2e` of model `demo` on its first (or only) shard, default prefix.",
+        {"kind": "keys", "prefix": "redbatch", "model": "demo", "tag": "demo", "rid": "9f1c2e"},
+    ),
+    (
+        "keys-second-shard",
+        "The same request sent to shard `demo~b` of a model with three shards.",
+        {
+            "kind": "keys",
+            "prefix": "redbatch",
+            "model": "demo",
+            "tag": "demo~b",
+            "rid": "9f1c2e",
+            "shards": ["demo", "demo~b", "demo~1"],
+        },
+    ),
+]
+
+
+def keys_of(meaning: dict[str, Any]) -> dict[str, Any]:
+    """A keys vector's meaning, completed with every key, the handle and the slot."""
+    from redis.crc import key_slot
+
+    from producer import keys
+
+    prefix, tag, rid = meaning["prefix"], meaning["tag"], meaning["rid"]
+    return {
+        **meaning,
+        "request_stream": keys.request_stream(prefix, tag),
+        "reply_key": keys.reply_key(prefix, tag, rid),
+        "cancel_key": keys.cancel_key(prefix, tag, rid),
+        "dead_key": keys.dead_key(prefix, tag),
+        "shards_key": keys.shards_key(prefix, meaning["model"]),
+        "handle": keys.handle(tag, rid),
+        "slot": key_slot(tag.encode()),
+    }
 
 
 def reply_of(meaning: dict[str, Any]) -> codec.Reply:
@@ -340,6 +392,8 @@ def section() -> str:
     out += vectors(VECTORS)
     out += [TEXT_HEADING, "", TEXT_INTRO, ""]
     out += vectors(TEXT_VECTORS)
+    out += [KEYS_HEADING, "", KEYS_INTRO, ""]
+    out += vectors([(n, s, keys_of(m)) for n, s, m in KEYS_VECTORS])
     out.append(END)
     return "\n".join(out)
 

@@ -52,7 +52,7 @@ def reply_to_entries(conn: redis.Redis, entries: list[tuple[bytes, dict[bytes, b
     pipe = conn.pipeline(transaction=False)
     for entry_id, fields in entries:
         rid, reply = answer(fields)
-        key = keys.reply_key(PREFIX, rid)
+        key = keys.reply_key(PREFIX, MODEL, rid)
         pipe.rpush(key, reply)
         pipe.expire(key, 60)
         pipe.xack(STREAM, keys.CONSUMER_GROUP, entry_id)

@@ -112,12 +112,21 @@ def send(
     if body is None:
         body = encode_request(inputs or {}, **kw)
     r.xadd(request_stream(PREFIX, model), {"rid": rid, "body": body})
+    _SENT_TO[rid] = model
     return rid
 
 
-def wait_reply(r: redis.Redis, rid: str, timeout_s: float = 20.0) -> Reply:
-    """Block on the reply list (BLPOP consumes it) and decode it."""
-    got = r.blpop([reply_key(PREFIX, rid)], timeout=timeout_s)
+# rid -> the model ``send`` sent it to: its reply key is in that model's slot (contract v2)
+_SENT_TO: dict[str, str] = {}
+
+
+def wait_reply(
+    r: redis.Redis, rid: str, timeout_s: float = 20.0, model: str | None = None
+) -> Reply:
+    """Block on the reply list (BLPOP consumes it) and decode it; the model is the one ``send``
+    sent ``rid`` to unless given."""
+    tag = model or _SENT_TO.get(rid, "demo")
+    got = r.blpop([reply_key(PREFIX, tag, rid)], timeout=timeout_s)
     assert got is not None, f"no reply for {rid} within {timeout_s}s"
     return decode_reply(got[1])
 

@@ -89,7 +89,7 @@ def test_an_answer_that_comes_during_the_run_still_cancels(
         return run_batch(*args, **kwargs)
 
     monkeypatch.setattr(answer_module, "run_batch", release_then_run)
-    rconn.set(keys.cancel_key(PREFIX, "late"), 1, ex=60)
+    rconn.set(keys.cancel_key(PREFIX, MODEL, "late"), 1, ex=60)
     send(rconn, MODEL, "late", _inputs(), meta="m")
     send(rconn, MODEL, "kept", _inputs())
     metrics = Metrics()
@@ -119,7 +119,7 @@ def test_an_answer_in_before_the_batch_starts_keeps_the_request_out_of_the_run(
         return batch
 
     monkeypatch.setattr(batcher_module.Batcher, "next_batch", after_the_answers)
-    rconn.set(keys.cancel_key(PREFIX, "early"), 1, ex=60)
+    rconn.set(keys.cancel_key(PREFIX, MODEL, "early"), 1, ex=60)
     send(rconn, MODEL, "early", _inputs())
     send(rconn, MODEL, "kept", _inputs())
     metrics = Metrics()
@@ -248,7 +248,7 @@ def test_a_check_asked_again_after_a_failure_never_cancels_a_run_already_started
 
     def cancel_during_the_run(*args, **kwargs):  # type: ignore[no-untyped-def]
         # When the caller cancels only once the batch runs
-        rconn.set(keys.cancel_key(PREFIX, "ran"), 1, ex=60)
+        rconn.set(keys.cancel_key(PREFIX, MODEL, "ran"), 1, ex=60)
         key_set.set()
         return run_batch(*args, **kwargs)
 
@@ -283,7 +283,7 @@ def test_a_cancel_set_while_the_request_waits_in_the_worker_cancels_it(
         send(rconn, MODEL, "waits", _inputs(), meta="m")
         assert checked.wait(20)  # the read's own check has answered: nothing cancelled yet
         # When the caller cancels after that, before the batch formed
-        rconn.set(keys.cancel_key(PREFIX, "waits"), 1, ex=60)
+        rconn.set(keys.cancel_key(PREFIX, MODEL, "waits"), 1, ex=60)
         reply = wait_reply(rconn, "waits")
     # Then the key that existed when the batch formed cancels it (it ran: answered after)
     assert reply.error is not None, reply
@@ -318,7 +318,7 @@ def _stream(conn: redis.Redis) -> RequestStream:
 def test_the_read_behind_a_check_returns_what_read_would(redis_url: str, protocol: int) -> None:
     conn = redis.Redis.from_url(redis_url, protocol=protocol)
     stream = _stream(conn)
-    conn.set(keys.cancel_key(PREFIX, "r1"), 1, ex=60)
+    conn.set(keys.cancel_key(PREFIX, MODEL, "r1"), 1, ex=60)
     sent = [send(conn, MODEL, f"r{i}", _inputs()) for i in range(3)]
 
     query = cancels_module.ask(stream, ["r0", "r1"])

@@ -69,7 +69,7 @@ class FakeWorker(threading.Thread):
                 reply = codec.Reply(ok=False, error=error, **common)
             else:
                 reply = codec.Reply(ok=True, outputs={"y": x * 2}, batch_rows=batch_rows, **common)
-            key = keys.reply_key(PREFIX, common["rid"])
+            key = keys.reply_key(PREFIX, MODEL, common["rid"])
             pipe.rpush(key, codec.encode_reply(reply))
             pipe.expire(key, 60)
             pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)
@@ -543,7 +543,7 @@ def test_run_with_no_worker_stops_after_one_timeout(
     entries = rconn.xrange(stream)
     assert len(entries) == 8  # only the first window was ever sent
     rids = [fields[b"rid"].decode() for _, fields in entries]
-    assert all(rconn.exists(keys.cancel_key(PREFIX, rid)) for rid in rids)  # and cancelled
+    assert all(rconn.exists(keys.cancel_key(PREFIX, MODEL, rid)) for rid in rids)  # and cancelled
     lines = [
         json.loads(line) for line in (tmp_path / "y.npz.errors.jsonl").read_text().splitlines()
     ]

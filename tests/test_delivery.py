@@ -18,6 +18,7 @@ import pytest
 import redis
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
+from tools import synthetic
 from worker.claims import Claims
 from worker.metrics import Metrics
 from worker.stream import RequestStream
@@ -143,23 +144,29 @@ def test_an_entry_deleted_while_pending_is_dropped_from_the_group(
         assert wait_reply(rconn, kept).ok
         assert _eventually(lambda: stream_is_empty(rconn, "demo"))
     assert metrics.claims.labels(kind="deleted")._value.get() == 1
-    assert not rconn.exists("redbatch:reply:gone")
+    assert not rconn.exists("redbatch:{demo}:reply:gone")
 
 
 def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     tmp_path: Path, redis_url: str, rconn
 ) -> None:
-    # Given a model run (2,048 rows through 24 layers) that takes far longer than claim_idle_ms
+    # Given a model run (2,048 rows through a stack of layers) that takes about twice
+    # claim_idle_ms (300 ms). At 100 ms a renewal (every claim_idle_ms / 3) late by a few tens
+    # of ms on a busy 2-core machine let the other worker claim a held entry, so the run is
+    # made long rather than claim_idle_ms short: a depth-24 run takes 100 to 600 ms here with
+    # the machine's load, so the model gets as many layers as make one take about 700 ms now.
+    claim_idle_ms = 300
+    x = np.random.default_rng(0).normal(size=(2048, 512)).astype(np.float32)
     config = write_config(
         tmp_path,
         "slow",
         redis_url,
         batching="max_batch_size = 2048\nmax_wait_ms = 1",
-        # Runs take about 600 ms here; at 100 ms a renewal (every claim_idle_ms / 3) late by a
-        # few tens of ms on a busy 2-core machine let the other worker claim a held entry
-        extra="[delivery]\nclaim_idle_ms = 300",
+        extra=f"[delivery]\nclaim_idle_ms = {claim_idle_ms}",
     )
-    x = np.random.default_rng(0).normal(size=(2048, 512)).astype(np.float32)
+    model = tmp_path / "slow.onnx"
+    depth = min(240, max(24, round(24 * 700 / _run_ms(model, x))))
+    model.write_bytes(synthetic.slow(depth=depth).SerializeToString())
     first, second = Metrics(), Metrics()
     with (
         running_worker(config, name="a", metrics=first),
@@ -170,13 +177,27 @@ def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
         assert _eventually(lambda: stream_is_empty(rconn, "slow"))
     assert all(r.ok for r in replies)
     runs = [r.timings_ms["inference"] for r in replies]
-    assert max(runs) > 300, runs  # the premise: a run outlasted claim_idle_ms
+    assert max(runs) > claim_idle_ms, runs  # the premise: a run outlasted claim_idle_ms
     workers = (first, second)
     assert sum(m.lease_renewals._value.get() for m in workers) > 0
     # Every execution is counted where it ran; a claimed duplicate would add to these.
     assert sum(m.claims.labels(kind="reclaimed")._value.get() for m in workers) == 0
     assert sum(m.requests.labels(code="OK")._value.get() for m in workers) == 4
     assert sum(m.batch_rows.sum for m in workers) == 4 * 2048
+
+
+def _run_ms(model: Path, x: np.ndarray) -> float:
+    """The fastest of three direct runs of ``model`` on ``x``, in ms."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        session.run(None, {name: x})
+        best = min(best, (time.perf_counter() - started) * 1000.0)
+    return best
 
 
 def test_forgetting_consumers_keeps_any_with_pending_entries(redis_url: str, rconn) -> None:
@@ -229,7 +250,7 @@ def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
         with running_worker(config, name="rescuer"):
             # Then past max_run_s it reports itself unhealthy and stops renewing, so the other
             # worker claims the request and answers it
-            assert _eventually(lambda: rconn.exists(f"redbatch:reply:{rid}") == 1)
+            assert _eventually(lambda: rconn.exists(f"redbatch:{{demo}}:reply:{rid}") == 1)
             assert not hung.healthy()
             # and its ready gauge says what /readyz says (the dashboard counts ready workers)
             assert hung.metrics.registry.get_sample_value("redbatch_ready") == 0
@@ -239,7 +260,7 @@ def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
         assert hung.healthy()
         assert hung.metrics.registry.get_sample_value("redbatch_ready") == 1
     assert hung.metrics.registry.get_sample_value("redbatch_ready") == 0  # stopped
-    assert rconn.llen(f"redbatch:reply:{rid}") == 1  # the late finish was fenced off
+    assert rconn.llen(f"redbatch:{{demo}}:reply:{rid}") == 1  # the late finish was fenced off
     assert wait_reply(rconn, rid).worker == "rescuer"
 
 

@@ -37,11 +37,11 @@ def test_oracle_sees_lost_doubled_and_wrong_replies(tmp_path: Path) -> None:
             return encode_reply(Reply(rid, err is None, model, "hand", {}, outputs, err, 1))
 
         good = [np.asarray(run.requests.expected[rid].y) for rid in rids]
-        run.r.rpush(reply_key(chaos.PREFIX, rids[0]), answer(rids[0], good[0]))
-        run.r.rpush(reply_key(chaos.PREFIX, rids[1]), answer(rids[1], good[1]))
-        run.r.rpush(reply_key(chaos.PREFIX, rids[1]), answer(rids[1], good[1]))
-        run.r.rpush(reply_key(chaos.PREFIX, rids[2]), answer(rids[2], good[2] + 1))
-        run.r.rpush(reply_key(chaos.PREFIX, rids[3]), answer(rids[3], code="INTERNAL"))
+        run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[0]), answer(rids[0], good[0]))
+        run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[1]), answer(rids[1], good[1]))
+        run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[1]), answer(rids[1], good[1]))
+        run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[2]), answer(rids[2], good[2] + 1))
+        run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[3]), answer(rids[3], code="INTERNAL"))
         # When the oracle judges them (the fifth has no reply)
         result = run.check(rids, timeout_s=1)
     # Then it names each fault

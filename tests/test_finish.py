@@ -57,12 +57,12 @@ def test_replies_are_written_with_their_ttl_and_the_entries_acked_and_deleted(rc
     assert stream.finish(items) == 32
     # Then every reply key holds exactly its reply, with its TTL
     for i, item in enumerate(items):
-        assert rconn.lrange(f"redbatch:reply:r{i}", 0, -1) == [item.reply]
-        assert 90 + i < rconn.ttl(f"redbatch:reply:r{i}") <= 100 + i
+        assert rconn.lrange(f"redbatch:{{demo}}:reply:r{i}", 0, -1) == [item.reply]
+        assert 90 + i < rconn.ttl(f"redbatch:{{demo}}:reply:r{i}") <= 100 + i
     # And nothing is left pending or in the stream, and no other key was written
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
     assert rconn.xlen(STREAM) == 0
-    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(32)}
+    assert _keys(rconn) == {f"redbatch:{{demo}}:reply:r{i}".encode() for i in range(32)}
 
 
 def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
@@ -74,11 +74,11 @@ def test_entries_claimed_by_another_consumer_are_left_to_it(rconn) -> None:
     items = [_reply(f"r{i}", eid) for i, eid in enumerate(mine + theirs)]
     assert stream.finish(items) == 4
     # Then only its own are answered and acked; the other's stay pending, unanswered
-    assert [rconn.exists(f"redbatch:reply:r{i}") for i in range(6)] == [1, 1, 1, 1, 0, 0]
+    assert [rconn.exists(f"redbatch:{{demo}}:reply:r{i}") for i in range(6)] == [1, 1, 1, 1, 0, 0]
     pending = rconn.xpending_range(STREAM, GROUP, "-", "+", 10)
     assert [(p["message_id"], p["consumer"]) for p in pending] == [(e, b"other") for e in theirs]
     assert rconn.xlen(STREAM) == 2
-    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(4)}
+    assert _keys(rconn) == {f"redbatch:{{demo}}:reply:r{i}".encode() for i in range(4)}
 
 
 @pytest.mark.parametrize("payload", [None, BIG], ids=["in-the-script", "staged"])
@@ -88,16 +88,20 @@ def test_a_reply_already_there_stands_and_a_key_of_another_type_is_left_alone(
     # Given a reply already written for r0 (a redelivery) and a string under r1's reply key
     stream = _stream(rconn)
     ids = _read(rconn, "me", 3)
-    rconn.rpush("redbatch:reply:r0", b"first")
-    rconn.set("redbatch:reply:r1", b"not a list")
+    rconn.rpush("redbatch:{demo}:reply:r0", b"first")
+    rconn.set("redbatch:{demo}:reply:r1", b"not a list")
     # When the three are finished
     assert stream.finish([_reply(f"r{i}", eid, payload) for i, eid in enumerate(ids)]) == 3
     # Then the first reply and the string stand, the third is written, and all are acked
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"first"]
-    assert rconn.get("redbatch:reply:r1") == b"not a list"
-    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [payload or b"r2"]
-    assert _keys(rconn) == {b"redbatch:reply:r0", b"redbatch:reply:r1", b"redbatch:reply:r2"}
-    assert rconn.ttl("redbatch:reply:r0") == -1  # its TTL untouched too
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [b"first"]
+    assert rconn.get("redbatch:{demo}:reply:r1") == b"not a list"
+    assert rconn.lrange("redbatch:{demo}:reply:r2", 0, -1) == [payload or b"r2"]
+    assert _keys(rconn) == {
+        b"redbatch:{demo}:reply:r0",
+        b"redbatch:{demo}:reply:r1",
+        b"redbatch:{demo}:reply:r2",
+    }
+    assert rconn.ttl("redbatch:{demo}:reply:r0") == -1  # its TTL untouched too
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
 
 
@@ -110,8 +114,8 @@ def test_entries_of_this_consumer_beyond_one_page_are_still_found(rconn) -> None
     # When the batch is finished
     assert stream.finish([_reply(f"r{5 * i}", eid) for i, eid in enumerate(batch)]) == 40
     # Then exactly its entries are answered and acked; the other 160 stay pending
-    assert all(rconn.exists(f"redbatch:reply:r{5 * i}") for i in range(40))
-    assert not rconn.exists("redbatch:reply:r1")
+    assert all(rconn.exists(f"redbatch:{{demo}}:reply:r{5 * i}") for i in range(40))
+    assert not rconn.exists("redbatch:{demo}:reply:r1")
     pending = {p["message_id"] for p in rconn.xpending_range(STREAM, GROUP, "-", "+", 500)}
     assert pending == set(ids) - set(batch)
 
@@ -132,7 +136,7 @@ def test_dead_letters_are_copied_with_their_reason_and_answered_when_asked(rconn
         {b"rid": b"r0", b"body": b"b", b"reason": b"delivered 3 times"},
         {b"rid": b"r1", b"body": b"b", b"reason": b"bad rid"},
     ]
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"poisoned"]
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [b"poisoned"]
     assert rconn.xlen(STREAM) == 0
 
 
@@ -152,9 +156,9 @@ def test_a_staged_reply_that_is_gone_is_written_inside_the_script(rconn, monkeyp
     # When both are finished
     assert stream.finish([_reply(f"r{i}", eid, BIG + b"%d" % i) for i, eid in enumerate(ids)]) == 2
     # Then both are answered, the first through the script itself, and nothing is pending
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [BIG + b"0"]
-    assert rconn.lrange("redbatch:reply:r1", 0, -1) == [BIG + b"1"]
-    assert rconn.ttl("redbatch:reply:r0") > 0
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [BIG + b"0"]
+    assert rconn.lrange("redbatch:{demo}:reply:r1", 0, -1) == [BIG + b"1"]
+    assert rconn.ttl("redbatch:{demo}:reply:r0") > 0
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
 
 
@@ -169,7 +173,7 @@ def test_staging_keys_differ_between_two_lives_of_one_worker_name(rconn) -> None
     again = _stream(rconn)
     assert again.finish([_reply("r0", ids[0], BIG)]) == 1
     # Then its reply is its own alone, and the leftover is untouched (its TTL ends it)
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [BIG]
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [BIG]
     assert rconn.lrange(leftover, 0, -1) == [b"an old reply"]
 
 
@@ -184,9 +188,9 @@ def test_a_script_redis_lost_is_loaded_again_and_run(rconn) -> None:
     items = [_reply(f"r{i + 1}", eid, BIG if i == 0 else None) for i, eid in enumerate(ids)]
     assert stream.finish(items) == 3
     # Then every reply is written once and nothing is left pending or staged
-    assert [rconn.llen(f"redbatch:reply:r{i}") for i in range(4)] == [1, 1, 1, 1]
+    assert [rconn.llen(f"redbatch:{{demo}}:reply:r{i}") for i in range(4)] == [1, 1, 1, 1]
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
-    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(4)}
+    assert _keys(rconn) == {f"redbatch:{{demo}}:reply:r{i}".encode() for i in range(4)}
 
 
 def test_a_full_redis_still_finishes_a_batch_and_frees_its_requests(rconn) -> None:
@@ -200,19 +204,19 @@ def test_a_full_redis_still_finishes_a_batch_and_frees_its_requests(rconn) -> No
     rconn.config_set("maxmemory", 1)
     try:
         with pytest.raises(redis.exceptions.OutOfMemoryError):
-            rconn.rpush("redbatch:reply:other", b"x")
+            rconn.rpush("redbatch:{demo}:reply:other", b"x")
         # When the batch is finished
         assert stream.finish(items) == 3
     finally:
         rconn.config_set("maxmemory", 0)
     # Then every reply is written with its TTL, the dead letter copied, and the stream emptied
-    assert [rconn.lrange(f"redbatch:reply:r{i}", 0, -1) for i in range(3)] == [
+    assert [rconn.lrange(f"redbatch:{{demo}}:reply:r{i}", 0, -1) for i in range(3)] == [
         [b"r0"],
         [BIG],
         [b"poisoned"],
     ]
-    assert _keys(rconn) == {f"redbatch:reply:r{i}".encode() for i in range(3)}
-    assert all(rconn.ttl(f"redbatch:reply:r{i}") > 0 for i in range(3))
+    assert _keys(rconn) == {f"redbatch:{{demo}}:reply:r{i}".encode() for i in range(3)}
+    assert all(rconn.ttl(f"redbatch:{{demo}}:reply:r{i}") > 0 for i in range(3))
     assert rconn.xlen(DEAD) == 1
     assert rconn.xpending(STREAM, GROUP)["pending"] == 0
     assert rconn.xlen(STREAM) == 0
@@ -244,7 +248,7 @@ def test_an_entry_twice_in_one_batch_is_finished_once(rconn) -> None:
     items = [_reply("r0", eid, dead_reason="twice") for _ in range(2)]
     # When the batch is finished, it counts once, with one reply and one dead letter
     assert stream.finish(items) == 1
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [b"r0"]
     assert rconn.xlen(DEAD) == 1
 
 

@@ -77,9 +77,9 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_decode_validate_seconds_count") == 10
     assert _value(text, "redbatch_reply_write_seconds_count") >= 1
     assert _value(text, "redbatch_warmup_seconds") > 0
-    assert _value(text, "redbatch_backlog") == 1
-    assert _value(text, "redbatch_pending") == 0
-    assert _value(text, "redbatch_dead_letters") == 1
+    assert _value(text, 'redbatch_backlog{shard="demo"}') == 1
+    assert _value(text, 'redbatch_pending{shard="demo"}') == 0
+    assert _value(text, 'redbatch_dead_letters{shard="demo"}') == 1
     assert _value(text, 'redbatch_requests_total{code="DEAD_LETTER"}') == 1
     assert 'redbatch_model_info{name="demo"' in text
     # Codes and outages that did not happen are exported at 0, so their first count is seen.
@@ -90,7 +90,7 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_redis_used_memory_bytes") > 0
     assert _value(text, "redbatch_redis_maxmemory_bytes") == 0
     assert math.isnan(_value(text, "redbatch_redis_memory_headroom_ratio"))  # no limit set
-    assert 0 <= _value(text, "redbatch_backlog_oldest_age_seconds") < 60
+    assert 0 <= _value(text, 'redbatch_backlog_oldest_age_seconds{shard="demo"}') < 60
 
 
 def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
@@ -103,14 +103,15 @@ def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
         stats = StreamStats(
             3, 1, 2, 0, oldest_ms=1_000, memory=MemoryReading(used, limit, "noeviction")
         )
-        metrics.stream_seen(stats, now_ms=3_500)
+        metrics.stream_seen(stats, now_ms=3_500, shard="demo")
+        metrics.memory_seen(stats.memory)
         alarm.seen(stats.memory)
         return generate_latest(metrics.registry).decode()
 
     # When Redis is at 60%, then past maxmemory twice, then back under
     text = sample(600, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(0.4)
-    assert _value(text, "redbatch_backlog_oldest_age_seconds") == 2.5
+    assert _value(text, 'redbatch_backlog_oldest_age_seconds{shard="demo"}') == 2.5
     text = sample(1200, 1000)
     sample(1300, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(-0.2)

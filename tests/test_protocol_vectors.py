@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from producer import codec
+from producer import codec, keys
 from producer.errors import WireFormatError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,7 @@ REQUESTS = sorted(
 )
 REPLIES = sorted(n for n, (_, m) in VECTORS.items() if m["kind"] == "reply")
 REJECTED = sorted(n for n, (_, m) in VECTORS.items() if "rejected" in m)
+KEYS = sorted(n for n, (_, m) in VECTORS.items() if m["kind"] == "keys")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,3 +359,39 @@ def test_vectors_section_matches_its_generator() -> None:
     doc = DOC.read_text(encoding="utf-8")
     start, end = doc.index(module.BEGIN), doc.index(module.END) + len(module.END)
     assert doc[start:end] == module.section(), "run scripts/make_vectors.py --write"
+
+
+# ---------------------------------------------------------------------------------------------
+# (v2) Keys of a request on a shard: built here from the contract's patterns, as another
+# language would, and checked against the reference and the vector.
+
+
+def _crc16_xmodem(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def test_the_key_vectors_exist() -> None:
+    assert {"keys-first-shard", "keys-second-shard"} <= set(KEYS)
+
+
+@pytest.mark.parametrize("name", KEYS)
+def test_key_vector_matches_the_contract_patterns(name: str) -> None:
+    raw, m = VECTORS[name]
+    p, t, r = m["prefix"], m["tag"], m["rid"]
+    assert raw == f"{p}:{{{t}}}:reply:{r}".encode() == m["reply_key"].encode()
+    assert m["request_stream"] == f"{p}:{{{t}}}:requests"
+    assert m["cancel_key"] == f"{p}:{{{t}}}:cancel:{r}"
+    assert m["dead_key"] == f"{p}:{{{t}}}:dead"
+    assert m["shards_key"] == f"{p}:{{{m['model']}}}:shards"
+    assert m["handle"] == (r if t == m["model"] else f"{t}/{r}")
+    assert m["slot"] == _crc16_xmodem(t.encode()) % 16384
+    assert keys.parse_handle(m["handle"], m["model"]) == (t, r)
+    if "shards" in m:
+        assert m["shards"][0] == m["model"]
+        assert t in m["shards"]

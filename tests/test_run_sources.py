@@ -93,7 +93,7 @@ class EchoWorker(threading.Thread):
                 for entry_id, fields in entries:
                     if b"stop" not in fields:
                         rid, reply = echo_reply(fields)
-                        key = keys.reply_key(PREFIX, rid)
+                        key = keys.reply_key(PREFIX, MODEL, rid)
                         pipe.rpush(key, reply)
                         pipe.expire(key, 60)
                     pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)

@@ -72,7 +72,7 @@ def _tensor(arr: np.ndarray) -> dict[str, object]:
 
 
 def _blpop(rconn, rid: str) -> dict:
-    got = rconn.blpop([f"redbatch:reply:{rid}"], timeout=20)
+    got = rconn.blpop([f"redbatch:{{scaler}}:reply:{rid}"], timeout=20)
     assert got is not None, f"no reply for {rid}"
     return msgpack.unpackb(got[1], raw=False)
 
@@ -134,13 +134,13 @@ def test_requests_sent_before_any_worker_existed_are_served(scaler, rconn) -> No
 def test_existing_reply_is_never_replaced(scaler, rconn) -> None:
     # Given a reply already written for a request id (as after a redelivery)
     _, config = scaler
-    rconn.rpush("redbatch:reply:twice", b"first")
+    rconn.rpush("redbatch:{scaler}:reply:twice", b"first")
     rconn.xadd(STREAM, {"rid": "twice", "body": CONTRACT_BODY})
     rconn.xadd(STREAM, {"rid": "marker", "body": CONTRACT_BODY})
     with running_worker(config):
         _blpop(rconn, "marker")
         # Then the entry is finished but the first reply stays the only one
-        assert rconn.lrange("redbatch:reply:twice", 0, -1) == [b"first"]
+        assert rconn.lrange("redbatch:{scaler}:reply:twice", 0, -1) == [b"first"]
     assert stream_is_empty(rconn, "scaler")
 
 
@@ -160,6 +160,8 @@ def test_reply_ttl_is_the_smaller_of_request_and_worker(scaler, rconn) -> None:
         rconn.xadd(STREAM, {"rid": "ttl-default", "body": CONTRACT_BODY})
         rconn.xadd(STREAM, {"rid": "marker", "body": CONTRACT_BODY})
         _blpop(rconn, "marker")  # answered in order: the ones before it are written too
-    assert 0 < rconn.ttl("redbatch:reply:ttl") <= 60
-    assert 60 < rconn.ttl("redbatch:reply:ttl-longer") <= 3600  # the worker's own is smaller
-    assert 60 < rconn.ttl("redbatch:reply:ttl-default") <= 3600
+    assert 0 < rconn.ttl("redbatch:{scaler}:reply:ttl") <= 60
+    assert (
+        60 < rconn.ttl("redbatch:{scaler}:reply:ttl-longer") <= 3600
+    )  # the worker's own is smaller
+    assert 60 < rconn.ttl("redbatch:{scaler}:reply:ttl-default") <= 3600

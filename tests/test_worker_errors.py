@@ -195,7 +195,7 @@ def test_missing_body_field_is_malformed_and_bad_rid_is_dead_lettered(multi_io, 
         rconn.xadd(stream, {"rid": "../../etc", "body": b"\x80"})
         rconn.xadd(stream, {"body": b"\x80"})
         send(rconn, "multi_io", "marker", _ok_inputs())
-        reply = wait_reply(rconn, "no-body")
+        reply = wait_reply(rconn, "no-body", model="multi_io")
         wait_reply(rconn, "marker")
 
     assert reply.error is not None
@@ -204,7 +204,7 @@ def test_missing_body_field_is_malformed_and_bad_rid_is_dead_lettered(multi_io, 
     dead = rconn.xrange("redbatch:{multi_io}:dead")
     assert [fields.get(b"rid") for _, fields in dead] == [b"../../etc", None]
     assert all(b"reason" in fields for _, fields in dead)
-    assert not rconn.exists("redbatch:reply:../../etc")
+    assert not rconn.exists("redbatch:{multi_io}:reply:../../etc")
     assert stream_is_empty(rconn, "multi_io")
 
 
@@ -234,11 +234,11 @@ def test_a_malformed_map_keeps_its_meta_and_reply_ttl_in_its_error_reply(multi_i
     with running_worker(multi_io):
         send(rconn, "multi_io", "typo", body=typo)
         send(rconn, "multi_io", "dtype", body=dtype)
-        ttls = {rid: rconn.ttl(f"redbatch:reply:{rid}") for rid in ("typo", "dtype")}
+        ttls = {rid: rconn.ttl(f"redbatch:{{multi_io}}:reply:{rid}") for rid in ("typo", "dtype")}
         while -2 in ttls.values():  # polls Redis for the replies; not yet written
             time.sleep(0.005)
-            ttls = {rid: rconn.ttl(f"redbatch:reply:{rid}") for rid in ttls}
-        replies = [wait_reply(rconn, rid) for rid in ("typo", "dtype")]
+            ttls = {rid: rconn.ttl(f"redbatch:{{multi_io}}:reply:{rid}") for rid in ttls}
+        replies = [wait_reply(rconn, rid, model="multi_io") for rid in ("typo", "dtype")]
     for reply in replies:
         assert reply.error is not None
         assert reply.error.code == "MALFORMED"
@@ -248,7 +248,7 @@ def test_a_malformed_map_keeps_its_meta_and_reply_ttl_in_its_error_reply(multi_i
 
 
 def test_cancelled_request_is_answered_without_running(multi_io, rconn) -> None:
-    rconn.set("redbatch:cancel:changed-mind", 1, ex=60)
+    rconn.set("redbatch:{multi_io}:cancel:changed-mind", 1, ex=60)
     with running_worker(multi_io):
         send(rconn, "multi_io", "changed-mind", _ok_inputs(), meta="m")
         send(rconn, "multi_io", "kept", _ok_inputs())

@@ -58,7 +58,9 @@ def test_two_workers_share_a_burst_and_answer_each_request_once(
     assert set(by_worker) == {"w1", "w2"}, by_worker
     assert all(r.ok for r in replies)
     assert [r.rid for r in replies] == rids
-    assert not any(rconn.exists(f"redbatch:reply:{rid}") for rid in rids)  # BLPOP took the one
+    assert not any(
+        rconn.exists(f"redbatch:{{slow}}:reply:{rid}") for rid in rids
+    )  # BLPOP took the one
 
 
 def test_live_worker_record_is_in_redis_and_removed_on_clean_exit(
@@ -133,7 +135,7 @@ def test_stop_signal_answers_the_batch_in_hand_and_exits_zero(
     group = rconn.xinfo_groups("redbatch:{slow}:requests")[0]
     assert group["pending"] == 0
     left = rconn.xlen("redbatch:{slow}:requests")
-    answered = sum(rconn.llen(f"redbatch:reply:{rid}") for rid in rids[1:]) + 1
+    answered = sum(rconn.llen(f"redbatch:{{slow}}:reply:{rid}") for rid in rids[1:]) + 1
     assert left > 0, "the backlog should outlast the worker"
     assert answered + left == len(rids)
 
@@ -177,7 +179,7 @@ def test_burst_mode_drains_the_stream_and_exits(tmp_path: Path, redis_url: str, 
     rids = _pipelined(rconn, "demo", 200, lambda i: {"features": x})
     done = _burst(config)
     assert done.returncode == 0, done.stderr
-    assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
+    assert all(rconn.llen(f"redbatch:{{demo}}:reply:{rid}") == 1 for rid in rids)
     assert stream_is_empty(rconn, "demo")
     # and before serving it froze what start-up left alive out of the garbage collector
     frozen = re.search(r"froze (\d+) start-up objects", done.stderr)
@@ -366,7 +368,7 @@ def test_a_draining_worker_shows_draining_until_it_exits(
         # and so do the stream gauges: a request sent once it reads no more stays, and is seen
         worker.reader.join(timeout=30)
         send(rconn, "demo", "after-stop", {"features": x})
-        _until(lambda: metrics.backlog._value.get() == 2)  # "first" was deleted once answered
+        _until(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)  # "first" was deleted once answered
         assert thread.is_alive()
         proceed.set()
         thread.join(timeout=30)
@@ -400,7 +402,7 @@ def test_burst_mode_answers_what_a_dead_consumer_left_pending_before_it_exits(
     # Then it claims the ghost's entries once idle past claim_idle_ms, and exits 0 once nothing
     # is left in the stream or pending in the group
     assert done.returncode == 0, done.stderr
-    assert all(rconn.llen(f"redbatch:reply:{rid}") == 1 for rid in rids)
+    assert all(rconn.llen(f"redbatch:{{demo}}:reply:{rid}") == 1 for rid in rids)
     assert stream_is_empty(rconn, "demo")
     assert "redelivering entries of consumer 'ghost'" in done.stderr
 

@@ -65,7 +65,7 @@ def test_with_nothing_queued_a_batch_is_written_before_submit_returns(rconn, str
     writer.submit(_read_batch(rconn, stream, "r0"), here=True)
     # written on this thread, by the time submit returned
     assert recorder.threads == [threading.current_thread().name]
-    assert rconn.lrange("redbatch:reply:r0", 0, -1) == [b"r0"]
+    assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [b"r0"]
     writer.submit(_read_batch(rconn, stream, "r1"))  # without here: the writer's thread
     writer.close()
     assert recorder.threads[1] == "redbatch-writer"
@@ -83,7 +83,7 @@ def test_a_batch_submitted_while_another_is_being_written_waits_on_the_writer(
     # When a second is submitted to be written here, it queues behind the first instead
     writer.submit(_read_batch(rconn, stream, "r1"), here=True)
     assert recorder.threads == ["redbatch-writer"]
-    assert not rconn.exists("redbatch:reply:r1")
+    assert not rconn.exists("redbatch:{demo}:reply:r1")
     recorder.release.set()
     writer.close()
     assert recorder.threads == ["redbatch-writer", "redbatch-writer"]
@@ -127,7 +127,7 @@ def test_the_typical_write_is_learnt_from_writes_that_needed_no_retry(
     monkeypatch.setattr(stream, "finish_each", fail_once)
     writer.submit(_read_batch(rconn, stream, "r2"), here=True)
     assert failed
-    assert rconn.lrange("redbatch:reply:r2", 0, -1) == [b"r2"]
+    assert rconn.lrange("redbatch:{demo}:reply:r2", 0, -1) == [b"r2"]
     assert writer.typical_s == learnt
     writer.close()
 
@@ -313,8 +313,8 @@ def test_only_the_entries_finished_here_count_as_served(tmp_path: Path, redis_ur
 
     # Then one reply is written and one request counted, not two
     assert batch.finished == [True, False]
-    assert client.exists("redbatch:reply:mine")
-    assert not client.exists("redbatch:reply:claimed")
+    assert client.exists("redbatch:{tiny}:reply:mine")
+    assert not client.exists("redbatch:{tiny}:reply:claimed")
     assert worker.served["requests"] == 1
     assert worker.metrics.requests.labels(code="OK")._value.get() == 1
     worker.writer.close()

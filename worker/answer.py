@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from producer.codec import ErrorInfo
@@ -42,7 +42,7 @@ class Answerer:
         self,
         model: OnnxModel,
         schema: Schema,
-        stream: RequestStream,
+        streams: Callable[[str], RequestStream],
         encoder: ReplyEncoder,
         reply_ttl_s: int,
         events: Events,
@@ -51,7 +51,7 @@ class Answerer:
         self.model = model
         self.pipeline = pipeline
         self.schema = schema
-        self.stream = stream
+        self.streams = streams  # a shard's stream, for the cancel recheck
         self.encoder = encoder
         self.reply_ttl_s = reply_ttl_s
         self.events = events
@@ -107,7 +107,7 @@ class Answerer:
     def _run(
         self, items: list[Admitted], started_ms: float, runs: list[tuple[int, float]]
     ) -> list[Finish]:
-        check = cancels.RunCheck(self.stream, items)
+        check = cancels.RunCheck(self.streams, items)
         self.running_since = time.monotonic()
         try:
             outcomes = run_batch(
@@ -166,7 +166,14 @@ class Answerer:
                 inference_ms=round(inference_ms, 3),
             )
             finishes += [
-                Finish(item.entry.entry_id, item.rid, reply, self._ttl(item.reply_ttl_s), code="OK")
+                Finish(
+                    item.entry.entry_id,
+                    item.rid,
+                    reply,
+                    self._ttl(item.reply_ttl_s),
+                    code="OK",
+                    shard=item.entry.shard,
+                )
                 for item, reply in zip(items, replies, strict=True)
             ]
         return finishes
@@ -206,7 +213,14 @@ class Answerer:
                 meta_raw=item.meta_raw,
             )
             finishes.append(
-                Finish(item.entry.entry_id, item.rid, reply, self._ttl(item.reply_ttl_s), code="OK")
+                Finish(
+                    item.entry.entry_id,
+                    item.rid,
+                    reply,
+                    self._ttl(item.reply_ttl_s),
+                    code="OK",
+                    shard=item.entry.shard,
+                )
             )
         return finishes
 
@@ -230,7 +244,12 @@ class Answerer:
             item.rid, item.entry, item.meta_raw, error, started_ms, inference_ms
         )
         return Finish(
-            item.entry.entry_id, item.rid, reply, self._ttl(item.reply_ttl_s), code=error.code
+            item.entry.entry_id,
+            item.rid,
+            reply,
+            self._ttl(item.reply_ttl_s),
+            code=error.code,
+            shard=item.entry.shard,
         )
 
     def _dead_letter(self, item: DeadLetter, error: Rejected | None, started_ms: float) -> Finish:
@@ -245,7 +264,12 @@ class Answerer:
             },
         )
         if item.rid is None:  # no reply key can be named: the dead-letter stream is its answer
-            return Finish(item.entry.entry_id, dead_reason=item.reason, code="DEAD_LETTER")
+            return Finish(
+                item.entry.entry_id,
+                dead_reason=item.reason,
+                code="DEAD_LETTER",
+                shard=item.entry.shard,
+            )
         assert error is not None
         reply = self._error_reply(item.rid, item.entry, None, error, started_ms, 0.0)
         return Finish(
@@ -255,6 +279,7 @@ class Answerer:
             self._ttl(None),
             dead_reason=item.reason,
             code=error.code,
+            shard=item.entry.shard,
         )
 
     def _error_reply(

@@ -72,6 +72,9 @@ class Checked(Protocol):
     @property
     def cancel(self) -> CancelCheck: ...
 
+    @property
+    def shard(self) -> str: ...
+
 
 class CancelCheck:
     """One read's cancel check: answered once by the reading thread, read by the main thread."""
@@ -242,29 +245,32 @@ class RunCheck:
     whose first check is stale and read after it, then the verdict on each request that ran.
     A failed second check reads as nothing cancelled (the first check still counts)."""
 
-    def __init__(self, stream: RequestStream, items: Sequence[Checked]) -> None:
+    def __init__(self, streams: Callable[[str], RequestStream], items: Sequence[Checked]) -> None:
         oldest = time.monotonic() - RECHECK_AFTER_S
-        stale = [item.rid for item in items if item.cancel.asked_at < oldest]
-        self._query: CancelQuery | None = None
-        self._rechecked: frozenset[str] = frozenset()
-        if stale:
+        stale: dict[str, list[str]] = {}  # per shard: a run may mix shards' requests
+        for item in items:
+            if item.cancel.asked_at < oldest:
+                stale.setdefault(item.shard, []).append(item.rid)
+        self._queries: list[CancelQuery] = []
+        self._rechecked: set[tuple[str, str]] = set()
+        for shard, rids in stale.items():
             try:
-                self._query = ask(stream, stale)
+                self._queries.append(ask(streams(shard), rids))
             except redis.RedisError as exc:
                 log.debug("cancel recheck not sent: %s", exc)
 
     def run_ended(self) -> None:
-        """Read the second check's answer (also when the run raised, which would otherwise
-        leave its connection out of the pool)."""
-        query, self._query = self._query, None
-        if query is None:
-            return
-        try:
-            self._rechecked = frozenset(query.receive())
-        except redis.RedisError as exc:
-            log.debug("cancel recheck lost: %s", exc)
+        """Read the second check's answers (also when the run raised, which would otherwise
+        leave their connections out of the pool)."""
+        queries, self._queries = self._queries, []
+        for query in queries:
+            try:
+                shard = query.stream.tag
+                self._rechecked.update((shard, rid) for rid in query.receive())
+            except redis.RedisError as exc:
+                log.debug("cancel recheck lost: %s", exc)
 
     def cancelled(self, item: Checked) -> bool:
         """After the run: whether ``item``, which ran, is answered CANCELLED (waits for its
         first check's answer if it is not in yet)."""
-        return item.rid in self._rechecked or item.cancel.confirmed(item.rid)
+        return (item.shard, item.rid) in self._rechecked or item.cancel.confirmed(item.rid)

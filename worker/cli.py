@@ -209,6 +209,7 @@ def _serve(
         log.error("Redis at %s failed: %s", _safe_url(config.redis.url), exc)
         return 1
     finally:
+        worker.topology.close()
         client.close()
     return 0
 

@@ -54,6 +54,11 @@ class Admitted:
         return self.request.rows
 
     @property
+    def shard(self) -> str:
+        """The shard whose stream it came from."""
+        return self.entry.shard
+
+    @property
     def alone(self) -> bool:
         """Redelivered: it runs in a batch of its own."""
         return self.deliveries > 1

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from producer.errors import ERROR_CODES
+from producer.memory import MemoryReading
 from worker.events import Events
 from worker.stream import StreamStats
 
@@ -179,23 +180,36 @@ class Metrics(Events):
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        # Per shard (``shard`` is its tag: the model's name for its first): sum over shards
+        # for the model's queue, max for its oldest entry.
         self.backlog = Gauge(
-            "redbatch_backlog", "Entries in the request stream (XLEN): unfinished work.", registry=r
+            "redbatch_backlog",
+            "Entries in the shard's request stream (XLEN): unfinished work.",
+            ["shard"],
+            registry=r,
         )
         self.pending = Gauge(
-            "redbatch_pending", "Entries read by a worker and not yet answered.", registry=r
+            "redbatch_pending",
+            "Entries of the shard read by a worker and not yet answered.",
+            ["shard"],
+            registry=r,
         )
         self.lag = Gauge(
             "redbatch_group_lag",
-            "Entries not yet read by the group (-1 when Redis cannot tell, after deletes).",
+            "Entries of the shard not yet read by the group (-1 when Redis cannot tell).",
+            ["shard"],
             registry=r,
         )
         self.dead_letters = Gauge(
-            "redbatch_dead_letters", "Entries in the dead-letter stream.", registry=r
+            "redbatch_dead_letters",
+            "Entries in the shard's dead-letter stream.",
+            ["shard"],
+            registry=r,
         )
         self.backlog_age = Gauge(
             "redbatch_backlog_oldest_age_seconds",
-            "Age of the oldest entry in the request stream (0 when it is empty).",
+            "Age of the oldest entry in the shard's request stream (0 when it is empty).",
+            ["shard"],
             registry=r,
         )
         self.used_memory = Gauge(
@@ -311,15 +325,19 @@ class Metrics(Events):
         self.hook_cpu.labels(stage=stage).inc(cpu_s)
         self.stages.add(stage, requests, wall_s, cpu_s)
 
-    def stream_seen(self, stats: StreamStats, now_ms: float) -> None:
-        """Record the stream's state and Redis memory, sampled by the heartbeat."""
-        self.backlog.set(stats.backlog)
-        self.pending.set(stats.pending)
-        self.lag.set(-1 if stats.lag is None else stats.lag)
-        self.dead_letters.set(stats.dead)
+    def stream_seen(self, stats: StreamStats, now_ms: float, shard: str) -> None:
+        """Record one shard's stream state, sampled by the heartbeat."""
+        self.backlog.labels(shard=shard).set(stats.backlog)
+        self.pending.labels(shard=shard).set(stats.pending)
+        self.lag.labels(shard=shard).set(-1 if stats.lag is None else stats.lag)
+        self.dead_letters.labels(shard=shard).set(stats.dead)
         oldest = stats.oldest_ms
-        self.backlog_age.set(0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0)
-        memory, nan = stats.memory, float("nan")
+        age = 0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0
+        self.backlog_age.labels(shard=shard).set(age)
+
+    def memory_seen(self, memory: MemoryReading | None) -> None:
+        """Record Redis memory: on a cluster, the fullest node of the model's shards."""
+        nan = float("nan")
         self.used_memory.set(nan if memory is None else memory.used_bytes)
         self.max_memory.set(nan if memory is None else memory.max_bytes)
         fraction = None if memory is None else memory.used_fraction

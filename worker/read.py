@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from worker import cancels
@@ -62,6 +63,8 @@ class Reader(threading.Thread):
         events: Events = NO_EVENTS,
         burst: bool = False,
         max_element_bytes: int | None = None,
+        retired: threading.Event | None = None,
+        on_retry: Callable[[BaseException], object] | None = None,
     ) -> None:
         super().__init__(name="redbatch-intake", daemon=True)
         self.stream = stream
@@ -83,12 +86,16 @@ class Reader(threading.Thread):
         self.burst = burst
         self.idle = threading.Event()  # set when the stream is drained (module docstring)
         self.failure: BaseException | None = None
-        self._outage = OutageRetry("reading requests", give_up=stop, events=events)
+        # Set when this reader's shard is retired: it stops reading, as on ``stop``.
+        self.retired = retired or threading.Event()
+        self._outage = OutageRetry(
+            "reading requests", give_up=stop, events=events, on_retry=on_retry
+        )
 
     def run(self) -> None:
         try:
             read_ahead: list[RawEntry] | None = None  # read behind the last cancel check
-            while not self.stop.is_set() or read_ahead:
+            while not self._stopping() or read_ahead:
                 self._check_interrupted()
                 if self._redeliver():  # read_ahead, if any, waits for the next turn
                     continue
@@ -109,12 +116,15 @@ class Reader(threading.Thread):
                 check = CancelCheck()
                 items = [self._admit(e, check) for e in entries]
                 self._fit_read_count(items)
-                read_next = None if self.stop.is_set() else (self.read_count, block_ms)
+                read_next = None if self._stopping() else (self.read_count, block_ms)
                 read_ahead = self._hand_over(items, check, read_next)
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self.retired.is_set()
 
     def _fit_read_count(self, items: list[Item]) -> None:
         """Read about one batch of rows at a time: ``max_batch_size`` entries of one row, fewer
@@ -150,7 +160,7 @@ class Reader(threading.Thread):
             return False
         reclaimer = self.reclaimer
         try:
-            found = None if self.stop.is_set() else self._outage.call(reclaimer.next)
+            found = None if self._stopping() else self._outage.call(reclaimer.next)
         except Exception:
             if self.stop.is_set():  # stopping during an outage: claim nothing more
                 return False
@@ -195,7 +205,7 @@ class Reader(threading.Thread):
         try:
             # Entries already read are ours: hand every one over, even while stopping.
             self.out.put(items)
-            if read_next is not None and not self.stop.is_set():
+            if read_next is not None and not self._stopping():
                 asking.read_behind(*read_next)
             asking.settle(self._cancelled)
         finally:

@@ -35,8 +35,10 @@ class OutageRetry:
         give_up: threading.Event | None = None,
         max_wait_s: float = 2.0,
         events: Events = NO_EVENTS,
+        on_retry: Callable[[BaseException], object] | None = None,
     ):
         self.what = what
+        self.on_retry = on_retry  # told of each transient failure (a cluster redirect to follow)
         self.events = events
         self.give_up = give_up
         self.max_wait_s = max_wait_s
@@ -51,6 +53,7 @@ class OutageRetry:
                 if not is_transient(exc):
                     raise
                 self.interrupted = True
+                self._told(exc)
         retrying = Retrying(
             retry=retry_if_exception(is_transient),
             wait=wait_exponential_jitter(multiplier=0.05, max=self.max_wait_s, jitter=0.1),
@@ -67,7 +70,17 @@ class OutageRetry:
     def _should_stop(self, state: RetryCallState) -> bool:
         return self.give_up is not None and self.give_up.is_set()
 
+    def _told(self, exc: BaseException) -> None:
+        if self.on_retry is not None:
+            try:
+                self.on_retry(exc)
+            except Exception as failed:  # following a redirect is best effort: retries go on
+                log.debug("following %s failed: %s", type(exc).__name__, failed)
+
     def _note_down(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is not None:
+            self._told(exc)
         if not self._down:
             self._down = True
             self.events.redis_down(self.what)

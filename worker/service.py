@@ -22,15 +22,18 @@ from typing import Any
 import redis
 
 from producer.codec import ModelRef
+from producer.memory import MemoryReading
+from producer.shards import read_shards
+from producer.topology import Topology
 from worker.answer import Answerer
 from worker.batcher import Batcher
-from worker.claims import Claims
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
 from worker.handler import load_handler
 from worker.hookpool import HookPool
 from worker.items import Item
+from worker.lanes import Lanes, LaneSettings
 from worker.leases import LeaseKeeper, Leases
 from worker.memalarm import MemoryAlarm
 from worker.metrics import Metrics
@@ -38,7 +41,6 @@ from worker.model import OnnxModel, check_sha256, read_model_file
 from worker.pipeline import Pipeline, raw_schema
 from worker.prep import PrepStage
 from worker.read import Reader
-from worker.reclaim import Reclaimer
 from worker.record import Registry, build_record
 from worker.replies import ReplyEncoder
 from worker.retry import OutageRetry, is_transient
@@ -119,6 +121,7 @@ class Worker:
         burst: bool = False,
         metrics: Metrics | None = None,
         faults: Events | None = None,
+        topology: Topology | None = None,
     ) -> None:
         cfg = prepared.config
         self.config = cfg
@@ -131,12 +134,14 @@ class Worker:
         self.stop = threading.Event()
         self.hard_stop = threading.Event()
         self.ready = threading.Event()  # set once the worker reads from the stream
-        self.stream = RequestStream(client, cfg.redis.prefix, cfg.model.name, self.name)
+        # One code path for a single Redis and a cluster: a client per shard (producer/topology)
+        self.topology = topology or Topology(client)
         self.metrics = metrics or Metrics()
         self.events: Events = self.metrics if faults is None else Fanout(self.metrics, faults)
+        model_client = self.topology.client(cfg.model.name)
         # Its own stop: it beats until the drain ends (``_drain`` closes it), not until ``stop``.
         self.registry = Registry(
-            client, cfg.redis.prefix, prepared.record, on_beat=self._sample_stream
+            model_client, cfg.redis.prefix, prepared.record, on_beat=self._on_beat
         )
         # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
         self.queue: queue.Queue[list[Item]] = queue.Queue(maxsize=2)
@@ -150,57 +155,89 @@ class Worker:
             cfg.batching.max_wait_ms,
             adaptive=cfg.batching.adaptive_wait,
         )
-        self.leases = Leases()
-        self._claims = Claims(self.stream)
-        self.keeper = LeaseKeeper(
-            self._claims,
-            self.leases,
-            cfg.delivery.claim_idle_ms,
-            self.events,
-            stop=self.stop,
-            is_stuck=self.stuck,
-        )
-        self.reader = Reader(
-            self.stream,
-            prepared.intake_schema,
-            cfg.limits.max_request_bytes,
-            self.prep or self.queue,
-            self.stop,
-            read_count=cfg.batching.max_batch_size,
-            leases=self.leases,
-            reclaimer=Reclaimer(
-                self._claims,
-                self.leases,
-                cfg.delivery.claim_idle_ms,
-                cfg.delivery.max_deliveries,
-                self.events,
+        self.lanes = Lanes(
+            self.topology,
+            cfg.model.name,
+            LaneSettings(
+                prefix=cfg.redis.prefix,
+                consumer=self.name,
+                schema=prepared.intake_schema,
+                max_request_bytes=cfg.limits.max_request_bytes,
+                max_element_bytes=cfg.limits.max_element_bytes,
+                read_count=cfg.batching.max_batch_size,
+                claim_idle_ms=cfg.delivery.claim_idle_ms,
+                max_deliveries=cfg.delivery.max_deliveries,
+                out=self.prep or self.queue,
+                stop=self.stop,
+                events=self.events,
+                burst=burst,
+                is_stuck=self.stuck,
+                on_retry=self.topology.follow,
             ),
-            events=self.events,
-            burst=burst,
-            max_element_bytes=cfg.limits.max_element_bytes,
         )
         self.answers = Answerer(
             self.model,
             self.schema,
-            self.stream,
+            self.lanes.stream,
             ReplyEncoder(self.model_ref, self.name),
             cfg.delivery.reply_ttl_s,
             self.events,
             self.pipeline,
         )
         self.writer = ReplyWriter(
-            self.stream, self.hard_stop, self._written, self.stop, events=self.events
+            self.lanes,
+            self.hard_stop,
+            self._written,
+            self.stop,
+            events=self.events,
+            on_retry=self.topology.follow,
         )
         self.served = {"requests": 0, "batches": 0}
         self._memory_alarm = MemoryAlarm()
         self.metrics.describe(prepared.record)
 
+    # The first shard's parts, as they were before shards: one shard is the common case.
+    @property
+    def stream(self) -> RequestStream:
+        return self.lanes.first.stream
+
+    @property
+    def reader(self) -> Reader:
+        return self.lanes.first.reader
+
+    @property
+    def keeper(self) -> LeaseKeeper:
+        return self.lanes.first.keeper
+
+    @property
+    def leases(self) -> Leases:
+        return self.lanes.first.leases
+
+    def _on_beat(self) -> None:
+        """Heartbeat hook: follow the cluster and the shard list, then sample the streams."""
+        if self.topology.cluster:
+            self.topology.refresh()
+        self._follow_shards()
+        self._sample_stream()
+
+    def _follow_shards(self) -> None:
+        """Serve the shards ``P:{M}:shards`` lists now (and those retiring), without a restart."""
+        cfg = self.config
+        shards = read_shards(self.topology.client(cfg.model.name), cfg.redis.prefix, cfg.model.name)
+        if list(shards.serve) != self.lanes.tags() or len(self.lanes) > 1:
+            self.lanes.sync(shards.serve)
+        self.registry.update(shards=self.lanes.tags())  # the record says what it serves
+
     def _sample_stream(self) -> None:
-        """Heartbeat hook: the stream's state and Redis memory, for metrics and the log."""
-        stats = self.stream.stats()
-        self.metrics.stream_seen(stats, time.time() * 1000.0)
+        """Each shard's stream state and Redis memory, for metrics and the log."""
+        fullest: MemoryReading | None = None
+        for lane in self.lanes:
+            stats = lane.stream.stats()
+            self.metrics.stream_seen(stats, time.time() * 1000.0, shard=lane.tag)
+            fullest = _fuller(fullest, stats.memory)
+        self.metrics.memory_seen(fullest)
+        self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch
-        self._memory_alarm.seen(stats.memory)
 
     def stuck(self) -> bool:
         """True while one batch has been running longer than ``delivery.max_run_s``."""
@@ -241,7 +278,9 @@ class Worker:
         when stopped before Redis could be reached."""
         starting = OutageRetry("starting up", give_up=self.stop, events=self.events)
         try:
+            starting.call(self.topology.refresh)
             starting.call(self.stream.ensure_group)
+            starting.call(self._follow_shards)
             if not starting.call(self.registry.beat_first):
                 self._warn_name_taken()
             starting.call(self._sample_stream)
@@ -254,23 +293,24 @@ class Worker:
             log.info("stopped before Redis could be reached; nothing was read")
             return False
         self.registry.start()
-        self.keeper.start()
         self.writer.start()
         if self.prep is not None:
             self.prep.start()
-        self.reader.start()
+        self.lanes.start()
         self.ready.set()
         # As /readyz says: warm, reading, and no batch hung past max_run_s
         self.metrics.ready.set_function(lambda: float(self.ready.is_set() and self.healthy()))
-        log.info("ready", extra={"fields": {"worker": self.name, "stream": self.stream.key}})
+        streams = ", ".join(lane.stream.key for lane in self.lanes)
+        log.info("ready", extra={"fields": {"worker": self.name, "stream": streams}})
         return True
 
     def _raise_failure(self) -> None:
         """Raise what stopped a thread, if one failed."""
-        parts = ("intake", self.reader), ("writer", self.writer), ("leases", self.keeper)
-        for part, failure in ((name, thread.failure) for name, thread in parts):
-            if failure is not None:
-                raise WorkerError(f"{part} failed: {failure}") from failure
+        failures = self.lanes.failures()
+        if self.writer.failure is not None:
+            failures.append(("writer", self.writer.failure))
+        for part, failure in failures:
+            raise WorkerError(f"{part} failed: {failure}") from failure
 
     def _warn_name_taken(self) -> None:
         log.warning(
@@ -287,7 +327,7 @@ class Worker:
         """Burst mode: nothing new to read, nothing pending on any consumer (the reader's
         ``idle``, worker/read.py) and nothing held here."""
         return (
-            self.reader.idle.is_set()
+            self.lanes.idle()
             and self._intake_empty()
             and not self.batcher.holding
             and self.writer.idle()
@@ -305,7 +345,7 @@ class Worker:
         clean = False
         try:
             while self.writer.failure is None and (
-                self.reader.is_alive() or not self._intake_empty() or self.batcher.holding
+                self.lanes.reading() or not self._intake_empty() or self.batcher.holding
             ):
                 batch = self.batcher.next_batch(0.05)
                 if batch:
@@ -313,7 +353,7 @@ class Worker:
             clean = self.writer.failure is None
         finally:
             if not clean:
-                self.keeper.close()  # stop renewing, so that other workers can claim the rest
+                self.lanes.close_keepers()  # stop renewing: other workers may claim the rest
                 self.registry.close(remove=False)  # it expires, still saying draining
         if not clean:
             return  # what is left stays pending in Redis; run() raises the writer's error
@@ -324,7 +364,7 @@ class Worker:
         try:
             self.writer.close()
         finally:
-            self.keeper.close()
+            self.lanes.close_keepers()
             written = self.writer.failure is None
             if written:
                 self._forget_self()
@@ -333,11 +373,12 @@ class Worker:
 
     def _forget_self(self) -> None:
         """Leave the group on a clean exit, so restarts do not pile up consumers."""
-        try:
-            if self._claims.forget_self():
-                log.debug("removed consumer %s from the group", self.name)
-        except (redis.RedisError, OSError) as exc:
-            log.warning("could not remove consumer %s from the group (%s)", self.name, exc)
+        for lane in self.lanes:
+            try:
+                if lane.claims.forget_self():
+                    log.debug("removed consumer %s from %s's group", self.name, lane.tag)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("could not remove consumer %s from the group (%s)", self.name, exc)
 
     # -- one batch --------------------------------------------------------------------------
 
@@ -359,7 +400,7 @@ class Worker:
 
     def _written(self, batch: Batch, write_s: float) -> None:
         """Called once a batch is in Redis, on the thread that wrote it (one at a time)."""
-        self.leases.release(f.entry_id for f in batch.finishes)
+        self.lanes.release(batch.finishes)
         # Counted as served: the entries finished here, not those another consumer holds now
         # (a hung batch's, claimed meanwhile) or that a flush took; the others get their reply
         # from whoever finishes them.
@@ -374,3 +415,10 @@ class Worker:
         self.served["requests"] += len(codes)
         self.served["batches"] += 1 if codes else 0
         self.registry.update(served=dict(self.served))
+
+
+def _fuller(a: MemoryReading | None, b: MemoryReading | None) -> MemoryReading | None:
+    """The reading with less headroom (on a cluster each shard's node has its own memory)."""
+    if a is None or b is None:
+        return a or b
+    return b if (b.used_fraction or 0.0) > (a.used_fraction or 0.0) else a

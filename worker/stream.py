@@ -209,10 +209,12 @@ def _id_order(entry_id: bytes) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class RawEntry:
-    """One stream entry as read: its id and its fields, still bytes."""
+    """One stream entry as read: its id, its fields (still bytes) and the shard it came from
+    (ids are only unique within one shard's stream)."""
 
     entry_id: bytes
     fields: dict[bytes, bytes]
+    shard: str = ""
 
     @property
     def id_ms(self) -> int:
@@ -242,28 +244,31 @@ class Finish:
     reply_ttl_s: int = 3600
     dead_reason: str | None = None
     code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
+    shard: str = ""  # the shard whose stream holds the entry ("": the model's first)
 
 
 class RequestStream:
-    """The request stream of one model, seen by one consumer of the ``workers`` group."""
+    """The request stream of one shard of a model (``tag``: the model's name for its first
+    shard), seen by one consumer of the ``workers`` group. ``client`` is that shard's (on a
+    cluster, bound to the master of its slot: ``producer.topology``)."""
 
-    def __init__(self, client: redis.Redis, prefix: str, model: str, consumer: str) -> None:
+    def __init__(self, client: redis.Redis, prefix: str, tag: str, consumer: str) -> None:
         self.client = client
         self.prefix = prefix
-        self.key = request_stream(prefix, model)
-        self.dead_key = dead_key(prefix, model)
+        self.tag = tag
+        self.key = request_stream(prefix, tag)
+        self.dead_key = dead_key(prefix, tag)
         self.consumer = consumer
-        self.model = model
         self._finish = client.register_script(_FINISH_LUA)
         self._ensure_group = client.register_script(_ENSURE_GROUP_LUA)
         # Unique to this process: a worker restarted under the same name must never push onto a
         # staging key its previous life left behind.
         token = uuid.uuid4().hex[:12]
-        self._staging = staging_key(prefix, model, consumer, token).encode()
+        self._staging = staging_key(prefix, tag, consumer, token).encode()
         self._serial = itertools.count()
         # Key prefixes for rids that admission has checked already (keys.reply_key would again).
-        self._reply = reply_key(prefix, "R")[:-1].encode()
-        self._cancel = cancel_key(prefix, "R")[:-1].encode()
+        self._reply = reply_key(prefix, tag, "R")[:-1].encode()
+        self._cancel = cancel_key(prefix, tag, "R")[:-1].encode()
         self._head = [
             self.key.encode(),
             self.dead_key.encode(),
@@ -312,7 +317,7 @@ class RequestStream:
         # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
         entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
         return [
-            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)))
+            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), self.tag)
             for eid, flat in entries
             if flat is not None
         ]

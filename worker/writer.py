@@ -18,19 +18,26 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 
 from worker.errors import WorkerError
 from worker.events import NO_EVENTS, Events
 from worker.retry import OutageRetry
-from worker.stream import Finish, RequestStream
+from worker.stream import Finish
 
 __all__ = ["Batch", "ReplyWriter"]
 
 log = logging.getLogger(__name__)
 
 _TYPICAL_WEIGHT = 0.25  # weight of the newest write in ``typical_s``
+
+
+class Finisher(Protocol):
+    """Where finish steps go: one shard's ``RequestStream``, or every shard's (``Lanes``)."""
+
+    def finish_each(self, items: Sequence[Finish]) -> list[bool]: ...
 
 
 @dataclass(slots=True)
@@ -56,12 +63,13 @@ class ReplyWriter(threading.Thread):
 
     def __init__(
         self,
-        stream: RequestStream,
+        stream: Finisher,
         give_up: threading.Event,
         on_written: Callable[[Batch, float], None],
         stop: threading.Event,
         depth: int = 2,
         events: Events = NO_EVENTS,
+        on_retry: Callable[[BaseException], object] | None = None,
     ) -> None:
         super().__init__(name="redbatch-writer", daemon=True)
         self.stream = stream
@@ -69,7 +77,9 @@ class ReplyWriter(threading.Thread):
         self.stop = stop
         self.events = events
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
-        self._outage = OutageRetry("writing replies", give_up=give_up, events=events)
+        self._outage = OutageRetry(
+            "writing replies", give_up=give_up, events=events, on_retry=on_retry
+        )
         self.failure: BaseException | None = None
         # Moving average of a write's seconds, over writes that needed no retry (an outage
         # says nothing about how long writes take); 0 until the first.

@@ -17,7 +17,7 @@ import redis
 from producer.codec import WireFormatError, decode_reply
 from producer.keys import CONSUMER_GROUP, reply_key
 
-from .common import DEAD, PREFIX, STREAM, ScenarioTimeout, wait_for
+from .common import DEAD, MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
 
 if TYPE_CHECKING:
     from .processes import Pool, Settings
@@ -73,7 +73,7 @@ class Oracle:
     def reply_counts(self, rids: Sequence[str]) -> list[int]:
         pipe = self.r.pipeline(transaction=False)
         for rid in rids:
-            pipe.llen(reply_key(PREFIX, rid))
+            pipe.llen(reply_key(PREFIX, MODEL, rid))
         return [int(n) for n in pipe.execute()]
 
     def drained(self) -> bool:
@@ -172,7 +172,7 @@ class Oracle:
 
     def describe_replies(self, rid: str) -> str:
         """Every reply in ``rid``'s list (worker, outcome) and its executions, for a report."""
-        raws: list[bytes] = self.r.lrange(reply_key(PREFIX, rid), 0, -1)  # type: ignore[assignment]
+        raws: list[bytes] = self.r.lrange(reply_key(PREFIX, MODEL, rid), 0, -1)  # type: ignore[assignment]
         seen = []
         for raw in raws:
             reply = decode_reply(raw)
@@ -191,7 +191,7 @@ class Oracle:
         """(problems, rids answered with outputs) for requests that have a reply."""
         pipe = self.r.pipeline(transaction=False)
         for rid in rids:
-            pipe.lindex(reply_key(PREFIX, rid), 0)
+            pipe.lindex(reply_key(PREFIX, MODEL, rid), 0)
         wrong: list[str] = []
         ok: list[str] = []
         for rid, raw in zip(rids, pipe.execute(), strict=True):

@@ -173,7 +173,7 @@ def _judge(
 def _leftover_replies(r: redis.Redis) -> list[str]:
     """Reply lists still in Redis once every producer read its replies: a second reply written
     after the first was read, or a reply to a request no producer knows it sent."""
-    pattern = reply_key(PREFIX, "x")[:-1] + "*"
+    pattern = reply_key(PREFIX, MODEL, "x")[:-1] + "*"
     return [k.decode() for k in r.scan_iter(match=pattern, count=1000)]
 
 

@@ -14,7 +14,7 @@ import redis
 
 from producer.keys import reply_key
 
-from .common import PREFIX, STREAM, ScenarioTimeout, wait_for
+from .common import MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
 from .oracle import Result
 from .processes import Settings
 from .run import Run
@@ -155,7 +155,9 @@ def flushall(
             run.pool.start(f"w{i}")
         run.pool.wait_ready()
         run.send(first, chunk=64)
-        wait_for(lambda: run.r.exists(reply_key(PREFIX, first[0])) > 0, 30, "the first reply")
+        wait_for(
+            lambda: run.r.exists(reply_key(PREFIX, MODEL, first[0])) > 0, 30, "the first reply"
+        )
         backlog = run.r.xlen(STREAM)
         run.r.flushall()
         run.result.notes["backlog_at_flush"] = backlog

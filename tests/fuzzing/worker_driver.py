@@ -184,7 +184,7 @@ def _collect(
         part = sent[first : first + 1000]
         pipe = client.pipeline(transaction=False)
         for s in part:
-            key = reply_key(target.prefix, s.rid)
+            key = reply_key(target.prefix, target.model, s.rid)
             pipe.llen(key)
             pipe.lindex(key, 0)
             pipe.delete(key)
