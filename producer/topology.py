@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -29,6 +30,7 @@ from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainErr
 
 __all__ = [
     "REDIRECTS",
+    "REFRESH_GAP_S",
     "AsyncTopology",
     "Node",
     "SlotMap",
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 
 #: Replies of a cluster in motion: a slot moved or moving, a failover under way.
 REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError)
+# A node that does not answer: on a cluster, its replica may be taking over.
+_GONE = (redis.ConnectionError, redis.TimeoutError)
+#: At most one slot-map refresh per this many seconds, however many callers fail at once.
+REFRESH_GAP_S = 0.5
 
 ClientT = TypeVar("ClientT")
 PoolT = TypeVar("PoolT")
@@ -152,6 +158,8 @@ class _Routing(Generic[ClientT, PoolT]):
         self._pools: dict[tuple[str, int], Any] = {}
         self._clients: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._stale = False
+        self._refreshed_at = 0.0
 
     @property
     def cluster(self) -> bool:
@@ -174,14 +182,27 @@ class _Routing(Generic[ClientT, PoolT]):
 
     def follow(self, exc: BaseException) -> bool:
         """Repoint the slot a ``MOVED`` names; True when ``exc`` was a cluster redirect at all
-        (the caller retries it as transient)."""
+        (the caller retries it as transient). On a cluster, any other failure (a master gone,
+        a failover under way) marks the slot map stale: ``stale`` says to refresh it."""
         if isinstance(exc, MovedError):
             node = Node(exc.host or self._kwargs.get("host", ""), int(exc.port))
             with self._lock:
                 self.slots.moved[int(exc.slot_id)] = node
                 self._repoint()
             return True
+        if self.cluster and isinstance(exc, (*REDIRECTS, *_GONE)):
+            self._stale = True
         return is_redirect(exc)
+
+    def refresh_due(self) -> bool:
+        """True when a failure marked the map stale and no refresh ran in the last
+        ``REFRESH_GAP_S``: every caller that failed may ask, one refresh answers them."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._stale or now - self._refreshed_at < REFRESH_GAP_S:
+                return False
+            self._stale, self._refreshed_at = False, now
+            return True
 
     def _apply(self, reply: Any) -> None:
         """Take a fresh ``CLUSTER SLOTS`` answer (None: a single Redis)."""
@@ -221,6 +242,18 @@ class Topology(_Routing[redis.Redis, redis.ConnectionPool]):
 
     _pool_class = redis.ConnectionPool
     _client_class = redis.Redis
+
+    def follow(self, exc: BaseException) -> bool:
+        """As ``_Routing.follow``, and refresh the slot map at once when it went stale (a
+        failed master's replica is found here, not only at the next heartbeat)."""
+        redirect = super().follow(exc)
+        if self.refresh_due():
+            try:
+                self.refresh()
+            except redis.RedisError as failed:  # every node down: the next failure asks again
+                log.debug("slot map refresh failed: %s", failed)
+                self._stale = True
+        return redirect
 
     def refresh(self) -> bool:
         """Read the slot map again (from the seed, else any known master); True on a cluster."""

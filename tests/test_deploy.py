@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -77,6 +78,9 @@ def test_the_manifests_hold_the_objects_the_docs_name() -> None:
         ("Service", "redbatch-worker-metrics"),
         ("TriggerAuthentication", "redbatch-redis"),
         ("ScaledObject", "redbatch-worker"),
+        # keda-cluster.yaml: the Redis Cluster variant, applied instead of keda.yaml
+        ("TriggerAuthentication", "redbatch-redis-cluster"),
+        ("ScaledObject", "redbatch-worker-cluster"),
     }
 
 
@@ -183,7 +187,21 @@ SCALED_OBJECT_SCHEMA = {
                 "advanced": {
                     "type": "object",
                     "additionalProperties": False,
-                    "properties": {"horizontalPodAutoscalerConfig": {"type": "object"}},
+                    "properties": {
+                        "horizontalPodAutoscalerConfig": {"type": "object"},
+                        # KEDA 2.12+: one composite metric from the triggers' values
+                        "scalingModifiers": {
+                            "type": "object",
+                            "required": ["formula", "target"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "formula": {"type": "string", "minLength": 1},
+                                "target": {"type": "string", "pattern": r"^[0-9]+$"},
+                                "activationTarget": {"type": "string"},
+                                "metricType": {"enum": ["AverageValue", "Value"]},
+                            },
+                        },
+                    },
                 },
                 "triggers": {
                     "type": "array",
@@ -193,7 +211,7 @@ SCALED_OBJECT_SCHEMA = {
                         "required": ["type", "metadata"],
                         "additionalProperties": False,
                         "properties": {
-                            "type": {"type": "string"},
+                            "type": {"enum": ["redis-streams", "redis-cluster-streams"]},
                             "name": {"type": "string"},
                             "metadata": _STRING_MAP,  # KEDA reads every value as a string
                             "authenticationRef": _REF,
@@ -223,7 +241,14 @@ TRIGGER_AUTH_SCHEMA = {
                         "additionalProperties": False,
                         "properties": {
                             "parameter": {
-                                "enum": ["address", "host", "port", "username", "password"]
+                                "enum": [
+                                    "address",
+                                    "addresses",
+                                    "host",
+                                    "port",
+                                    "username",
+                                    "password",
+                                ]
                             },
                             "name": {"type": "string"},
                             "key": {"type": "string"},
@@ -238,8 +263,18 @@ TRIGGER_AUTH_SCHEMA = {
 
 def test_keda_objects_match_the_fields_we_rely_on() -> None:
     objects = _objects()
-    jsonschema.validate(objects[("ScaledObject", "redbatch-worker")], SCALED_OBJECT_SCHEMA)
-    jsonschema.validate(objects[("TriggerAuthentication", "redbatch-redis")], TRIGGER_AUTH_SCHEMA)
+    for name in ("redbatch-worker", "redbatch-worker-cluster"):
+        jsonschema.validate(objects[("ScaledObject", name)], SCALED_OBJECT_SCHEMA)
+    for name in ("redbatch-redis", "redbatch-redis-cluster"):
+        jsonschema.validate(objects[("TriggerAuthentication", name)], TRIGGER_AUTH_SCHEMA)
+
+
+def test_the_keda_schema_catches_a_misspelt_scaling_modifier() -> None:
+    scaled = copy.deepcopy(_objects()[("ScaledObject", "redbatch-worker-cluster")])
+    modifiers = scaled["spec"]["advanced"]["scalingModifiers"]
+    modifiers["fromula"] = modifiers.pop("formula")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(scaled, SCALED_OBJECT_SCHEMA)
 
 
 def test_keda_scales_the_worker_on_the_request_streams_length() -> None:
@@ -276,6 +311,83 @@ def test_keda_scales_the_worker_on_the_request_streams_length() -> None:
         assert re.search(rf"\b{number}\b", doc), number
 
 
+_STREAM_RE = re.compile(r"(?P<prefix>[^{}\s]+):\{(?P<tag>[^{}]+)\}:requests")
+_ADDRESS_RE = re.compile(r"[A-Za-z0-9.-]+:[0-9]{1,5}")
+
+
+def _formula_names(formula: str) -> list[str]:
+    """The trigger names a plain sum names, in order; fails on anything but ``a + b + ...``."""
+    assert re.fullmatch(r"\s*[A-Za-z_]\w*(\s*\+\s*[A-Za-z_]\w*)*\s*", formula), formula
+    return re.findall(r"[A-Za-z_]\w*", formula)
+
+
+def test_keda_cluster_sums_one_trigger_per_shard() -> None:
+    objects = _objects()
+    single = objects[("ScaledObject", "redbatch-worker")]["spec"]
+    scaled = objects[("ScaledObject", "redbatch-worker-cluster")]["spec"]
+    config = tomllib.loads(_worker_toml(objects))
+    prefix, model = config["redis"]["prefix"], config["model"]["name"]
+
+    # The same Deployment, bounds and HPA behaviour as keda.yaml: only the metric differs.
+    assert scaled["scaleTargetRef"] == single["scaleTargetRef"]
+    for key in ("pollingInterval", "minReplicaCount", "maxReplicaCount", "cooldownPeriod"):
+        assert scaled[key] == single[key], key
+    assert (
+        scaled["advanced"]["horizontalPodAutoscalerConfig"]
+        == single["advanced"]["horizontalPodAutoscalerConfig"]
+    )
+
+    triggers = scaled["triggers"]
+    assert len(triggers) >= 2
+    tags = []
+    for trigger in triggers:
+        assert trigger["type"] == "redis-cluster-streams", trigger
+        assert re.fullmatch(r"[A-Za-z_]\w*", trigger["name"]), trigger  # a name expr can use
+        meta = trigger["metadata"]
+        # Every trigger names a stream of the form P:{T}:requests, T a shard tag of this model.
+        found = _STREAM_RE.fullmatch(meta["stream"])
+        assert found, meta["stream"]
+        assert found["prefix"] == prefix
+        tag = found["tag"]
+        assert keys.is_valid_tag(tag), tag
+        assert keys.model_of(tag) == model, tag
+        assert meta["stream"] == keys.request_stream(prefix, tag)
+        tags.append(tag)
+        # XLEN of each stream, as in keda.yaml (no consumer group: lag plus pending).
+        for absent in ("consumerGroup", "lagCount", "pendingEntriesCount"):
+            assert absent not in meta, (trigger["name"], absent)
+        assert meta["streamLength"] == single["triggers"][0]["metadata"]["streamLength"]
+        addresses = meta["addresses"].split(",")
+        assert addresses, trigger["name"]
+        assert all(_ADDRESS_RE.fullmatch(a.strip()) for a in addresses), addresses
+        assert meta["enableTLS"] in ("true", "false")
+        auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
+        for ref in auth["spec"]["secretTargetRef"]:
+            assert ref["key"] in objects[("Secret", ref["name"])]["stringData"]
+    assert tags[0] == model  # the model's own shard, which always exists
+    assert len(set(tags)) == len(tags)
+    names = [t["name"] for t in triggers]
+    assert len(set(names)) == len(names)
+
+    # The formula adds every trigger, each once: the model's backlog over all its shards.
+    modifiers = scaled["advanced"]["scalingModifiers"]
+    assert sorted(_formula_names(modifiers["formula"])) == sorted(names)
+    assert modifiers["metricType"] == "AverageValue"
+    target = int(modifiers["target"])
+    assert target == int(single["triggers"][0]["metadata"]["streamLength"])
+
+    # docs/operations.md's example: 3 shards x 1,000 entries at 512 per replica.
+    per_shard, shards = 1000, 3
+    by_max = max(math.ceil(per_shard / target) for _ in range(shards))
+    by_sum = math.ceil(per_shard * shards / target)
+    assert (by_max, by_sum) == (2, 6)
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    assert "keda-cluster.yaml" in doc
+    assert "scalingModifiers" in doc
+    assert f"ceil(3000 / {target}) = {by_sum} replicas" in doc
+    assert f"| {by_max} replicas |" in doc
+
+
 # ---------------------------------------------------------------------------------------------
 # compose and Prometheus
 
@@ -285,8 +397,21 @@ def _compose() -> dict[str, Any]:
     return data
 
 
-def test_compose_services_profiles_and_health_checks() -> None:
+def _cluster_services() -> dict[str, dict[str, Any]]:
+    """The services of compose's ``cluster`` profile (a six-node Redis Cluster and its users)."""
     services = _compose()["services"]
+    return {n: s for n, s in services.items() if "cluster" in s.get("profiles", ())}
+
+
+def _command_text(service: dict[str, Any]) -> str:
+    command = service.get("command", "")
+    return command if isinstance(command, str) else " ".join(map(str, command))
+
+
+def test_compose_services_profiles_and_health_checks() -> None:
+    everything = _compose()["services"]
+    cluster = _cluster_services()
+    services = {n: s for n, s in everything.items() if n not in cluster}
     assert set(services) == {"redis", "worker", "worker-gpu", "producer", "prometheus", "grafana"}
     profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
     assert profiles == {
@@ -323,10 +448,26 @@ def test_compose_services_profiles_and_health_checks() -> None:
     assert 'ARG ORT_EXTRAS=""' in dockerfile
     assert 'pip install "onnxruntime-gpu[$ORT_EXTRAS]"' in dockerfile
 
-    # Every port published on the host is on loopback only.
-    for service in services.values():
+    # Every port published on the host is on loopback only, the cluster profile's included.
+    for service in everything.values():
         for port in service.get("ports", ()):
-            assert port.startswith("127.0.0.1:"), port
+            assert str(port).startswith("127.0.0.1:"), port
+
+
+def test_compose_cluster_profile_runs_a_six_node_cluster() -> None:
+    cluster = _cluster_services()
+    if not cluster:
+        pytest.skip("compose.yaml has no cluster profile yet")
+    # docs/operations.md ("A local cluster") starts it with `docker compose --profile cluster`.
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    assert "--profile cluster" in doc
+    for name, service in cluster.items():
+        assert tuple(service["profiles"]) == ("cluster",), name  # never up without the profile
+    nodes = [n for n, s in cluster.items() if "--cluster-enabled yes" in _command_text(s)]
+    assert len(nodes) == 6, nodes  # three masters and three replicas
+    for name in nodes:  # the same settings as the single Redis (docs/operations.md)
+        command = _command_text(cluster[name])
+        assert "--maxmemory-policy noeviction" in command, name
 
 
 def test_compose_worker_config_serves_metrics_where_checks_and_scrapes_look(
@@ -465,6 +606,125 @@ def test_dashboard_is_grafana_json_on_metrics_the_worker_exports() -> None:
         assert needed in used, needed
 
 
+_SHARD_GAUGES = (
+    "redbatch_backlog",
+    "redbatch_pending",
+    "redbatch_group_lag",
+    "redbatch_dead_letters",
+    "redbatch_backlog_oldest_age_seconds",
+)
+
+
+def _dashboard_targets() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "redbatch.json").read_text("utf-8"))
+    return [(p, t) for p in _panels(dashboard) if p["type"] != "row" for t in p["targets"]]
+
+
+def test_dashboard_reads_the_stream_gauges_per_shard() -> None:
+    # Every worker reports every shard: a panel takes the largest report per shard first (never
+    # a sum over workers, which would count each shard once per worker), then sums the shards,
+    # or, for the oldest request, takes the largest.
+    per_shard = []
+    for panel, target in _dashboard_targets():
+        expr = target["expr"]
+        for name in _SHARD_GAUGES:
+            for found in re.finditer(rf"\b{name}\b", expr):
+                head = expr[: found.start()]
+                if name == "redbatch_backlog_oldest_age_seconds":
+                    assert re.search(r"max(?: by \(shard\))? \($|max\($", head), expr
+                else:
+                    assert head.endswith("max by (shard) ("), (panel["title"], expr)
+                    assert head.startswith("sum(") or head == "max by (shard) (", expr
+        if expr.startswith("max by (shard) (redbatch_backlog{"):
+            per_shard.append((panel["title"], target["legendFormat"]))
+    assert per_shard == [("Backlog by shard", "{{shard}}")]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_promtool_evaluates_the_dashboards_queries(tmp_path: Path) -> None:
+    # Grafana's variables as it fills them with "All" and a short scrape interval.
+    def fill(expr: str) -> str:
+        return expr.replace("$__rate_interval", "1m").replace('"$job"', '".*"')
+
+    targets = _dashboard_targets()
+    rules = tmp_path / "dashboard-rules.yml"
+    records = [
+        {"record": f"dashboard:panel_{panel['id']}_{target['refId']}", "expr": fill(target["expr"])}
+        for panel, target in targets
+    ]
+    rules.write_text(
+        yaml.safe_dump({"groups": [{"name": "dashboard", "rules": records}]}), encoding="utf-8"
+    )
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(rules)], capture_output=True, text=True, check=False
+    )
+    assert check.returncode == 0, check.stdout + check.stderr  # every query parses
+
+    # Two workers, each reporting both shards of model demo (as workers do): 100 + 50 waiting,
+    # shard demo~3's lag unknown (-1), 3 dead letters on demo~3 only.
+    series = {}
+    for instance in ("a", "b"):
+        for shard, backlog, pending, lag, dead, age in (
+            ("demo", 100, 30, 70, 0, 4),
+            ("demo~3", 50, 20, -1, 3, 9),
+        ):
+            where = f'{{job="w",instance="{instance}",shard="{shard}"}}'
+            for name, value in (
+                ("redbatch_backlog", backlog),
+                ("redbatch_pending", pending),
+                ("redbatch_group_lag", lag),
+                ("redbatch_dead_letters", dead),
+                ("redbatch_backlog_oldest_age_seconds", age),
+            ):
+                series[name + where] = f"{value}x10"
+    by_title = {panel["title"]: target for panel, target in targets if target["refId"] == "A"}
+    expected = {
+        "Backlog (XLEN, all shards)": [("{}", 150)],
+        "Pending (held by workers)": [("{}", 50)],
+        "Oldest request age": [("{}", 9)],
+        "Dead letters": [("{}", 3)],
+        "Backlog by shard": [('{shard="demo"}', 100), ('{shard="demo~3"}', 50)],
+        "Oldest request age by shard": [('{shard="demo"}', 4), ('{shard="demo~3"}', 9)],
+    }
+    cases = [
+        {
+            "expr": fill(by_title[title]["expr"]),
+            "eval_time": "1m",
+            "exp_samples": [{"labels": labels, "value": value} for labels, value in samples],
+        }
+        for title, samples in expected.items()
+    ]
+    lag = next(t for _, t in targets if "redbatch_group_lag" in t["expr"])
+    cases.append(
+        {
+            "expr": fill(lag["expr"]),
+            "eval_time": "1m",
+            "exp_samples": [{"labels": "{}", "value": 70}],
+        }
+    )
+    unit = tmp_path / "unit.yml"
+    unit.write_text(
+        yaml.safe_dump(
+            {
+                "evaluation_interval": "15s",
+                "tests": [
+                    {
+                        "interval": "15s",
+                        "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                        "promql_expr_test": cases,
+                    }
+                ],
+            },
+            sort_keys=False,
+        ),
+        encoding="utf-8",
+    )
+    run = subprocess.run(
+        ["promtool", "test", "rules", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Prometheus alerting rules
 
@@ -500,8 +760,9 @@ def test_alert_rules_are_complete_and_on_metrics_the_worker_exports() -> None:
         assert names, name
         assert names <= exported, (name, names - exported)
         used |= names
-        # Several workers report the same Redis and streams: one alert per job, not per worker.
-        assert re.match(r"(max|min) by \(job\) \(", rule["expr"]), name
+        # Several workers report the same Redis and streams: one alert per job (or per job and
+        # shard), not per worker.
+        assert re.match(r"(max|min) by \(job(, shard)?\) \(", rule["expr"]), name
 
     by_name = {r["alert"]: r for r in rules}
     low = by_name["RedbatchRedisMemoryHeadroomLow"]
@@ -518,19 +779,30 @@ def test_alert_rules_are_complete_and_on_metrics_the_worker_exports() -> None:
         "redbatch_backlog_oldest_age_seconds",
         "redbatch_dead_letters",
     } <= used
+    # Shards: the oldest request over all shards (one alert per job); dead letters per shard,
+    # each shard having its own dead-letter stream.
+    assert by_name["RedbatchBacklogOldestRequestOld"]["expr"].startswith("max by (job) (")
+    dead = by_name["RedbatchDeadLettersGrowing"]
+    assert dead["expr"].startswith("max by (job, shard) (")
+    assert "$labels.shard" in dead["annotations"]["summary"]
 
 
 # Two workers on one Redis (job w) whose headroom is under 0.2 by the least of them, requests
-# that wait ever longer, a step in dead letters at 5 min; and a Redis with no maxmemory (job n,
-# NaN headroom), which must trip neither headroom alert.
+# that wait ever longer on one shard of two, a step in one shard's dead letters at 5 min (both
+# workers report every shard, as they do); and a Redis with no maxmemory (job n, NaN headroom),
+# which must trip neither headroom alert.
 _SCENARIO = {
     'redbatch_redis_memory_headroom_ratio{job="w",instance="a"}': "0.25x300",
     'redbatch_redis_memory_headroom_ratio{job="w",instance="b"}': "0.15x300",
     'redbatch_redis_memory_headroom_ratio{job="n",instance="c"}': "NaN+0x300",
     'redbatch_redis_maxmemory_bytes{job="w",instance="a"}': "1e9+0x300",
     'redbatch_redis_maxmemory_bytes{job="n",instance="c"}': "0x300",
-    'redbatch_backlog_oldest_age_seconds{job="w",instance="a"}': "0+15x300",
-    'redbatch_dead_letters{job="w",instance="a"}': "0x20 2x280",
+    'redbatch_backlog_oldest_age_seconds{job="w",instance="a",shard="demo"}': "0x300",
+    'redbatch_backlog_oldest_age_seconds{job="w",instance="a",shard="demo~3"}': "0+15x300",
+    'redbatch_dead_letters{job="w",instance="a",shard="demo"}': "0x20 2x280",
+    'redbatch_dead_letters{job="w",instance="b",shard="demo"}': "0x20 2x280",
+    'redbatch_dead_letters{job="w",instance="a",shard="demo~3"}': "5x300",
+    'redbatch_dead_letters{job="w",instance="b",shard="demo~3"}': "5x300",
     # Job p: two pipeline workers whose 2 hook threads are 95% busy; a's model runs 15% of the
     # time (bound by preprocessing), b's 80% (the model is busy too). Job q: no pipeline.
     'redbatch_pipeline_busy_seconds_total{job="p",instance="a",stage="preprocess"}': "0+27x300",
@@ -544,13 +816,13 @@ _SCENARIO = {
     'redbatch_pipeline_threads{job="q",instance="c"}': "0x300",
     'redbatch_inference_seconds_sum{job="q",instance="c"}': "0+15x300",
 }
-_FIRING = {  # eval time: the (alertname, job) pairs firing then
+_FIRING = {  # eval time: the (alertname, job) or (alertname, job, shard) firing then
     "1m": set(),
     "11m": {
         ("RedbatchRedisMemoryHeadroomLow", "w"),
         ("RedbatchRedisMemoryHeadroomCritical", "w"),
         ("RedbatchBacklogOldestRequestOld", "w"),
-        ("RedbatchDeadLettersGrowing", "w"),
+        ("RedbatchDeadLettersGrowing", "w", "demo"),  # not demo~3: its count did not change
     },  # job p's rates over 5m reach their figures ~5 min in: pending until after 11m
     # The dead letters stopped growing; the unlimited Redis has been so for an hour; job p's
     # worker a has been bound by preprocessing for over 10 min (b's model is busy too)
@@ -578,11 +850,12 @@ def test_promtool_accepts_the_rules_and_they_fire_when_they_should(tmp_path: Pat
             "eval_time": at,
             "exp_samples": [
                 {
-                    "labels": f'ALERTS{{alertname="{alert}",alertstate="firing",job="{job}",'
-                    f'severity="{severity[alert]}"}}',
+                    "labels": f'ALERTS{{alertname="{key[0]}",alertstate="firing",job="{key[1]}",'
+                    + "".join(f'shard="{shard}",' for shard in key[2:])
+                    + f'severity="{severity[key[0]]}"}}',
                     "value": 1,
                 }
-                for alert, job in sorted(firing)
+                for key in sorted(firing)
             ],
         }
         for at, firing in _FIRING.items()
