@@ -28,7 +28,7 @@ from worker.read import Handoff, Reader
 from worker.reclaim import Reclaimer
 from worker.retry import OutageRetry
 from worker.schema import Schema
-from worker.stream import Finish, RequestStream
+from worker.stream import Finish, FinishInFlight, RequestStream
 
 __all__ = ["Lane", "LaneSettings", "Lanes"]
 
@@ -189,19 +189,39 @@ class Lanes:
                     self._lanes.pop(lane.tag, None)
 
     def finish_each(self, finishes: Sequence[Finish]) -> list[bool]:
-        """Each shard's finishes in one script on that shard; per finish, whether it was
-        finished here (``RequestStream.finish_each``), in the order given."""
+        """Each shard's finishes in one script on that shard, all sent before any answer is
+        read (one round trip's time, whatever the shards); per finish, whether it was
+        finished here (``RequestStream.finish_each``), in the order given.
+
+        When one shard fails, the others' answers are still read (their steps ran), then the
+        error is raised: the writer's retry finishes again only what is still pending, and a
+        step that ran already finds its entries gone and changes nothing.
+        """
         by_shard: dict[str, list[int]] = {}
         for i, finish in enumerate(finishes):
             by_shard.setdefault(finish.shard or self.model, []).append(i)
         if len(by_shard) == 1:
             [tag] = by_shard
             return self.stream(tag).finish_each(finishes)
-        done = [False] * len(finishes)
+        sent: list[tuple[list[int], RequestStream, FinishInFlight]] = []
+        failure: BaseException | None = None
         for tag, indexes in by_shard.items():
-            flags = self.stream(tag).finish_each([finishes[i] for i in indexes])
+            stream = self.stream(tag)
+            try:
+                sent.append((indexes, stream, stream.finish_start([finishes[i] for i in indexes])))
+            except Exception as exc:
+                failure = failure or exc
+        done = [False] * len(finishes)
+        for indexes, stream, in_flight in sent:
+            try:
+                flags = stream.finish_end(in_flight)
+            except Exception as exc:
+                failure = failure or exc
+                continue
             for i, flag in zip(indexes, flags, strict=True):
                 done[i] = flag
+        if failure is not None:
+            raise failure
         return done
 
     def release(self, finishes: Iterable[Finish]) -> None:

@@ -226,6 +226,10 @@ class Worker:
         shards = read_shards(self.topology.client(cfg.model.name), cfg.redis.prefix, cfg.model.name)
         if list(shards.serve) != self.lanes.tags() or len(self.lanes) > 1:
             self.lanes.sync(shards.serve)
+            # Two reads waiting per lane: each lane's reads are its share of the traffic, and a
+            # batch gathers from all of them (a queue of two would hold two shards' reads).
+            with self.queue.mutex:
+                self.queue.maxsize = 2 * len(self.lanes)
         self.registry.update(shards=self.lanes.tags())  # the record says what it serves
 
     def _sample_stream(self) -> None:

@@ -235,6 +235,16 @@ class StreamStats:
 
 
 @dataclass(frozen=True, slots=True)
+class FinishInFlight:
+    """A finish step sent and not yet answered (``RequestStream.finish_start``)."""
+
+    items: Sequence[Finish]
+    keys: list[bytes]
+    args: list[bytes]
+    in_flight: resp.InFlight
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     """What to do with one entry: reply (encoded) and/or dead-letter it, then ack and delete."""
 
@@ -383,9 +393,21 @@ class RequestStream:
         full and refused a staged reply). Returns, per item, whether it was finished here; the
         others were not this consumer's to finish (claimed by another, flushed), so their
         replies were not written and must not be counted as served."""
-        if not items:
-            return []
-        done = self._finish_once(items, stage=True)
+        return self.finish_end(self.finish_start(items)) if items else []
+
+    def finish_start(self, items: Sequence[Finish]) -> FinishInFlight:
+        """The first half of ``finish_each``: send the step now, so that the finish steps of
+        several shards (a batch mixing them) are on the wire together."""
+        keys, args, staging = self._finish_command(items, stage=True)
+        staging.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
+        return FinishInFlight(items, keys, args, resp.send(self.client, staging))
+
+    def finish_end(self, sent: FinishInFlight) -> list[bool]:
+        """The second half: read the answer, and finish what the first try could not."""
+        items = sent.items
+        *staged, result = sent.in_flight.receive()
+        flags = self._script_result(result, staged, sent.keys, sent.args)
+        done = self._flags(flags, items)
         again = [i for i, flag in enumerate(done) if flag is None]
         if again:  # staged replies refused for memory (or evicted): inside the script this time
             log.debug("%d staged replies were gone; writing them inside the script", len(again))
@@ -406,6 +428,18 @@ class RequestStream:
     def _finish_once(self, items: Sequence[Finish], *, stage: bool = False) -> list[bool | None]:
         """One run of the finish script; per item True (finished), False (not ours) or None
         (its staged reply was gone). With ``stage``, long replies are staged first."""
+        keys, args, staging = self._finish_command(items, stage=stage)
+        return self._flags(self._run_finish(staging, keys, args), items)
+
+    def _flags(self, flags: bytes, items: Sequence[Finish]) -> list[bool | None]:
+        if len(flags) != len(items):
+            raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
+        return [_FLAGS[flag] for flag in flags]
+
+    def _finish_command(
+        self, items: Sequence[Finish], *, stage: bool
+    ) -> tuple[list[bytes], list[bytes], resp.Packer]:
+        """The script's keys and arguments, and the staging commands that go ahead of it."""
         stream, dead, group, me = self._head
         orders = [_id_order(item.entry_id) for item in items]
         keys = [stream, dead]
@@ -425,10 +459,7 @@ class RequestStream:
                     how, data = b"i", item.reply
                 keys.append(self._reply + item.rid.encode())
             args += [item.entry_id, index, (item.dead_reason or "").encode(), how, ttl, data]
-        flags = self._run_finish(staging, keys, args)
-        if len(flags) != len(items):
-            raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
-        return [_FLAGS[flag] for flag in flags]
+        return keys, args, staging
 
     def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
         """Send the staging commands and the script in one round trip; raise what failed.
@@ -442,6 +473,13 @@ class RequestStream:
         """
         staging.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
         *staged, result = resp.round_trip(self.client, staging)
+        return self._script_result(result, staged, keys, args)
+
+    def _script_result(
+        self, result: Any, staged: list[Any], keys: list[bytes], args: list[bytes]
+    ) -> bytes:
+        """The script's flags; it is loaded and run again when Redis lost it. Raises what
+        failed (a staging push refused for memory is no failure: its reply is reported gone)."""
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
