@@ -410,6 +410,22 @@ def test_a_producer_only_install_hears_what_the_bench_needs_before_it_starts(
 def test_the_bench_knows_every_synthetic_model() -> None:
     # The producer keeps its own list (it never imports the worker): the two must agree.
     assert tuple(synthetic.BUILDERS) == cli.SYNTHETIC_MODELS
+    assert tuple(benchkit.BENCH_BUILDERS) == cli.BENCH_MODELS
+    assert not set(cli.BENCH_MODELS) & set(cli.SYNTHETIC_MODELS)
+
+
+def test_the_image_sized_model_takes_a_147_kib_row(tmp_path: Path) -> None:
+    """image150k: the bench's model for image-sized bodies, computing next to nothing."""
+    ort = pytest.importorskip("onnxruntime")
+    path = tmp_path / "image150k.onnx"
+    assert benchkit.main(["build", "image150k", str(path)]) == 0
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    [x] = session.get_inputs()
+    assert x.shape[1] * 4 == 147 * 1024
+    rows = bench.input_rows([{"name": "x", "dtype": "float32", "shape": x.shape}], 2, 0)
+    [y] = session.run(None, rows)
+    assert y.shape == (2, 1)
+    np.testing.assert_allclose(y[:, 0], rows["x"].mean(axis=1), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(

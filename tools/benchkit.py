@@ -35,12 +35,13 @@ import redis
 
 from producer.codec import ModelRef, Reply, encode_reply
 from producer.keys import is_valid_rid, request_stream
+from producer.topology import Topology
 from tools import bench
 from worker.config import PROVIDERS, ModelConfig, ProviderConfig
 from worker.errors import WorkerError
 from worker.stream import Finish, RawEntry, RequestStream
 
-__all__ = ["main", "measure_asyncio", "measure_bare", "measure_protocol"]
+__all__ = ["BENCH_BUILDERS", "main", "measure_asyncio", "measure_bare", "measure_protocol"]
 
 _MAX_RUNS = 200_000  # a bound on any measuring loop, whatever the duration
 _ECHO_BLOCK_MS = 200  # how late the echo worker notices its stop flag when idle
@@ -185,7 +186,10 @@ def measure_protocol(
     """Requests per second through the protocol alone: this process echoes, producers drive."""
     model = "protocol-echo"
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
-    stream = RequestStream(client, prefix, model, "echo")
+    topology = Topology(client)  # on a cluster, the echo's stream lives on its slot's master
+    topology.refresh()
+    shard = topology.client(model)
+    stream = RequestStream(shard, prefix, model, "echo")
     stream.ensure_group()
     echo = _Echo(stream, _EchoReplies(specs["outputs"]), max_batch_size)
     echo.start()
@@ -204,7 +208,8 @@ def measure_protocol(
     finally:
         echo.stop.set()
         echo.join(timeout=5)
-        client.delete(request_stream(prefix, model))
+        shard.delete(request_stream(prefix, model))
+        topology.close()
         client.close()
     if echo.failure is not None:
         raise RuntimeError(f"the echo worker failed: {echo.failure!r}") from echo.failure
@@ -304,11 +309,39 @@ def measure_asyncio(
 # Commands
 
 
+def image150k() -> Any:
+    """``x`` float32 [N, 37632] (147 KiB a row, the size of an encoded image) -> its mean,
+    [N, 1]: next to nothing to compute, so the worker and Redis carry the bytes."""
+    import onnx
+
+    helper, f32 = onnx.helper, onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["x"], ["y"], axes=[1], keepdims=1)],
+        "redbatch",
+        [helper.make_tensor_value_info("x", f32, ["N", 37632])],
+        [helper.make_tensor_value_info("y", f32, ["N", 1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9  # as tools.synthetic's: readable by every onnxruntime >= 1.16
+    onnx.checker.check_model(model)
+    return model
+
+
+#: Models only the bench builds, next to ``tools.synthetic.BUILDERS`` (the bench's
+#: ``cli.BENCH_MODELS`` names them on the producer side, which never imports onnx).
+BENCH_BUILDERS = {"image150k": image150k}
+
+
 def _cmd_build(args: argparse.Namespace) -> dict[str, Any]:
     from tools.synthetic import save
     from worker.model import read_model_file
 
-    path = save(args.name, args.path)
+    if args.name in BENCH_BUILDERS:
+        path = Path(args.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(BENCH_BUILDERS[args.name]().SerializeToString())
+    else:
+        path = save(args.name, args.path)
     return {"model": args.name, "path": str(path), "sha256": read_model_file(path).sha256}
 
 

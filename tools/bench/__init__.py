@@ -15,8 +15,9 @@ The modules, from the bottom up:
 - ``wire``: one producer's requests and replies, made cheap; ``load``: the load, its producer
   processes and what they measured;
 - ``metrics``: the worker's /metrics diffed, CPU and memory from /proc; ``processes``: the
-  redis-server, workers and benchkit runs the bench starts; ``provenance``: what the figures
-  depend on (machine, versions, commit);
+  redis-server (or local cluster), workers and benchkit runs the bench starts; ``shards``: a
+  model's shards placed on distinct masters (``--cluster --shards N``), and Redis CPU per
+  request by master; ``provenance``: what the figures depend on (machine, versions, commit);
 - ``runner``: one run (ceilings, phases, the report); ``scenarios``, ``drain`` and
   ``pipelines``: the presets; ``burn``: the preprocessing-bound handler the pipeline preset
   serves; ``hooks``: a pipeline's preprocessing alone on N threads (run as a process, like

@@ -22,14 +22,14 @@ from producer.errors import ConnectionFailed
 from producer.job import UsageError
 from tools.bench.load import CALLERS
 from tools.bench.pipelines import IMAGE_CONFIG
-from tools.bench.processes import private_redis
+from tools.bench.processes import private_cluster, private_redis
 from tools.bench.report import format_report, plot, pyplot, write_json
 from tools.bench.runner import Bench, Options
 from tools.bench.scenarios import SCENARIOS
 
 BINDINGS = ("off", "io_binding", "cuda_graph")  # the workers' [model.cuda] keys, or neither
 
-__all__ = ["PROVIDERS", "SYNTHETIC_MODELS", "add_arguments", "run_command"]
+__all__ = ["BENCH_MODELS", "PROVIDERS", "SYNTHETIC_MODELS", "add_arguments", "run_command"]
 
 HELP = """\
 Load-test redbatch workers and set every figure against its ceiling, measured in the same run:
@@ -57,6 +57,7 @@ examples:
   python -m tools.bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
   python -m tools.bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
   python -m tools.bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
+  python -m tools.bench --cluster --shards 3 --model tiny --concurrency 64 --no-ceilings
   python -m tools.bench --no-start --redis-url redis://127.0.0.1:6379/0 --model demo \\
       --concurrency 64 --metrics-url http://127.0.0.1:9100/metrics
 """
@@ -80,6 +81,16 @@ def _float_list(text: str) -> tuple[float, ...]:
     if not values or not min(values) > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers, e.g. 500,1000")
     return values
+
+
+def _replica_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 4:
+        raise argparse.ArgumentTypeError(f"{value}: give 0 to 4 replicas per master")
+    return value
 
 
 def _scenario_list(text: str) -> tuple[str, ...]:
@@ -113,6 +124,12 @@ SYNTHETIC_MODELS = (
     "fixed_batch",
     "no_batch_output",
 )
+
+
+#: Models only the bench builds (``tools.benchkit.BENCH_BUILDERS``, tests check they agree):
+#: image150k takes a 147 KiB row, an encoded image's size, and computes next to nothing, so
+#: what it measures is Redis carrying the bytes.
+BENCH_MODELS = ("image150k",)
 
 
 def _provider_list(text: str) -> tuple[str, ...]:
@@ -175,8 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="tiny",
         metavar="NAME",
         help="custom load: the synthetic model the started workers serve (tiny, heavy, "
-        "resnet18, demo, ...; default tiny), or with --no-start the model the live workers "
-        "serve, by any name",
+        "resnet18, demo, image150k: 147 KiB requests, ...; default tiny), or with --no-start "
+        "the model the live workers serve, by any name",
     )
     add("--concurrency", type=_int_list, metavar="C[,C]", help="closed-loop callers")
     add("--rate", type=_float_list, metavar="R[,R]", help="open-loop requests/s")
@@ -256,6 +273,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--no-start", action="store_true", help="drive the workers serving --model there")
     add(
+        "--cluster",
+        action="store_true",
+        help="custom load: start a private Redis Cluster on loopback (3 masters, or one per "
+        "shard, each with a replica) instead of a single redis-server, and report Redis CPU per "
+        "request by master",
+    )
+    add(
+        "--shards",
+        type=argtypes.positive_int,
+        default=1,
+        metavar="N",
+        help="custom load: spread --model over N shards (P:{M}:shards), with --cluster each on "
+        "its own master; the started worker serves them all (default 1)",
+    )
+    add(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        metavar="N",
+        help="with --cluster: replicas per master (default 1; they apply the writes on the same "
+        "cores, and their CPU is reported apart)",
+    )
+    add(
         "--metrics-url",
         action="append",
         default=[],
@@ -276,10 +316,11 @@ def _check_model(model: str, no_start: bool) -> None:
     if no_start:
         if not keys.is_valid_model_name(model):
             raise UsageError(f"--model {model!r} is not a model name.")
-    elif model not in SYNTHETIC_MODELS:
+    elif model not in SYNTHETIC_MODELS + BENCH_MODELS:
         raise UsageError(
             f"--model {model!r} is not a synthetic model the bench can build; choose from "
-            f"{', '.join(SYNTHETIC_MODELS)} (or drive live workers serving it with --no-start)."
+            f"{', '.join(SYNTHETIC_MODELS + BENCH_MODELS)} (or drive live workers serving it "
+            "with --no-start)."
         )
 
 
@@ -310,6 +351,15 @@ def _options(args: argparse.Namespace) -> Options:
         _check_model(args.model, args.no_start)
     if "pipeline" in scenarios:
         _check_example_model()
+    if (args.cluster or args.shards > 1) and (scenarios or args.no_start):
+        raise UsageError(
+            "--cluster and --shards go with a custom load the bench starts (--concurrency or "
+            "--rate); --no-start spreads over the shards P:{M}:shards lists already."
+        )
+    if args.replicas != 1 and not args.cluster:
+        raise UsageError("--replicas sizes the private cluster: it goes with --cluster.")
+    if args.cluster and args.bench_redis_url:
+        raise UsageError("--cluster starts a private cluster; leave out --redis-url.")
     if args.binding != "off" and "cuda" not in args.providers:
         raise UsageError(f"--binding {args.binding} is a CUDA setting: add cuda to --providers.")
     if args.rounds:
@@ -343,6 +393,9 @@ def _options(args: argparse.Namespace) -> Options:
         providers=args.providers,
         binding=args.binding,
         rounds=args.rounds,
+        shards=args.shards,
+        cluster=args.cluster,
+        replicas=args.replicas,
     )
 
 
@@ -375,6 +428,9 @@ def run_command(args: argparse.Namespace) -> int:
             url = args.bench_redis_url or args.redis_url
         elif args.bench_redis_url:
             url = args.bench_redis_url
+        elif options.cluster:
+            masters = max(3, options.shards)
+            url = stack.enter_context(private_cluster(masters, options.replicas))
         else:
             url = stack.enter_context(private_redis())
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redbatch-bench-")))

@@ -126,7 +126,7 @@ def _collect(conn: redis.Redis, spec: LoadSpec, n: int) -> ProducerTally:
         rids = [_drain_rid(i) for i in range(first, min(first + 2000, n))]
         pipe = conn.pipeline(transaction=False)
         for rid in rids:
-            pipe.lpop(keys.reply_key(spec.prefix, rid))
+            pipe.lpop(keys.reply_key(spec.prefix, spec.model, rid))
         for rid, raw in zip(rids, pipe.execute(), strict=True):
             if raw is None:
                 tally.lost += 1

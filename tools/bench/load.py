@@ -25,8 +25,9 @@ import numpy as np
 import redis
 
 from producer.errors import WaitTimeout
+from producer.topology import Topology
 from tools.bench.errors import BenchError
-from tools.bench.wire import ProducerTally, Replies, Sender
+from tools.bench.wire import ProducerTally, Replies, Sender, Sent
 
 __all__ = [
     "CALLERS",
@@ -136,6 +137,7 @@ class LoadSpec:
     timeout_s: float = 30.0
     seed: int = 0
     bodies: tuple[bytes, ...] = ()  # encoded requests to send instead of rows drawn for inputs
+    tags: tuple[str, ...] = ()  # the model's shard tags to spread over (none: its own tag)
 
     def share(self, index: int, producers: int) -> LoadSpec:
         """Producer ``index``'s part: its callers, or its share of the rate, and its own seed."""
@@ -162,6 +164,10 @@ class LoadResult:
     producers: int
     tallies: list[ProducerTally]
 
+    def shard_completed(self) -> Counter[str]:
+        """Replies that arrived in the window, by shard tag."""
+        return sum((t.shard_completed for t in self.tallies), Counter())
+
     def summary(self) -> dict[str, Any]:
         latencies = [v for t in self.tallies for v in t.latencies_ms]
         worker_ms = [v for t in self.tallies for v in t.worker_ms]
@@ -176,6 +182,9 @@ class LoadResult:
             "errors": {c: n for c, n in codes.items() if c != "OK"},
             "lost": sum(t.lost for t in self.tallies),
             "throughput_per_s": completed / self.spec.duration_s,
+            "throughput_by_shard": {
+                tag: n / self.spec.duration_s for tag, n in sorted(self.shard_completed().items())
+            },
             "latency_ms": percentiles(latencies),
             "tail": tail_split(latencies, worker_ms),
             "batch_rows": batch_rows_summary(rows),
@@ -191,18 +200,24 @@ class LoadResult:
 # Closed and open loops, inside one producer process
 
 
-def _closed_loop(spec: LoadSpec, conn: redis.Redis, tally: ProducerTally, t0: float) -> None:
+def _closed_loop(
+    spec: LoadSpec,
+    conn: redis.Redis,
+    tally: ProducerTally,
+    t0: float,
+    shards: dict[str, redis.Redis] | None = None,
+) -> None:
     """C callers: every reply is answered at once by a new request, until the window ends."""
-    w1 = t0 + spec.warmup_s + spec.duration_s
-    replies = Replies(conn, spec.prefix, spec.timeout_s, tally, (t0 + spec.warmup_s, w1))
-    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies)
+    w0, w1 = t0 + spec.warmup_s, t0 + spec.warmup_s + spec.duration_s
+    replies = Replies(conn, spec.prefix, spec.model, spec.timeout_s, tally, (w0, w1), shards)
+    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies, shards)
     try:
         while True:
             now = time.monotonic()
             want = spec.concurrency - replies.in_flight if now < w1 else 0
             if want > 0:
-                for rid in sender.rids(want):
-                    replies.add(rid, now, now)
+                for sent_as in sender.rids(want):
+                    replies.add(sent_as, now, now)
                 sender.send()
                 tally.sent += want
             if not replies.in_flight:
@@ -217,10 +232,10 @@ class _Inbox:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.items: list[tuple[str, float, float]] = []  # rid, scheduled time, send time
+        self.items: list[tuple[Sent, float, float]] = []  # (tag, rid), scheduled, send time
         self.done = False
 
-    def put(self, rids: Sequence[str], scheduled: np.ndarray, sent: float) -> None:
+    def put(self, rids: Sequence[Sent], scheduled: np.ndarray, sent: float) -> None:
         with self.cond:
             self.items += [(rid, float(t), sent) for rid, t in zip(rids, scheduled, strict=True)]
             self.cond.notify()
@@ -231,7 +246,13 @@ class _Inbox:
             self.cond.notify()
 
 
-def _open_loop(spec: LoadSpec, conn: redis.Redis, tally: ProducerTally, t0: float) -> None:
+def _open_loop(
+    spec: LoadSpec,
+    conn: redis.Redis,
+    tally: ProducerTally,
+    t0: float,
+    shards: dict[str, redis.Redis] | None = None,
+) -> None:
     """Requests at scheduled times whatever the replies do; a second thread takes the replies.
 
     The receiver blocks on the reply keys it knows. It learns of newer requests each time a
@@ -244,14 +265,14 @@ def _open_loop(spec: LoadSpec, conn: redis.Redis, tally: ProducerTally, t0: floa
     burst = spec.burst_size if spec.mode == "bursty" else 1
     times = t0 + arrivals(spec.rate_per_s, w1 - t0, spec.seed, burst_size=burst)
     recv_conn = redis.Redis(connection_pool=conn.connection_pool)  # its own connection
-    replies = Replies(recv_conn, spec.prefix, spec.timeout_s, tally, (w0, w1))
+    replies = Replies(recv_conn, spec.prefix, spec.model, spec.timeout_s, tally, (w0, w1), shards)
     inbox = _Inbox()
     failure: list[BaseException] = []
     receiver = threading.Thread(
         target=_receive, args=(replies, inbox, failure), name="replies", daemon=True
     )
     receiver.start()
-    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies)
+    sender = Sender(conn, spec.prefix, spec.model, spec.inputs, spec.seed, spec.bodies, shards)
     try:
         i = 0
         while i < len(times) and not failure:
@@ -309,6 +330,7 @@ def _producer_main(spec: LoadSpec, conn: Any) -> None:
     try:
         client = redis.Redis.from_url(spec.url, decode_responses=False, socket_timeout=30)
         client.ping()
+        shards = _shard_clients(client, spec)
         conn.send(("ready", None))
         t0 = conn.recv()
         tally = ProducerTally()
@@ -316,12 +338,23 @@ def _producer_main(spec: LoadSpec, conn: Any) -> None:
         time.sleep(max(t0 - time.monotonic(), 0.0))
         if spec.concurrency or spec.mode != "closed":
             drive = _closed_loop if spec.mode == "closed" else _open_loop
-            drive(spec, client, tally, t0)
+            drive(spec, client, tally, t0, shards)
         tally.cpu_s = time.process_time() - cpu0
         client.close()
         conn.send(("done", tally))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def _shard_clients(client: redis.Redis, spec: LoadSpec) -> dict[str, redis.Redis] | None:
+    """Each shard tag's client, bound to its master (``producer.topology``); None for the
+    model's own tag alone on a single Redis, which the loops then drive on ``client`` itself,
+    exactly as before shards."""
+    tags = spec.tags or (spec.model,)
+    topology = Topology(client)
+    if not topology.refresh():
+        return None if tags == (spec.model,) else dict.fromkeys(tags, client)
+    return {tag: topology.client(tag) for tag in tags}
 
 
 def _spawn(target: Callable[..., None], args_list: Sequence[tuple[Any, ...]]) -> list[Any]:

@@ -150,12 +150,17 @@ def outside_ms(phase: dict[str, Any]) -> float | None:
 # Who used the cores, and how much memory a process holds
 
 
-def cpu_sample(conn: redis.Redis, pids: dict[str, Sequence[int]]) -> dict[str, float]:
-    """CPU seconds used so far by the whole machine (busy time, all cores), by Redis (its INFO),
-    and by each named group of local processes; ``t`` is the monotonic time."""
+def cpu_sample(
+    conn: redis.Redis, pids: dict[str, Sequence[int]], redis_s: float | None = None
+) -> dict[str, float]:
+    """CPU seconds used so far by the whole machine (busy time, all cores), by Redis (its INFO,
+    or ``redis_s`` when the caller read it: a cluster's servers summed), and by each named group
+    of local processes; ``t`` is the monotonic time."""
     sample = {"t": time.monotonic(), "machine": machine_busy_s()}
-    info = conn.info("cpu")
-    sample["redis"] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    if redis_s is None:
+        info = conn.info("cpu")
+        redis_s = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    sample["redis"] = redis_s
     for name, group in pids.items():
         sample[name] = sum(_process_cpu_s(pid) for pid in group)
     return sample

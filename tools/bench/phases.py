@@ -21,6 +21,7 @@ import redis
 
 from producer import core, keys
 from tools.bench import provenance
+from tools.bench.errors import BenchError
 from tools.bench.load import CALLERS, LoadSpec, run_load
 from tools.bench.metrics import (
     cpu_cores,
@@ -28,7 +29,6 @@ from tools.bench.metrics import (
     machine_busy_s,
     outside_ms,
     pipeline_view,
-    redis_commands,
     redis_per_request,
     scrape,
     worker_view,
@@ -43,6 +43,7 @@ from tools.bench.processes import (
     run_json,
 )
 from tools.bench.report import say
+from tools.bench.shards import RedisNodes, live_shards, per_master, place_shards, write_shards
 
 __all__ = ["HOOKS", "Options", "Phases", "Workers"]
 
@@ -77,6 +78,9 @@ class Options:
     providers: tuple[str, ...] = ("cpu",)  # the workers' and the bare and asyncio ceilings'
     binding: str = "off"  # the workers' [model.cuda] io_binding / cuda_graph; ceilings unbound
     rounds: int = 0  # times each ratio target's ceiling and phase are measured again, paired
+    shards: int = 1  # the custom load's model: shards placed on distinct masters (--shards)
+    cluster: bool = False  # a private local cluster instead of a single Redis (--cluster)
+    replicas: int = 1  # with cluster: replicas per master (--replicas)
 
 
 class Workers:
@@ -124,6 +128,7 @@ class Phases:
         self.workers = Workers(url, workdir, self.model_file, options.providers, options.binding)
         self.max_throughput: dict[WorkerSetup, float] = {}
         self._loads: dict[str, tuple[WorkerSetup, dict[str, Any]]] = {}  # phase id: its setup
+        self.shard_tags: dict[str, tuple[str, ...]] = {}  # model: its shard tags, when sharded
         settings = asdict(options)
         settings["redis"] = core.redact_url(url)
         self.report: dict[str, Any] = {
@@ -138,7 +143,40 @@ class Phases:
             "drain": None,
             "rounds": {},
             "targets": [],
+            "redis": {"cluster": False, "nodes": [], "shards": {}},
         }
+
+    # -- shards -----------------------------------------------------------------------------
+
+    def shard(self, prefix: str, model: str, count: int, live: bool = False) -> tuple[str, ...]:
+        """``count`` shards of ``model`` placed on distinct masters and listed in
+        ``P:{M}:shards`` for the workers started next (``live``: the tags live workers' list
+        names now, read instead); the loads of ``model`` are then spread over them."""
+        conn = redis.Redis.from_url(self.url, socket_timeout=10)
+        nodes = RedisNodes(conn)
+        try:
+            if live:
+                tags = live_shards(nodes.topology, prefix, model)
+            else:
+                owner = nodes.topology.slots.node if nodes.cluster else None
+                try:
+                    tags = tuple(place_shards(model, count, owner))
+                except ValueError as exc:
+                    raise BenchError(str(exc)) from None
+                write_shards(nodes.topology, prefix, model, tags)
+            where = {tag: nodes.master_of(tag) for tag in tags}
+            self.report["redis"] = {
+                "cluster": nodes.cluster,
+                "nodes": nodes.describe(),
+                "shards": {**self.report["redis"]["shards"], model: where},
+            }
+        finally:
+            nodes.close()
+            conn.close()
+        if len(tags) > 1 or nodes.cluster:
+            say(f"shards of {model}: " + ", ".join(f"{t} on {a}" for t, a in where.items()))
+        self.shard_tags[model] = tags
+        return tags
 
     # -- models and ceilings ----------------------------------------------------------------
 
@@ -244,16 +282,18 @@ class Phases:
         Redis and anything else used."""
         self.wait_for_quiet()
         conn = redis.Redis.from_url(self.url, socket_timeout=10)
+        nodes = RedisNodes(conn)  # a cluster's every server
         try:
-            before = cpu_sample(conn, {})
+            before = cpu_sample(conn, {}, redis_s=sum(nodes.cpu_s().values()))
             children = resource.getrusage(resource.RUSAGE_CHILDREN)
             if module is None:
                 result = benchkit(*args, timeout_s=timeout_s, redis_url=self.url)
             else:
                 result = run_json(module, *args, timeout_s=timeout_s, redis_url=self.url)
-            after = cpu_sample(conn, {})
+            after = cpu_sample(conn, {}, redis_s=sum(nodes.cpu_s().values()))
             done = resource.getrusage(resource.RUSAGE_CHILDREN)
         finally:
+            nodes.close()
             conn.close()
         used_s = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
         after["benchkit"], before["benchkit"] = used_s, 0.0
@@ -318,6 +358,7 @@ class Phases:
             duration_s=o.duration_s,
             warmup_s=o.warmup_s,
             timeout_s=o.timeout_s,
+            tags=self.shard_tags.get(served, ()),
             **load,
         )
 
@@ -334,15 +375,22 @@ class Phases:
         self.wait_for_quiet()
         say(f"{phase_id}: {spec.label()} for {spec.warmup_s:g} + {spec.duration_s:g} s")
         conn = redis.Redis.from_url(self.url, socket_timeout=10)
+        nodes = RedisNodes(conn)
 
-        def probe(producer_pids: list[int]) -> tuple[dict[str, float], dict[str, float], Any]:
+        def probe(producer_pids: list[int]) -> tuple[Any, ...]:
             pids = {"producers": producer_pids, "worker": worker_pids}
             metrics = scrape(metrics_urls) if metrics_urls else {}
-            return metrics, cpu_sample(conn, pids), redis_commands(conn)
+            node_cpu = nodes.cpu_s()  # every server's: a cluster's replicas too
+            sample = cpu_sample(conn, pids, redis_s=sum(node_cpu.values()))
+            return metrics, sample, nodes.commands(), node_cpu
 
         try:
             result, before, after = run_load(spec, self.o.producers, probe)
+            tags = spec.tags or (spec.model,)
+            where = {tag: nodes.master_of(tag) for tag in tags}
+            described = nodes.describe()
         finally:
+            nodes.close()
             conn.close()
         batching = record["batching"]
         phase: dict[str, Any] = {
@@ -368,14 +416,16 @@ class Phases:
             "worker_side": worker_view(before[0], after[0]) if metrics_urls else None,
             "cpu_cores": cpu_cores(before[1], after[1]),
         }
-        answered = round(phase["throughput_per_s"] * (after[1]["t"] - before[1]["t"]))
+        seconds = after[1]["t"] - before[1]["t"]
+        answered = round(phase["throughput_per_s"] * seconds)
         phase["redis_commands"] = redis_per_request(before[2], after[2], answered)
+        by_shard = result.shard_completed()
+        phase["redis_cpu"] = per_master(described, where, before[3], after[3], seconds, by_shard)
         phase["vs_ceiling"] = self._ratios(phase)
         phase["cpu_budget"] = self._cpu_budget(phase)
         if phase["worker_side"] is not None:
             phase["worker_side"]["outside_ms"] = outside_ms(phase)
             if record.get("pipeline"):
-                seconds = after[1]["t"] - before[1]["t"]
                 cores = self.report["machine"]["cpus_usable"]
                 phase["pipeline"] = pipeline_view(before[0], after[0], record, seconds, cores)
         if keep:

@@ -36,6 +36,7 @@ __all__ = [
     "WorkerSetup",
     "benchkit",
     "flags",
+    "private_cluster",
     "private_redis",
     "request_inputs",
     "run_json",
@@ -107,6 +108,23 @@ def private_redis() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.terminate()
             proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def private_cluster(masters: int = 3, replicas: int = 1) -> Iterator[str]:
+    """A Redis Cluster on loopback (``tools.localcluster``), each master with ``replicas``
+    replicas; yields a seed URL (the workers and producers find the rest); stopped on exit."""
+    from tools.localcluster import LocalCluster
+    from tools.localredis import RedisNotInstalled
+
+    try:
+        cluster = LocalCluster(masters, replicas).start()
+    except RedisNotInstalled as exc:
+        raise BenchError(str(exc)) from None
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,15 +222,18 @@ port = {self.port}
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        deadline = time.monotonic() + _WORKER_START_S
-        while not self._ready():
-            if self._proc.poll() is not None:
-                raise BenchError(f"worker exited at start:\n{self._log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise BenchError(f"worker not ready within {_WORKER_START_S:g} s")
-            time.sleep(POLL_S)
-        self.record = worker_records(self.url, PREFIX, self.setup.served, self.name)[0]
+        try:
+            deadline = time.monotonic() + _WORKER_START_S
+            while not self._ready():
+                if self._proc.poll() is not None:
+                    raise BenchError(f"worker exited at start:\n{self._log_tail()}")
+                if time.monotonic() > deadline:
+                    raise BenchError(f"worker not ready within {_WORKER_START_S:g} s")
+                time.sleep(POLL_S)
+            self.record = worker_records(self.url, PREFIX, self.setup.served, self.name)[0]
+        except BaseException:
+            self.stop()  # nobody else holds it yet: a failed start must not leave it running
+            raise
         return self
 
     def _ready(self) -> bool:
@@ -251,10 +272,21 @@ def worker_records(
     url: str, prefix: str, model: str, name: str | None = None
 ) -> list[dict[str, Any]]:
     """The live workers' validation records for ``model`` (only ``name``'s when given)."""
-    from producer.client import Client
+    import redis
 
-    with Client(model, url, prefix=prefix) as client:
-        records = [r for r in client.workers() if name is None or r.get("name") == name]
+    from producer.client import Client
+    from producer.topology import Topology
+
+    # Seeded with the model's own master, where its worker records live (on a cluster too)
+    seed = redis.Redis.from_url(url, socket_timeout=30)
+    topology = Topology(seed)
+    try:
+        topology.refresh()
+        with Client(model, prefix=prefix, redis_client=topology.client(model)) as client:
+            records = [r for r in client.workers() if name is None or r.get("name") == name]
+    finally:
+        topology.close()
+        seed.close()
     if not records:
         raise BenchError(f"no live worker record for model {model!r}")
     return records

@@ -184,6 +184,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_format_phases(report["phases"]), "", *_format_stages(report["phases"])]
         lines += ["", *_format_cpu(report), *_format_budget(report["phases"])]
         lines += _format_redis(report["phases"])
+        lines += _format_redis_cpu(report["phases"])
         lines += _format_tail(report["phases"])
         lines += format_pipelines(report)
         lines += ["", *_format_batches(report["phases"])]
@@ -379,6 +380,41 @@ def _format_redis(phases: Sequence[dict[str, Any]]) -> list[str]:
         )
         lines.append(f"  {p['id']:<24} {cells}")
     return lines
+
+
+def _format_redis_cpu(phases: Sequence[dict[str, Any]]) -> list[str]:
+    """Redis CPU per request by master and its replicas: the cost that scales with masters."""
+    rows = [p for p in phases if p.get("redis_cpu")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Redis CPU per request, by master (us of CPU per request its shards answered in the "
+        "window; replicas: its replicas' CPU over the same requests; cores: busy over the window; "
+        "total: every server's CPU over every request)",
+        f"{'phase':<24} {'master':<16} {'shards':<20} {'req/s':>8} {'us/req':>7} "
+        f"{'replica':>7} {'cores':>5} {'repl.':>5}",
+    ]
+    for p in rows:
+        cpu = p["redis_cpu"]
+        for i, m in enumerate(cpu["masters"]):
+            name = p["id"] if i == 0 else ""
+            lines.append(
+                f"{name:<24} {m['address']:<16} {','.join(m['shards']) or '-':<20} "
+                f"{m['requests_per_s']:>8,.0f} {_us(m['master_us_per_request']):>7} "
+                f"{_us(m['replica_us_per_request']):>7} {m['master_cores']:>5.2f} "
+                f"{m['replica_cores']:>5.2f}"
+            )
+        total = cpu["total"]
+        lines.append(
+            f"{'':<24} total: {_us(total['us_per_request'])} us per request, "
+            f"{total['cores']:.2f} cores, {len(cpu['masters'])} master(s)"
+        )
+    return lines
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _format_tail(phases: Sequence[dict[str, Any]]) -> list[str]:

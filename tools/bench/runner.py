@@ -15,7 +15,7 @@ from typing import Any
 
 from tools.bench import provenance
 from tools.bench.phases import Options, Phases, Workers
-from tools.bench.processes import WorkerSetup, request_inputs, worker_records
+from tools.bench.processes import PREFIX, WorkerSetup, request_inputs, worker_records
 from tools.bench.report import say, targets
 from tools.bench.scenarios import SCENARIOS, Paired
 
@@ -90,6 +90,7 @@ class Bench(Phases):
     def _run_custom(self) -> None:
         o = self.o
         setup = WorkerSetup(o.model, o.max_batch_size, o.max_wait_ms)
+        self.shard(PREFIX, o.model, o.shards)  # before the worker starts: it reads the list
         if o.ceilings:
             self.bare(o.model, sorted({1, o.max_batch_size}))
             source = ("--model-file", str(self.model_file(o.model)))
@@ -100,6 +101,7 @@ class Bench(Phases):
     def _run_against_live_workers(self) -> None:
         o = self.o
         record = worker_records(self.url, o.prefix, o.model)[0]
+        self.shard(o.prefix, o.model, 1, live=True)
         self.report["machine"].setdefault("onnxruntime", record["runtime"]["onnxruntime"])
         if o.ceilings:
             sizes = sorted({1, int(record["batching"]["max_batch_size"])})
