@@ -2,10 +2,10 @@
 
 This module is argparse, the shared connection options and ``status``; each other command keeps
 its options and its work in a module of its own: ``producer.runcmd`` (``run``, whose job is
-``producer.job``'s), ``producer.replay`` (``replay``) and ``producer.watch`` (``status
---watch``). Exit codes (``producer.argtypes``): 0 every row succeeded, 1 some rows failed, 2 the
-command could not run as asked (bad option, missing file, Redis unreachable), 130 interrupted
-(Ctrl-C; ``run`` still writes the rows answered by then).
+``producer.job``'s), ``producer.replay`` (``replay``), ``producer.shardcmd`` (``shards``) and
+``producer.watch`` (``status --watch``). Exit codes (``producer.argtypes``): 0 every row
+succeeded, 1 some rows failed, 2 the command could not run as asked (bad option, missing file,
+Redis unreachable), 130 interrupted (Ctrl-C; ``run`` still writes the rows answered by then).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from producer import __version__, argtypes, core, keys, replay, runcmd, status, watch
+from producer import __version__, argtypes, core, keys, replay, runcmd, shardcmd, status, watch
 from producer.argtypes import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -80,6 +80,7 @@ examples:
   redbatch status --model demo --watch
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
   redbatch replay --model demo --from-dead --new-ids --delete
+  redbatch shards place --model demo --count 3
 """
 
 _STATUS_HELP = """\
@@ -179,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_arguments(replay_cmd)
     _add_connection_options(replay_cmd, top=False)
     replay_cmd.set_defaults(handler=replay.run_command)
+
+    shards_cmd = commands.add_parser(
+        "shards",
+        help="show, place and retire a model's shards",
+        formatter_class=formatter,
+    )
+    shardcmd.add_arguments(shards_cmd, lambda p: _add_connection_options(p, top=False))
 
     return parser
 

@@ -5,21 +5,30 @@ the names of workers whose validation record has expired from the registry set, 
 registry requires); ``format_status`` renders it as a table a person reads; ``status_to_json``
 gives the same data as plain JSON values. Both lead with Redis memory against ``maxmemory``: past
 the producers' high watermark new work is refused (``RedisFull``), so operators must see it come.
+
+A model's queue may have several shards (``P:{M}:shards``, contract section 1), each on its own
+cluster master. Each shard is read from its own node (``ShardAccess``: ``producer.topology``
+routing, retried through outages and redirects) into a ``ShardStatus``; ``ModelStatus.requests``
+and ``.dead`` are their sums, so that what reads one number (a dashboard's ``.requests.backlog``)
+reads the whole queue. With one shard the sums are that shard, and the report is as it always
+was; with more, the text report adds a table of shards and a total line.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from producer import core, keys
 from producer.memory import MemoryReading, parse_info_memory
 from producer.retry import RetryPolicy
+from producer.shards import Shards, read_shards
 from producer.statusformat import (
     INFO_REFUSED,
     ago,
@@ -34,6 +43,7 @@ from producer.statusformat import (
     table,
     tensor_spec,
 )
+from producer.topology import REDIRECTS, Topology
 
 __all__ = [
     "ConsumerInfo",
@@ -42,15 +52,20 @@ __all__ = [
     "GroupInfo",
     "ModelStatus",
     "RequestsInfo",
+    "ShardAccess",
+    "ShardStatus",
     "WorkerInfo",
     "epoch_s",
     "format_status",
+    "gather_shard",
     "gather_status",
     "printable",
     "redis_where",
     "status_to_json",
     "tensor_spec",
 ]
+
+T = TypeVar("T")
 
 #: How many of the newest dead letters ``gather_status`` reads by default.
 DEFAULT_DEAD_LIMIT = 5
@@ -95,6 +110,7 @@ class DeadLetter:
     rid: str | None
     reason: str
     age_s: float
+    tag: str = ""  # the shard whose dead-letter stream holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +120,19 @@ class DeadLetters:
     key: str
     count: int
     recent: tuple[DeadLetter, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardStatus:
+    """One shard of the queue: whether producers still send to it (``send``) or it is being
+    drained (``retiring``), the master serving it (None on a single Redis), its request stream
+    and its dead letters."""
+
+    tag: str
+    state: str
+    node: str | None
+    requests: RequestsInfo
+    dead: DeadLetters
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +155,8 @@ class WorkerInfo:
 
 @dataclass(frozen=True, slots=True)
 class ModelStatus:
-    """Everything ``redbatch status`` shows for one model."""
+    """Everything ``redbatch status`` shows for one model; ``requests`` and ``dead`` are summed
+    over ``shards`` (the one shard's own with one)."""
 
     model: str
     prefix: str
@@ -136,10 +166,56 @@ class ModelStatus:
     workers: tuple[WorkerInfo, ...]
     expired_workers: tuple[str, ...] = field(default=())
     memory: MemoryReading | None = None  # None: INFO refused to this user
+    shards: tuple[ShardStatus, ...] = field(default=())
+    cluster: bool = False
+    memory_node: str | None = None  # on a cluster: the fullest master, whose reading ``memory`` is
 
 
 # ---------------------------------------------------------------------------------------------
 # Gathering
+
+
+class ShardAccess:
+    """Commands on each shard's own node: a ``Topology`` for routing (its own unless one is
+    passed) and one ``RetryPolicy`` that rides out outages and cluster redirects (a ``MOVED``
+    repoints the slot's client before the retry). What the operator's commands share."""
+
+    def __init__(
+        self, conn: redis.Redis, retry_s: float = 0.0, topology: Topology | None = None
+    ) -> None:
+        self.topology = topology if topology is not None else Topology(conn)
+        self.retry = RetryPolicy(redis_where(conn), retry_s)
+        self._owned = topology is None
+
+    def refresh(self) -> bool:
+        """Read the cluster's slot map (a single Redis: none); True on a cluster."""
+        return self.retry.call(self.topology.refresh)
+
+    @property
+    def cluster(self) -> bool:
+        return self.topology.cluster
+
+    def node(self, tag: str) -> str | None:
+        """The address of the master serving ``tag``; None on a single Redis."""
+        found = self.topology.node_of(tag)
+        return None if found is None else found.address
+
+    def on(self, tag: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(client of tag, *args)``, retried as the policy says."""
+
+        def attempt() -> T:
+            try:
+                return fn(self.topology.client(tag), *args)
+            except REDIRECTS as exc:
+                self.topology.follow(exc)
+                raise
+
+        return self.retry.call(attempt)
+
+    def close(self) -> None:
+        """Disconnect the node pools of a topology made here (not the seed's)."""
+        if self._owned:
+            self.topology.close()
 
 
 def gather_status(
@@ -150,25 +226,133 @@ def gather_status(
     dead_limit: int = DEFAULT_DEAD_LIMIT,
     now_s: float | None = None,
     retry_s: float = 0.0,
+    topology: Topology | None = None,
 ) -> ModelStatus:
-    """Read the model's queue state, retrying through an outage for up to ``retry_s``; raises
-    ConnectionFailed when Redis cannot be asked."""
+    """Read the model's queue state, every shard from its own node, retrying through an outage
+    for up to ``retry_s``; raises ConnectionFailed when Redis cannot be asked. Without
+    ``topology`` it finds out by itself whether ``conn`` is a cluster node; with one, the
+    caller keeps its slot map fresh (``--watch`` reuses one)."""
     now = time.time() if now_s is None else now_s
-    call = RetryPolicy(redis_where(conn), retry_s).call
-    memory = call(_memory, conn)
-    requests = call(_requests_info, conn, keys.request_stream(prefix, model), now)
-    dead = call(_dead_letters, conn, keys.dead_key(prefix, model), dead_limit, now)
-    workers, expired = call(_live_workers, conn, prefix, model)
+    access = ShardAccess(conn, retry_s, topology)
+    try:
+        if topology is None:
+            access.refresh()
+        shards: Shards = access.on(model, read_shards, prefix, model)
+        parts = tuple(
+            gather_shard(access, prefix, tag, now, dead_limit, retiring=tag in shards.retiring)
+            for tag in shards.serve
+        )
+        memory, memory_node = _fullest_memory(access, conn, parts)
+        workers, expired = access.on(model, _live_workers, prefix, model)
+    finally:
+        access.close()
     return ModelStatus(
         model=model,
         prefix=prefix,
         observed_at=now,
-        requests=requests,
-        dead=dead,
+        requests=_total_requests(parts),
+        dead=_total_dead(parts, dead_limit),
         workers=workers,
         expired_workers=expired,
         memory=memory,
+        shards=parts,
+        cluster=access.cluster,
+        memory_node=memory_node,
     )
+
+
+def gather_shard(
+    access: ShardAccess,
+    prefix: str,
+    tag: str,
+    now_s: float,
+    dead_limit: int = DEFAULT_DEAD_LIMIT,
+    *,
+    retiring: bool = False,
+) -> ShardStatus:
+    """One shard's request stream and dead letters, read from the node that serves it."""
+    requests = access.on(tag, _requests_info, keys.request_stream(prefix, tag), now_s)
+    dead = access.on(tag, _dead_letters, keys.dead_key(prefix, tag), dead_limit, now_s, tag)
+    state = "retiring" if retiring else "send"
+    return ShardStatus(tag, state, access.node(tag), requests, dead)
+
+
+def _fullest_memory(
+    access: ShardAccess, conn: redis.Redis, parts: tuple[ShardStatus, ...]
+) -> tuple[MemoryReading | None, str | None]:
+    """``INFO memory`` of the one Redis, or on a cluster of each master serving a shard: the
+    fullest reading (producers are refused by the fullest shard's node first) and its node."""
+    if not access.cluster:
+        return access.retry.call(_memory, conn), None
+    fullest: tuple[MemoryReading | None, str | None] = (None, None)
+    seen: set[str | None] = set()
+    for part in parts:
+        if part.node in seen:
+            continue
+        seen.add(part.node)
+        reading = access.on(part.tag, _memory)
+        if reading is not None and (
+            fullest[0] is None or (reading.used_fraction or 0.0) > (fullest[0].used_fraction or 0.0)
+        ):
+            fullest = (reading, part.node)
+    return fullest
+
+
+def _total_requests(parts: tuple[ShardStatus, ...]) -> RequestsInfo:
+    """The request streams summed; one shard's as it is."""
+    if len(parts) == 1:
+        return parts[0].requests
+    reqs = [p.requests for p in parts]
+    groups = [r.group for r in reqs if r.group is not None]
+    ages = [r.oldest_entry_age_s for r in reqs if r.oldest_entry_age_s is not None]
+    group = None
+    if groups:
+        consumers: dict[str, ConsumerInfo] = {}
+        for g in groups:
+            for c in g.consumers:  # a worker is one consumer name on every shard it serves
+                seen = consumers.get(c.name)
+                consumers[c.name] = (
+                    c
+                    if seen is None
+                    else ConsumerInfo(
+                        c.name, seen.pending + c.pending, min(seen.idle_ms, c.idle_ms)
+                    )
+                )
+        lags = [g.lag for g in groups]
+        group = GroupInfo(
+            name=keys.CONSUMER_GROUP,
+            pending=sum(g.pending for g in groups),
+            lag=None if any(lag is None for lag in lags) else sum(lag or 0 for lag in lags),
+            last_delivered_id=max((g.last_delivered_id for g in groups), key=_id_order),
+            consumers=tuple(sorted(consumers.values(), key=lambda c: c.name)),
+        )
+    return RequestsInfo(
+        key=", ".join(r.key for r in reqs),
+        exists=any(r.exists for r in reqs),
+        backlog=sum(r.backlog for r in reqs),
+        oldest_entry_age_s=max(ages) if ages else None,
+        group=group,
+    )
+
+
+def _total_dead(parts: tuple[ShardStatus, ...], limit: int) -> DeadLetters:
+    """The dead-letter streams summed, with the newest few of all shards."""
+    if len(parts) == 1:
+        return parts[0].dead
+    recent = sorted((d for p in parts for d in p.dead.recent), key=lambda d: d.age_s)
+    return DeadLetters(
+        key=", ".join(p.dead.key for p in parts),
+        count=sum(p.dead.count for p in parts),
+        recent=tuple(recent[:limit]),
+    )
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return -1, -1
 
 
 def redis_where(conn: redis.Redis) -> str:
@@ -217,7 +401,9 @@ def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
     )
 
 
-def _dead_letters(conn: redis.Redis, key: str, limit: int, now_s: float) -> DeadLetters:
+def _dead_letters(
+    conn: redis.Redis, key: str, limit: int, now_s: float, tag: str = ""
+) -> DeadLetters:
     if _text(conn.type(key)) != "stream":
         return DeadLetters(key, count=0, recent=())
     recent = []
@@ -230,6 +416,7 @@ def _dead_letters(conn: redis.Redis, key: str, limit: int, now_s: float) -> Dead
                 rid=None if rid is None else _text(rid),
                 reason=_text(decoded.get("reason", b"(no reason recorded)")),
                 age_s=_id_age_s(_text(entry_id), now_s),
+                tag=tag,
             )
         )
     return DeadLetters(key, count=int(conn.xlen(key)), recent=tuple(recent))
@@ -313,39 +500,25 @@ def _iso_age_s(stamp: Any, now_s: float) -> float | None:
 
 
 def status_to_json(status: ModelStatus) -> dict[str, Any]:
-    """The status as JSON values: the dataclasses' fields, with each worker's full record."""
-    req = status.requests
-    group = req.group
+    """The status as JSON values: the dataclasses' fields, with each worker's full record;
+    ``requests`` and ``dead`` are the totals, ``shards`` each shard's own."""
     return {
         "model": status.model,
         "prefix": status.prefix,
         "observed_at": status.observed_at,
-        "requests": {
-            "key": req.key,
-            "exists": req.exists,
-            "backlog": req.backlog,
-            "oldest_entry_age_s": req.oldest_entry_age_s,
-            "group": None
-            if group is None
-            else {
-                "name": group.name,
-                "pending": group.pending,
-                "lag": group.lag,
-                "last_delivered_id": group.last_delivered_id,
-                "consumers": [
-                    {"name": c.name, "pending": c.pending, "idle_ms": c.idle_ms}
-                    for c in group.consumers
-                ],
-            },
-        },
-        "dead": {
-            "key": status.dead.key,
-            "count": status.dead.count,
-            "recent": [
-                {"entry_id": d.entry_id, "rid": d.rid, "reason": d.reason, "age_s": d.age_s}
-                for d in status.dead.recent
-            ],
-        },
+        "cluster": status.cluster,
+        "requests": _requests_json(status.requests),
+        "dead": _dead_json(status.dead),
+        "shards": [
+            {
+                "tag": s.tag,
+                "state": s.state,
+                "node": s.node,
+                "requests": _requests_json(s.requests),
+                "dead": _dead_json(s.dead),
+            }
+            for s in status.shards
+        ],
         "workers": [
             {
                 "name": w.name,
@@ -356,14 +529,54 @@ def status_to_json(status: ModelStatus) -> dict[str, Any]:
             for w in status.workers
         ],
         "expired_workers": list(status.expired_workers),
-        "redis": _memory_json(status.memory),
+        "redis": _memory_json(status.memory, status.memory_node),
     }
 
 
-def _memory_json(reading: MemoryReading | None) -> dict[str, Any] | None:
+def _requests_json(req: RequestsInfo) -> dict[str, Any]:
+    group = req.group
+    return {
+        "key": req.key,
+        "exists": req.exists,
+        "backlog": req.backlog,
+        "oldest_entry_age_s": req.oldest_entry_age_s,
+        "group": None
+        if group is None
+        else {
+            "name": group.name,
+            "pending": group.pending,
+            "lag": group.lag,
+            "last_delivered_id": group.last_delivered_id,
+            "consumers": [
+                {"name": c.name, "pending": c.pending, "idle_ms": c.idle_ms}
+                for c in group.consumers
+            ],
+        },
+    }
+
+
+def _dead_json(dead: DeadLetters) -> dict[str, Any]:
+    return {
+        "key": dead.key,
+        "count": dead.count,
+        "recent": [
+            {
+                "entry_id": d.entry_id,
+                "rid": d.rid,
+                "reason": d.reason,
+                "age_s": d.age_s,
+                "shard": d.tag or None,
+            }
+            for d in dead.recent
+        ],
+    }
+
+
+def _memory_json(reading: MemoryReading | None, node: str | None = None) -> dict[str, Any] | None:
     if reading is None:
         return None
     return {
+        "node": node,
         "used_memory": reading.used_bytes,
         "maxmemory": reading.max_bytes,
         "maxmemory_policy": reading.policy,
@@ -378,23 +591,78 @@ def _memory_json(reading: MemoryReading | None) -> dict[str, Any] | None:
 
 
 def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
-    """Render the status as the readable report ``redbatch status`` prints."""
+    """Render the status as the readable report ``redbatch status`` prints: with one shard its
+    stream, group and dead letters; with more, a table of shards and their total first."""
     where = f" at {redis_url}" if redis_url else ""
     lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}"]
-    lines += [*_format_memory(status.memory), ""]
-    lines += _format_requests(status.requests)
+    lines += [*_format_memory(status.memory, status.memory_node), ""]
+    if len(status.shards) > 1:
+        lines += _format_shards(status)
+        lines.append("")
+        lines += _format_consumers(status.requests)
+    else:
+        lines += _format_requests(status.requests)
     lines.append("")
-    lines += _format_dead(status.dead)
+    lines += _format_dead(status.dead, sharded=len(status.shards) > 1)
     lines.append("")
     lines += _format_workers(status)
     return "\n".join(map(printable, lines))
 
 
-def _format_memory(reading: MemoryReading | None) -> list[str]:
+def _format_shards(status: ModelStatus) -> list[str]:
+    """One row per shard and a total: where it lives, backlog, pending, lag, dead, oldest."""
+    sending = sum(s.state == "send" for s in status.shards)
+    retiring = len(status.shards) - sending
+    title = f"Shards: {len(status.shards)} ({sending} taking requests"
+    title += f", {retiring} retiring: drained, no longer sent to)" if retiring else ")"
+    header = ["SHARD", "STATE", *(["MASTER"] if status.cluster else []), "BACKLOG", "PENDING"]
+    rows = [[*header, "LAG", "DEAD", "OLDEST"]]
+    for s in status.shards:
+        rows.append(
+            [
+                s.tag,
+                s.state,
+                *([s.node or "-"] if status.cluster else []),
+                *_shard_cells(s.requests, s.dead),
+            ]
+        )
+    blank = [""] if status.cluster else []
+    rows.append(["total", "", *blank, *_shard_cells(status.requests, status.dead)])
+    first = 3 if status.cluster else 2
+    return [title, *table(rows, indent="  ", right=frozenset(range(first, first + 4)))]
+
+
+def _shard_cells(req: RequestsInfo, dead: DeadLetters) -> list[str]:
+    group = req.group
+    oldest = "-" if req.oldest_entry_age_s is None else ago(req.oldest_entry_age_s)
+    return [
+        str(req.backlog),
+        "-" if group is None else str(group.pending),
+        "-" if group is None or group.lag is None else str(group.lag),
+        str(dead.count),
+        oldest,
+    ]
+
+
+def _format_consumers(req: RequestsInfo) -> list[str]:
+    """The group's consumers over all shards (a worker is one consumer on each)."""
+    group = req.group
+    if group is None:
+        return [f"Consumers: no consumer group {keys.CONSUMER_GROUP!r} yet (no worker has started)"]
+    if not group.consumers:
+        return ["Consumers: none yet"]
+    lines = [f"Consumers of group {group.name!r}, over all shards"]
+    rows = [["CONSUMER", "PENDING", "IDLE"]]
+    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
+
+
+def _format_memory(reading: MemoryReading | None, node: str | None = None) -> list[str]:
     if reading is None:
         return [f"Redis memory {INFO_REFUSED}"]
     notes = [f"  {note}" for note in memory_notes(reading)]
-    return [f"Redis memory: {memory_summary(reading)}", *notes]
+    where = f" (fullest master, {node})" if node else ""
+    return [f"Redis memory{where}: {memory_summary(reading)}", *notes]
 
 
 def _format_requests(req: RequestsInfo) -> list[str]:
@@ -420,11 +688,18 @@ def _format_requests(req: RequestsInfo) -> list[str]:
     return lines + table(rows, indent="  ", right=frozenset({1, 2}))
 
 
-def _format_dead(dead: DeadLetters) -> list[str]:
-    lines = [f"Dead letters {dead.key}: {dead.count}"]
+def _format_dead(dead: DeadLetters, *, sharded: bool = False) -> list[str]:
+    if sharded:
+        lines = [f"Dead letters: {dead.count} over all shards (P:{{T}}:dead)"]
+    else:
+        lines = [f"Dead letters {dead.key}: {dead.count}"]
     if dead.recent:
-        rows = [["ENTRY", "AGE", "RID", "REASON"]]
-        rows += [[d.entry_id, ago(d.age_s), d.rid or "-", d.reason] for d in dead.recent]
+        shard = ["SHARD"] if sharded else []
+        rows = [[*shard, "ENTRY", "AGE", "RID", "REASON"]]
+        rows += [
+            [*([d.tag] if sharded else []), d.entry_id, ago(d.age_s), d.rid or "-", d.reason]
+            for d in dead.recent
+        ]
         lines += table(rows, indent="  ")
     return lines
 

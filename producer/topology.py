@@ -256,8 +256,9 @@ class Topology(_Routing[redis.Redis, redis.ConnectionPool]):
         return redirect
 
     def refresh(self) -> bool:
-        """Read the slot map again (from the seed, else any known master); True on a cluster."""
-        reply = None
+        """Read the slot map again (from the seed, else any known master); True on a cluster.
+        When no node answers, the map stays as it was and the last error is raised."""
+        reply, gone = None, None
         for client in self._askable():
             try:
                 reply = client.execute_command("CLUSTER SLOTS")
@@ -266,8 +267,11 @@ class Topology(_Routing[redis.Redis, redis.ConnectionPool]):
                 if _is_not_cluster(exc):
                     break
                 raise
-            except (redis.ConnectionError, redis.TimeoutError):
-                continue  # that node is down (a failover): ask the next
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                gone = exc  # that node is down (a failover): ask the next
+        else:
+            if gone is not None:
+                raise gone
         self._apply(reply)
         return self.cluster
 
@@ -290,7 +294,7 @@ class AsyncTopology(_Routing[redis.asyncio.Redis, redis.asyncio.ConnectionPool])
 
     async def refresh(self) -> bool:
         """As ``Topology.refresh``."""
-        reply = None
+        reply, gone = None, None
         for client in self._askable():
             try:
                 reply = await client.execute_command("CLUSTER SLOTS")
@@ -299,8 +303,11 @@ class AsyncTopology(_Routing[redis.asyncio.Redis, redis.asyncio.ConnectionPool])
                 if _is_not_cluster(exc):
                     break
                 raise
-            except (redis.ConnectionError, redis.TimeoutError):
-                continue
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                gone = exc
+        else:
+            if gone is not None:
+                raise gone
         self._apply(reply)
         return self.cluster
 

@@ -11,6 +11,10 @@ pipeline's hooks take per request, how busy its hook threads and its model are, 
 does the maths. Callers'
 end-to-end latency is not in Redis; ``redbatch run`` and ``python -m tools.bench`` measure it.
 
+A model with several shards (``P:{M}:shards``) gets the same lines summed over its shards, and a
+table with each shard's backlog, what workers hold, dead letters and requests in and out per
+second, so that a shard left behind (its master slow, its workers gone) shows.
+
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
 Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.
 """
@@ -18,6 +22,7 @@ Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many fram
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from datetime import datetime
@@ -30,6 +35,7 @@ from producer import argtypes, core, keys, stages
 from producer.argtypes import UsageError
 from producer.errors import ConnectionFailed
 from producer.statusformat import INFO_REFUSED, memory_notes, memory_summary, printable, show, table
+from producer.topology import Topology
 from producer.watchstats import (
     Scrape,
     Snapshot,
@@ -43,6 +49,7 @@ from producer.watchstats import (
     metrics_window,
     quantile,
     sample_total,
+    shard_flow_per_s,
     take_snapshot,
 )
 
@@ -95,6 +102,7 @@ def render(
         lines.append(f"!! {problem}")
     lines.append("")
     lines += _queue_lines(before, now)
+    lines += _shard_lines(before, now)
     lines += _memory_lines(before, now)
     lines += _dead_lines(before, now)
     lines += _metrics_lines(before, now)
@@ -141,11 +149,43 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     return lines
 
 
+def _shard_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
+    """With several shards: one row each (the lines above are their sums)."""
+    s = now.status
+    if len(s.shards) < 2:
+        return []
+    retiring = sum(shard.state == "retiring" for shard in s.shards)
+    title = f"shards      {len(s.shards)}" + (f", {retiring} retiring" if retiring else "")
+    where = ["MASTER"] if s.cluster else []
+    rows = [["SHARD", "STATE", *where, "BACKLOG", "HELD", "DEAD", "IN/S", "OUT/S"]]
+    for shard in s.shards:
+        req = shard.requests
+        held = min(req.group.pending if req.group else 0, req.backlog)
+        flow = shard_flow_per_s(before, now, shard.tag)
+        added_s, finished_s = (flow[0], flow[1]) if flow else (None, None)
+        rows.append(
+            [
+                shard.tag,
+                shard.state,
+                *([shard.node or "-"] if s.cluster else []),
+                f"{req.backlog:,}",
+                f"{held:,}",
+                f"{shard.dead.count:,}",
+                "-" if added_s is None else f"{added_s:,.0f}",
+                "-" if finished_s is None else f"{finished_s:,.0f}",
+            ]
+        )
+    first = 3 if s.cluster else 2
+    return [title, *table(rows, indent=" " * 12, right=frozenset(range(first, first + 5)))]
+
+
 def _memory_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
     reading = now.status.memory
     if reading is None:
         return [f"memory      {INFO_REFUSED}"]
     summary = memory_summary(reading, change_bytes_per_s=memory_per_s(before, now))
+    if now.status.memory_node:
+        summary += f" (fullest master, {now.status.memory_node})"
     notes = [f"            !! {note}" for note in memory_notes(reading)]
     return [f"memory      {summary}", *notes]
 
@@ -327,12 +367,21 @@ def watch_only_options(args: argparse.Namespace) -> list[str]:
     return [] if args.watch else [flag for flag, on in given.items() if on]
 
 
-def _refresh(conn: redis.Redis, args: argparse.Namespace, *, first: bool) -> Snapshot:
+def _refresh(
+    conn: redis.Redis, topology: Topology, args: argparse.Namespace, *, first: bool
+) -> Snapshot:
     """One snapshot. The first rides out an outage for ``--retry-s``, as ``redbatch status``
     does, since there is no view to show yet; a later one tries once, so an outage shows at once
-    over the last view, and the next refresh is the retry."""
+    over the last view, and the next refresh is the retry. The slot map is read on the first,
+    and again on each on a cluster (a failover or a migration moves shards)."""
     retry_s = getattr(args, "retry_s", 0.0) if first else 0.0
-    return take_snapshot(conn, args.model, args.prefix, args.metrics_url, retry_s=retry_s)
+    if first or topology.cluster:
+        # Unreachable: the snapshot below meets the same outage, retries it and reports it.
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            topology.refresh()
+    return take_snapshot(
+        conn, args.model, args.prefix, args.metrics_url, retry_s=retry_s, topology=topology
+    )
 
 
 def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -343,6 +392,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
     where = core.redact_url(args.redis_url)
     clear = stream.isatty()
     conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    topology = Topology(conn)
     rates = WorkerRates()
     stage_rates = StageWatch()
     before: Snapshot | None = None
@@ -353,7 +403,7 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 time.sleep(args.interval_s or DEFAULT_INTERVAL_S)
             problem = None
             try:
-                now = _refresh(conn, args, first=before is None)
+                now = _refresh(conn, topology, args, first=before is None)
             except ConnectionFailed as exc:
                 if before is None:
                     raise  # it names the Redis and the retrying done, as `redbatch status` does
@@ -379,5 +429,6 @@ def run_command(args: argparse.Namespace, out: TextIO | None = None) -> int:
         stream.write("\n")
         stream.flush()
     finally:
+        topology.close()
         conn.close()
     return 0

@@ -1,13 +1,15 @@
 """What ``redbatch status --watch`` measures: snapshots of a model's queue, and their maths.
 
 ``take_snapshot`` reads the status ``producer.status`` gathers, the stream's and group's counters
-(``XINFO STREAM`` entries-added, ``XINFO GROUPS`` entries-read) and, when asked, the workers'
-``/metrics``. The functions below turn two snapshots into numbers: requests in and out per second
-(counter deltas, so they cover every worker, registered or not), metrics summed over workers
-since the last scrape, percentiles from the histogram buckets, Redis ``used_memory``'s change per
-second, (``WorkerRates``) each live worker's requests per second from the ``served`` counters
-its heartbeat publishes every 5 s, and (``StageWatch``) how busy each worker's pipeline threads
-and model were between two of its records' ``stages`` (``producer.stages``). ``producer.watch``
+(``XINFO STREAM`` entries-added, ``XINFO GROUPS`` entries-read) of each shard, read from the
+shard's own node, and, when asked, the workers' ``/metrics``. The functions below turn two
+snapshots into numbers: requests in and out per second (counter deltas, so they cover every
+worker, registered or not; per shard, and summed over the shards seen in both snapshots, so a
+shard added or retired between them skews nothing), metrics summed over workers since the last
+scrape, percentiles from the histogram buckets, Redis ``used_memory``'s change per second,
+(``WorkerRates``) each live worker's requests per second from the ``served`` counters its
+heartbeat publishes every 5 s, and (``StageWatch``) how busy each worker's pipeline threads and
+model were between two of its records' ``stages`` (``producer.stages``). ``producer.watch``
 draws them.
 """
 
@@ -17,16 +19,17 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from producer import keys, stages, status
-from producer.retry import RetryPolicy
 from producer.status import epoch_s
+from producer.topology import Topology
 
 __all__ = [
+    "Counters",
     "SampleKey",
     "Scrape",
     "Snapshot",
@@ -40,6 +43,7 @@ __all__ = [
     "metrics_window",
     "quantile",
     "sample_total",
+    "shard_flow_per_s",
     "take_snapshot",
 ]
 
@@ -61,14 +65,27 @@ class Scrape:
 
 
 @dataclass(frozen=True, slots=True)
+class Counters:
+    """One shard's stream counters: entries ever added, entries its group ever read (None where
+    Redis cannot tell), and what the group holds now (None without a group)."""
+
+    added: int | None
+    read: int | None
+    pending: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
-    """The model's queue at one moment; ``taken_s`` is monotonic, for rates."""
+    """The model's queue at one moment; ``taken_s`` is monotonic, for rates. ``entries_added``
+    and ``entries_read`` are summed over the shards (None when a shard's is unknown);
+    ``counters`` has each shard's own, by tag."""
 
     taken_s: float
     status: status.ModelStatus
     entries_added: int | None
     entries_read: int | None
     scrapes: tuple[Scrape, ...] = ()
+    counters: Mapping[str, Counters] = field(default_factory=dict)
 
 
 def take_snapshot(
@@ -79,16 +96,36 @@ def take_snapshot(
     *,
     retry_s: float = 0.0,
     clock: Callable[[], float] = time.monotonic,
+    topology: Topology | None = None,
 ) -> Snapshot:
     """Read the model's queue, counters and metrics, retrying through an outage for up to
-    ``retry_s`` (as ``redbatch status`` does); raises ConnectionFailed when Redis fails."""
-    report = status.gather_status(conn, model, prefix, dead_limit=1, retry_s=retry_s)
-    added = read = None
-    if report.requests.exists:
-        call = RetryPolicy(status.redis_where(conn), retry_s).call
-        added, read = call(_counters, conn, report.requests.key)
+    ``retry_s`` (as ``redbatch status`` does); raises ConnectionFailed when Redis fails. Pass a
+    ``topology`` to reuse one slot map over many snapshots (the caller refreshes it)."""
+    access = status.ShardAccess(conn, retry_s, topology)
+    counters: dict[str, Counters] = {}
+    try:
+        if topology is None:
+            access.refresh()
+        report = status.gather_status(
+            conn, model, prefix, dead_limit=1, retry_s=retry_s, topology=access.topology
+        )
+        for shard in report.shards:
+            added = read = None
+            if shard.requests.exists:
+                added, read = access.on(shard.tag, _counters, shard.requests.key)
+            group = shard.requests.group
+            counters[shard.tag] = Counters(added, read, None if group is None else group.pending)
+    finally:
+        access.close()
+    existing = [counters[s.tag] for s in report.shards if s.requests.exists]
+    total_added = _sum_or_none([c.added for c in existing]) if existing else None
+    total_read = _sum_or_none([c.read for c in existing]) if existing else None
     scrapes = tuple(_scrape(url) for url in metrics_urls)
-    return Snapshot(clock(), report, added, read, scrapes)
+    return Snapshot(clock(), report, total_added, total_read, scrapes, counters)
+
+
+def _sum_or_none(values: Sequence[int | None]) -> int | None:
+    return None if any(v is None for v in values) else sum(v or 0 for v in values)
 
 
 def _counters(conn: redis.Redis, key: str) -> tuple[int | None, int | None]:
@@ -229,10 +266,18 @@ def _sampled_at(worker: status.WorkerInfo) -> float | None:
 def flow_per_s(
     before: Snapshot | None, now: Snapshot
 ) -> tuple[float | None, float | None, float] | None:
-    """Requests added and answered per second between two snapshots."""
+    """Requests added and answered per second between two snapshots, summed over the shards
+    both have counters for."""
     if before is None or now.taken_s <= before.taken_s:
         return None
     seconds = now.taken_s - before.taken_s
+    if now.counters and before.counters:
+        flows = [
+            flow for tag in now.counters if (flow := shard_flow_per_s(before, now, tag)) is not None
+        ]
+        added_s = [f[0] for f in flows if f[0] is not None]
+        finished_s = [f[1] for f in flows if f[1] is not None]
+        return (sum(added_s) if added_s else None, sum(finished_s) if finished_s else None, seconds)
     added = None
     if now.entries_added is not None and before.entries_added is not None:
         added = max(now.entries_added - before.entries_added, 0) / seconds
@@ -241,6 +286,32 @@ def flow_per_s(
     if now.entries_read is not None and before.entries_read is not None and g_now and g_before:
         # Every entry read is either still pending or answered.
         answered = (now.entries_read - before.entries_read) - (g_now.pending - g_before.pending)
+        finished = max(answered, 0) / seconds
+    return added, finished, seconds
+
+
+def shard_flow_per_s(
+    before: Snapshot | None, now: Snapshot, tag: str
+) -> tuple[float | None, float | None, float] | None:
+    """One shard's requests added and answered per second; None when either snapshot lacks
+    its counters (a shard that came or went between them)."""
+    if before is None or now.taken_s <= before.taken_s:
+        return None
+    then, current = before.counters.get(tag), now.counters.get(tag)
+    if then is None or current is None:
+        return None
+    seconds = now.taken_s - before.taken_s
+    added = None
+    if current.added is not None and then.added is not None:
+        added = max(current.added - then.added, 0) / seconds
+    finished = None
+    if (
+        current.read is not None
+        and then.read is not None
+        and current.pending is not None
+        and then.pending is not None
+    ):
+        answered = (current.read - then.read) - (current.pending - then.pending)
         finished = max(answered, 0) / seconds
     return added, finished, seconds
 

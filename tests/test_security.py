@@ -17,9 +17,19 @@ import redis
 import trustme
 from harness import direct_run, running_worker, send, wait_reply, write_config
 
-from producer import AsyncClient, Client, core
+from producer import AsyncClient, Client, core, shardcmd, shards
+from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
-from producer.keys import cancel_key, dead_key, reply_key, request_stream, worker_key, workers_key
+from producer.keys import (
+    cancel_key,
+    dead_key,
+    reply_key,
+    request_stream,
+    retiring_key,
+    shards_key,
+    worker_key,
+    workers_key,
+)
 from producer.status import gather_status
 from tools.localredis import LocalRedis, TlsFiles
 from worker.config import load_config
@@ -106,15 +116,15 @@ def test_producer_and_worker_users_serve_requests_end_to_end(
         client.cancel("cancelled-early", ttl_s=600)
         client.submit({"features": X}, rid="cancelled-early")
         assert client.backlog() == 1
-        assert 0 < admin.ttl(cancel_key("redbatch", "cancelled-early")) <= 600
+        assert 0 < admin.ttl(cancel_key("redbatch", MODEL, "cancelled-early")) <= 600
         with running_worker(config, name="w-acl"):
             # When it submits, waits, polls and maps
             outputs = client.infer({"features": X}, timeout_s=20)
             cancelled = client.wait("cancelled-early", timeout_s=20)
             rid = client.submit({"features": X})
-            popped = admin.blpop([reply_key("redbatch", rid)], timeout=20)
+            popped = admin.blpop([reply_key("redbatch", MODEL, rid)], timeout=20)
             assert popped is not None
-            admin.rpush(reply_key("redbatch", rid), popped[1])  # put it back for poll
+            admin.rpush(reply_key("redbatch", MODEL, rid), popped[1])  # put it back for poll
             polled = client.poll(rid)
             chunks = list(client.map({"features": np.repeat(X, 5, axis=0)}, timeout_s=20))
             batch = list(client.wait_many(client.submit_many([{"features": X}] * 3), 20))
@@ -185,16 +195,17 @@ def test_a_producer_without_multi_still_adds_its_batches_once(
 
 
 RECLAIM_SOON = "[delivery]\nclaim_idle_ms = 200"
-# The worker's rules of the release that staged replies (docs/security.md, "Upgrading").
-STAGING_WORKER_RULES = (
-    "on >old-worker resetchannels -@all +ping +script|load (~redbatch:{*}:requests "
+# The worker's rules of the release before shards (contract version 1's reply and cancel keys,
+# no shard list): docs/security.md, "Upgrading".
+V1_WORKER_RULES = (
+    "on >old-worker resetchannels -@all +ping +info +script|load (~redbatch:{*}:requests "
     "+xgroup|create +xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xautoclaim +xpending "
     "+xrange +xlen +xinfo|groups +xinfo|consumers) (~redbatch:{*}:dead +xadd +xlen) "
-    "(~redbatch:{*}:staging:* +rpush +expire +del) "
+    "(%W~redbatch:reply:* +rpush +expire +ltrim) (~redbatch:{*}:staging:* +rpush +expire +del) "
     "(~redbatch:{*}:staging:* %W~redbatch:reply:* +renamenx) (%R~redbatch:cancel:* +mget) "
     "(~redbatch:{*}:workers +sadd +srem) (%W~redbatch:{*}:worker:* +set +del) "
-    "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:{*}:staging:* ~redbatch:reply:* "
-    "+evalsha +eval)"
+    "(~redbatch:{*}:requests ~redbatch:{*}:dead ~redbatch:reply:* ~redbatch:{*}:staging:* "
+    "~redbatch:{*}:workers ~redbatch:{*}:worker:* +evalsha +eval)"
 )
 
 
@@ -230,7 +241,7 @@ def test_a_worker_missing_the_reply_rule_stops_and_leaves_its_batch_pending(
 ) -> None:
     # Given a worker user with the doc's rules less the one that lets the finish script write
     # a reply
-    rules = _doc_worker_rules_without("(%W~redbatch:reply:* +rpush +expire +ltrim)")
+    rules = _doc_worker_rules_without("(%W~redbatch:{*}:reply:* +rpush +expire +ltrim)")
     worker = _old_worker(tmp_path, server, admin, rules)
     rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
     try:
@@ -242,7 +253,7 @@ def test_a_worker_missing_the_reply_rule_stops_and_leaves_its_batch_pending(
         assert isinstance(refusal, redis.ResponseError)
         assert "RPUSH" in str(refusal)
         # Then the request is unanswered and still pending, for a worker with the new rules
-        assert not admin.exists(reply_key("redbatch", rid))
+        assert not admin.exists(reply_key("redbatch", MODEL, rid))
         assert admin.xpending(STREAM, "workers")["pending"] == 1
     finally:
         worker.stream.client.close()
@@ -252,14 +263,17 @@ def test_a_worker_missing_the_reply_rule_stops_and_leaves_its_batch_pending(
 def test_a_worker_with_the_previous_release_rules_stops_at_start(
     tmp_path: Path, server: LocalRedis, admin: redis.Redis
 ) -> None:
-    # Given a worker user with the rules of the release before the heartbeat became a script
-    worker = _old_worker(tmp_path, server, admin, STAGING_WORKER_RULES)
+    # Given a worker user with the rules of the release before shards (v1 reply keys, no read
+    # of the shard list)
+    worker = _old_worker(tmp_path, server, admin, V1_WORKER_RULES)
     rid = send(admin, MODEL, "across-the-upgrade", {"features": X})
     try:
-        # When it starts, it stops before reading, naming the refused script
-        with pytest.raises(WorkerError, match="refused the worker record's script") as stopped:
+        # When it starts, it stops before reading, naming the refused read of the shard list
+        with pytest.raises(WorkerError, match=r"\+lrange.*\+smembers") as stopped:
             worker.run()
-        assert isinstance(stopped.value.__cause__, redis.exceptions.NoPermissionError)
+        refusal = stopped.value.__cause__
+        assert isinstance(refusal, redis.exceptions.NoPermissionError)
+        assert "lrange" in str(refusal).lower()
         # Then the request waits, unread, for a worker with the new rules
         assert admin.xpending(STREAM, "workers")["pending"] == 0
     finally:
@@ -291,8 +305,10 @@ def test_worker_user_may_run_the_reclaim_commands(
     assert as_worker.xdel(STREAM, entry_id) == 1
 
 
-REPLY = reply_key("redbatch", "someone-else")
+REPLY = reply_key("redbatch", MODEL, "someone-else")
 RECORD = worker_key("redbatch", MODEL, "w1")
+SHARDS = shards_key("redbatch", MODEL)
+RETIRING = retiring_key("redbatch", MODEL)
 PRODUCER_REFUSED = [
     ("XREADGROUP", "GROUP", "workers", "p", "STREAMS", STREAM, ">"),
     ("XRANGE", STREAM, "-", "+"),
@@ -304,9 +320,12 @@ PRODUCER_REFUSED = [
     ("XADD", DEAD, "*", "rid", "x"),
     ("RPUSH", REPLY, "forged"),
     ("SET", REPLY, "forged"),
-    ("GET", cancel_key("redbatch", "someone-else")),
+    ("GET", cancel_key("redbatch", MODEL, "someone-else")),
     ("SET", RECORD, "{}"),
     ("SADD", workers_key("redbatch", MODEL), "impostor"),
+    ("RPUSH", SHARDS, "demo~x"),  # steering other producers' requests
+    ("DEL", SHARDS),
+    ("SADD", RETIRING, "demo~x"),
     ("FLUSHALL",),
     ("KEYS", "*"),
     ("CONFIG", "GET", "requirepass"),
@@ -314,8 +333,8 @@ PRODUCER_REFUSED = [
 ]
 WORKER_REFUSED = [
     ("XADD", STREAM, "*", "rid", "injected", "body", ""),
-    ("SET", cancel_key("redbatch", "r1"), "1"),
-    ("DEL", cancel_key("redbatch", "r1")),
+    ("SET", cancel_key("redbatch", MODEL, "r1"), "1"),
+    ("DEL", cancel_key("redbatch", MODEL, "r1")),
     ("LINDEX", REPLY, "0"),
     ("LPOP", REPLY),
     ("XRANGE", DEAD, "-", "+"),
@@ -327,6 +346,8 @@ WORKER_REFUSED = [
     ("LRANGE", REPLY, "0", "-1"),  # reading a reply
     ("RENAMENX", REPLY, "redbatch:{demo}:staging:w:t.0"),  # moving a reply away
     ("LRANGE", "redbatch:{demo}:staging:w:t.0", "0", "-1"),  # reading a staged reply
+    ("RPUSH", SHARDS, "demo~x"),
+    ("LREM", SHARDS, "0", "demo"),
 ]
 
 
@@ -367,6 +388,32 @@ def test_operator_user_reads_status_and_is_refused_the_queue(
         with pytest.raises(redis.exceptions.NoPermissionError):
             operator.execute_command(*command)
     operator.close()
+
+
+def test_operator_user_runs_shards_status_and_replay_per_shard(
+    server: LocalRedis,
+    admin: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shards, "REFRESH_S", 0.0)  # no producer here to wait for
+    monkeypatch.setattr(shardcmd, "MARGIN_S", 0.0)
+    base = ["--redis-url", url(server, "operator"), "--retry-s", "0"]
+    # The operator places three shards, shows them, and reads status per shard
+    assert redbatch_main([*base, "shards", "place", "--model", MODEL, "--count", "3"]) == 0
+    assert admin.lrange(SHARDS, 0, -1) == [b"demo", b"demo~1", b"demo~2"]
+    assert redbatch_main([*base, "shards", "show", "--model", MODEL]) == 0
+    admin.xadd(dead_key("redbatch", "demo~2"), {"rid": "r1", "body": b"x", "reason": "POISONED"})
+    assert redbatch_main([*base, "status", "--model", MODEL]) == 0
+    assert "demo~2  send" in capsys.readouterr().out
+    # replays the shard's dead letter to the shard's stream, then retires two shards
+    assert redbatch_main([*base, "replay", "--model", MODEL, "--from-dead", "--delete"]) == 0
+    assert admin.xlen(request_stream("redbatch", "demo~2")) == 1
+    admin.delete(request_stream("redbatch", "demo~2"))  # what a worker's answer leaves
+    for tag in ("demo~2", "demo~1"):
+        assert redbatch_main([*base, "shards", "retire", "--model", MODEL, "--shard", tag]) == 0
+    assert admin.exists(SHARDS, RETIRING) == 0
+    assert "retired demo~1" in capsys.readouterr().out
 
 
 def test_wrong_password_fails_with_a_clear_error(server: LocalRedis) -> None:

@@ -394,9 +394,9 @@ def test_replay_with_same_ids_removes_the_old_error_reply(
     # Given dead letters: poisoned (its POISONED reply exists), one already answered ok,
     # one with a broken rid, one without a body
     poisoned = rconn.xadd(DEAD, {"rid": "r1", "body": BODY, "reason": "POISONED"}).decode()
-    rconn.rpush(keys.reply_key(P, "r1"), _reply("r1", ok=False))
+    rconn.rpush(keys.reply_key(P, MODEL, "r1"), _reply("r1", ok=False))
     answered = rconn.xadd(DEAD, {"rid": "r2", "body": BODY, "reason": "POISONED"}).decode()
-    rconn.rpush(keys.reply_key(P, "r2"), _reply("r2", ok=True))
+    rconn.rpush(keys.reply_key(P, MODEL, "r2"), _reply("r2", ok=True))
     broken = rconn.xadd(DEAD, {"rid": "no good", "body": BODY, "reason": "bad rid"}).decode()
     bodiless = rconn.xadd(DEAD, {"rid": "r4", "reason": "no body"}).decode()
 
@@ -408,8 +408,8 @@ def test_replay_with_same_ids_removes_the_old_error_reply(
     ((entry_id, fields),) = _requests(rconn)
     assert entry_id == report["resent"][0]["entry_id"]
     assert fields == {b"rid": b"r1", b"body": BODY}
-    assert rconn.exists(keys.reply_key(P, "r1")) == 0
-    assert codec.decode_reply(rconn.lindex(keys.reply_key(P, "r2"), 0)).ok
+    assert rconn.exists(keys.reply_key(P, MODEL, "r1")) == 0
+    assert codec.decode_reply(rconn.lindex(keys.reply_key(P, MODEL, "r2"), 0)).ok
 
     skipped = {s["dead_entry"]: s["reason"] for s in report["skipped"]}
     assert set(skipped) == {answered, broken, bodiless}
@@ -446,7 +446,7 @@ def test_replay_dry_run_changes_nothing(
     redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rconn.xadd(DEAD, {"rid": "r1", "body": BODY})
-    rconn.rpush(keys.reply_key(P, "r1"), _reply("r1", ok=False))
+    rconn.rpush(keys.reply_key(P, MODEL, "r1"), _reply("r1", ok=False))
 
     code, report = _replay(redis_url, capsys, "--same-ids", "--delete", "--dry-run")
 
@@ -457,7 +457,7 @@ def test_replay_dry_run_changes_nothing(
     ]
     assert rconn.exists(STREAM) == 0
     assert rconn.xlen(DEAD) == 1
-    assert rconn.exists(keys.reply_key(P, "r1")) == 1
+    assert rconn.exists(keys.reply_key(P, MODEL, "r1")) == 1
 
 
 def test_replay_table_reports_mapping_and_skips(
@@ -588,3 +588,152 @@ def test_the_first_watch_refresh_retries_for_retry_s() -> None:
     assert "retry_s=0.2" in message
     assert "not retried" not in message
     assert message.count("Redis at") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A model with three shards (P:{M}:shards), on one Redis
+
+TAGS = ("demo", "demo~1", "demo~2")
+
+
+def _rows(text: str, first: str, indent: str = "  ") -> dict[str, list[str]]:
+    """The table that follows the line starting with ``first``, by its first cell."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first)) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith(indent):
+            break
+        rows[line.split()[0]] = line.split()
+    return rows
+
+
+def _three_shards(conn: redis.Redis, waiting: tuple[int, int, int]) -> None:
+    """Three shards, each with a group and ``waiting`` entries; the last one retiring."""
+    conn.rpush(keys.shards_key(P, MODEL), *TAGS[:2])
+    conn.sadd(keys.retiring_key(P, MODEL), TAGS[2])
+    for tag, count in zip(TAGS, waiting, strict=True):
+        stream = keys.request_stream(P, tag)
+        conn.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+        for i in range(count):
+            conn.xadd(stream, {"rid": f"{tag[-1]}{i}", "body": BODY})
+
+
+def test_status_of_three_shards_shows_each_and_the_total(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 1, 2 and 3 waiting, the second shard's worker holding one, a dead letter on the third
+    _three_shards(rconn, (1, 2, 3))
+    rconn.xreadgroup(keys.CONSUMER_GROUP, "gpu-0", {keys.request_stream(P, "demo~1"): ">"}, count=1)
+    rconn.xadd(keys.dead_key(P, "demo~2"), {"rid": "d1", "body": BODY, "reason": "POISONED"})
+
+    assert redbatch_main(["--redis-url", redis_url, "status", "--model", MODEL, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert redbatch_main(["--redis-url", redis_url, "status", "--model", MODEL]) == 0
+    text = capsys.readouterr().out
+
+    # Then JSON has each shard, and the totals where they always were
+    assert [(s["tag"], s["state"], s["requests"]["backlog"]) for s in doc["shards"]] == [
+        ("demo", "send", 1),
+        ("demo~1", "send", 2),
+        ("demo~2", "retiring", 3),
+    ]
+    assert doc["requests"]["backlog"] == 6
+    assert doc["requests"]["group"]["pending"] == 1
+    assert doc["requests"]["group"]["consumers"] == [
+        {
+            "name": "gpu-0",
+            "pending": 1,
+            "idle_ms": doc["requests"]["group"]["consumers"][0]["idle_ms"],
+        }
+    ]
+    assert doc["dead"]["count"] == 1
+    assert doc["dead"]["recent"][0]["shard"] == "demo~2"
+    # And the text has a row per shard and a total
+    assert "Shards: 3 (2 taking requests, 1 retiring" in text
+    rows = _rows(text, "Shards:")
+    assert rows["demo~1"][:5] == ["demo~1", "send", "2", "1", "1"]
+    assert rows["demo~2"][:6] == ["demo~2", "retiring", "3", "0", "3", "1"]
+    assert rows["total"][:5] == ["total", "6", "1", "5", "1"]
+    assert "Dead letters: 1 over all shards" in text
+
+
+def test_watch_of_three_shards_shows_each_shards_flow(rconn: redis.Redis) -> None:
+    _three_shards(rconn, (0, 0, 0))
+    clock = iter([10.0, 12.0])
+    first = watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock))
+    # Over 2 s: 4 requests arrive on the first shard, 2 on the second; 2 are answered there
+    for tag, count in (("demo", 4), ("demo~1", 2)):
+        for i in range(count):
+            rconn.xadd(keys.request_stream(P, tag), {"rid": f"n{i}", "body": BODY})
+    stream = keys.request_stream(P, "demo~1")
+    reply = rconn.xreadgroup(keys.CONSUMER_GROUP, "w", {stream: ">"}, count=2)
+    ids = [entry_id for entry_id, _ in reply[0][1]]
+    rconn.xack(stream, keys.CONSUMER_GROUP, *ids)
+    rconn.xdel(stream, *ids)
+    second = watch.take_snapshot(rconn, MODEL, clock=lambda: next(clock))
+
+    frame = watch.render(first, second)
+
+    assert "backlog 4 (waiting 4, held by workers 0)" in frame
+    assert "in 3/s, out 1/s" in frame  # summed over the shards
+    assert "shards      3, 1 retiring" in frame
+    rows = _rows(frame, "shards ", indent=" " * 12)
+    assert rows["demo"] == ["demo", "send", "4", "0", "0", "2", "0"]
+    assert rows["demo~1"] == ["demo~1", "send", "0", "0", "0", "1", "1"]
+    assert rows["demo~2"] == ["demo~2", "retiring", "0", "0", "0", "0", "0"]
+
+
+def test_replay_of_three_shards_sends_each_back_to_its_own_shard(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a poisoned request on each shard, its POISONED reply in the shard's reply key
+    _three_shards(rconn, (0, 0, 0))
+    for i, tag in enumerate(TAGS):
+        rconn.xadd(keys.dead_key(P, tag), {"rid": f"r{i}", "body": BODY, "reason": "POISONED"})
+        rconn.rpush(keys.reply_key(P, tag, f"r{i}"), _reply(f"r{i}", ok=False))
+
+    code, report = _replay(redis_url, capsys, "--same-ids", "--delete")
+
+    # Then each is back on its own shard's stream, its old reply removed there
+    assert code == 0
+    assert [(r["shard"], r["rid"], r["reply_removed"]) for r in report["resent"]] == [
+        ("demo", "r0", True),
+        ("demo~1", "r1", True),
+        ("demo~2", "r2", True),  # retiring: workers still serve it
+    ]
+    for i, tag in enumerate(TAGS):
+        ((_, fields),) = rconn.xrange(keys.request_stream(P, tag))
+        assert fields[b"rid"] == f"r{i}".encode()
+        assert rconn.exists(keys.reply_key(P, tag, f"r{i}")) == 0
+        assert rconn.xlen(keys.dead_key(P, tag)) == 0
+    assert [(s["tag"], s["examined"], s["resent"], s["deleted"]) for s in report["shards"]] == [
+        ("demo", 1, 1, 1),
+        ("demo~1", 1, 1, 1),
+        ("demo~2", 1, 1, 1),
+    ]
+    assert report["deleted"] == 3
+
+
+def test_replay_limit_counts_over_all_shards_and_the_table_names_them(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _three_shards(rconn, (0, 0, 0))
+    for tag in TAGS:
+        for i in range(2):
+            rconn.xadd(keys.dead_key(P, tag), {"rid": f"r{i}", "body": BODY})
+    args = _parser(replay.add_arguments).parse_args(
+        ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--limit", "3"]
+    )
+
+    assert replay.run_command(args) == 0
+
+    text = capsys.readouterr().out
+    assert "replay P:{T}:dead -> P:{T}:requests of 3 shards (new request ids)" in text
+    assert "examined 3 dead letters: re-sent 3, skipped 0" in text
+    rows = _rows(text, "replay ")
+    assert rows["demo"] == ["demo", "2", "2", "0"]
+    assert rows["demo~1"] == ["demo~1", "1", "1", "0"]
+    assert rows["demo~2"] == ["demo~2", "0", "0", "0"]  # the limit was reached before it
+    assert rows["total"] == ["total", "3", "3", "0"]
+    assert [rconn.xlen(keys.request_stream(P, tag)) for tag in TAGS] == [2, 1, 0]

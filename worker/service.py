@@ -223,7 +223,15 @@ class Worker:
     def _follow_shards(self) -> None:
         """Serve the shards ``P:{M}:shards`` lists now (and those retiring), without a restart."""
         cfg = self.config
-        shards = read_shards(self.topology.client(cfg.model.name), cfg.redis.prefix, cfg.model.name)
+        prefix, model = cfg.redis.prefix, cfg.model.name
+        try:
+            shards = read_shards(self.topology.client(model), prefix, model)
+        except redis.exceptions.NoPermissionError as exc:
+            raise WorkerError(
+                f"Redis refused reading the shard list ({exc}): the worker's ACL user needs "
+                f"(%R~{prefix}:{{*}}:shards +lrange) (%R~{prefix}:{{*}}:retiring +smembers) "
+                "(docs/security.md, 'Upgrading')"
+            ) from exc
         if list(shards.serve) != self.lanes.tags() or len(self.lanes) > 1:
             self.lanes.sync(shards.serve)
             # Two reads waiting per lane: each lane's reads are its share of the traffic, and a
