@@ -13,6 +13,9 @@ Run some scenarios alone with --only (keys from --list, by spaces or commas) and
 report elsewhere, so that docs/reliability.md stays the whole tier's:
 
     --only stopped_workers_fill,full_speed_small_maxmemory --out /tmp/overload.md
+
+--cluster runs the Redis Cluster tier instead (scripts/reliability_cluster.py) and rewrites only
+the report's "Redis Cluster" section, which a run without it keeps.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import chaos  # noqa: E402  (tests/ is put on the path just above)
+import reliability_cluster  # noqa: E402  (and scripts/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,12 +270,11 @@ def _mib(kb: int) -> str:
 def _notes(res: chaos.Result) -> str:
     skip = {"dead_reasons"}
     parts = [f"{k}: {v}" for k, v in res.notes.items() if k not in skip and v not in (0, [], "")]
-    parts += [f"PROBLEM: {p}" for p in res.problems]
-    return "; ".join(parts).replace("|", "/")
+    parts += [f"PROBLEM: {p[:400]}" for p in res.problems]  # a table cell: one short line
+    return "; ".join(parts).replace("|", "/").replace("\n", " ")
 
 
-def render(results: Sequence[tuple[Step, chaos.Result]], command: str, seed: int) -> str:
-    """The report: what was run, where, the table, and the totals."""
+def _table(results: Sequence[tuple[Step, chaos.Result]]) -> list[str]:
     rows = [
         "| scenario | requests | kills | worker restarts | Redis restarts | duplicates executed "
         "| lost | malformed inputs tried | crashes | peak worker RSS | seconds | result | notes |",
@@ -286,6 +289,12 @@ def render(results: Sequence[tuple[Step, chaos.Result]], command: str, seed: int
             f"{r.redis_restarts} | {r.duplicates} | {r.lost} | {r.malformed:,} | {r.crashes} | "
             f"{_mib(r.peak_rss_kb)} | {r.seconds} | {verdict} | {_notes(r)} |"
         )
+    return rows
+
+
+def render(results: Sequence[tuple[Step, chaos.Result]], command: str, seed: int) -> str:
+    """The report: what was run, where, the table, and the totals."""
+    rows = _table(results)
     total = [r for _, r in results]
     passed = sum(r.passed for r in total)
     return f"""# Reliability: the fault-injection suite's full tier
@@ -397,6 +406,24 @@ handed to the writer), `before_finish` (just before the script) and `after_finis
 """
 
 
+def _write(results: Sequence[tuple[Step, chaos.Result]], command: str, args: Any) -> None:
+    """Write (or print) the report; ``--cluster`` rewrites only its Redis Cluster section."""
+    before = args.out.read_text() if str(args.out) != "-" and args.out.exists() else ""
+    if args.cluster:
+        titled = [(step.title, res) for step, res in results]
+        section = reliability_cluster.render(
+            titled, _table(results), command, _machine(), args.seed
+        )
+        report = reliability_cluster.splice(before, section)
+    else:  # the cluster tier's section stays, from its own last run
+        report = reliability_cluster.keep_section(render(results, command, args.seed), before)
+    if str(args.out) == "-":
+        print(report)
+    else:
+        args.out.write_text(report)
+        print(f"wrote {args.out}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -420,8 +447,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep worker logs and exec logs")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run the Redis Cluster tier and rewrite only the report's Redis Cluster section",
+    )
     args = parser.parse_args(argv)
     steps = _steps(args.fuzz)
+    if args.cluster:
+        steps = [Step(*step) for step in reliability_cluster.steps()]
     if args.list:
         for step in steps:
             print(f"{step.key:28} {step.title}")
@@ -457,12 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv_used = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join([".venv/bin/python", "scripts/reliability.py", *argv_used])
-    report = render(results, command, args.seed)
-    if str(args.out) == "-":
-        print(report)
-    else:
-        args.out.write_text(report)
-        print(f"wrote {args.out}")
+    _write(results, command, args)
     return 0 if all(r.passed for _, r in results) else 1
 
 

@@ -19,13 +19,17 @@ The package, one module a job: ``common`` (names, fault points, the polling wait
 (the ONNX model), ``workload`` (requests and their expected answers), ``processes`` (worker
 subprocesses and the restarting pool), ``load`` (the load driver), ``oracle`` (state and
 verdict), ``run`` (one scenario's world), ``worker_scenarios``, ``redis_scenarios`` and
-``overload_scenarios`` (a Redis at ``maxmemory``: producers refused, workers draining).
+``overload_scenarios`` (a Redis at ``maxmemory``: producers refused, workers draining);
+``cluster`` (shards placed on a Redis Cluster's masters, the oracle over every shard) and
+``cluster_scenarios`` (a master killed and failed over, a slot migrated, under load).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .cluster import flush_cluster, place_shards
+from .cluster_scenarios import kill_master, master_failover, slot_migration, worker_outages
 from .common import (
     CRASH_VALUE,
     DEAD,
@@ -75,16 +79,22 @@ __all__ = [
     "crash_pill",
     "describe",
     "fault_storm",
+    "flush_cluster",
     "flushall",
     "full_speed_small_maxmemory",
+    "kill_master",
+    "master_failover",
     "phase_kills",
+    "place_shards",
     "random_kills",
     "redis_restart",
     "sigterm_mid_batch",
+    "slot_migration",
     "slow_batch",
     "slow_depth",
     "stopped_workers_fill",
     "wait_for",
+    "worker_outages",
     "write_config",
 ]
 
@@ -100,4 +110,6 @@ SCENARIOS: dict[str, Callable[..., Result]] = {
     "sigterm_mid_batch": sigterm_mid_batch,
     "stopped_workers_fill": stopped_workers_fill,
     "full_speed_small_maxmemory": full_speed_small_maxmemory,
+    "master_failover": master_failover,
+    "slot_migration": slot_migration,
 }

@@ -1,21 +1,32 @@
 """The load driver: XADD requests in pipelined, paced chunks, re-sending a chunk Redis did not
-confirm, and recording which rids were confirmed and which re-sent."""
+confirm, and recording which rids were confirmed (and by which node) and which re-sent.
+
+On a Redis Cluster each rid goes to its shard's stream (``shard_of``), on the master that owns
+the shard's slot (``producer.topology``), and the driver follows the cluster as a cluster client
+does: ``MOVED`` repoints the slot, ``ASK`` sends the refused XADDs once more to the importing
+node after ``ASKING``, ``TRYAGAIN`` and ``CLUSTERDOWN`` wait and retry, and a lost connection
+(a master that died) reads the slot map again. Redirected XADDs were not applied, so they are
+not counted as re-sent; ``redirects`` counts them by kind.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import AskError, MovedError
 from redis.retry import Retry
 
-from tools.localredis import LocalRedis
+from producer.keys import request_stream
+from producer.topology import Topology, is_redirect
 
-from .common import STREAM, ScenarioTimeout
+from .common import MODEL, PREFIX, ScenarioTimeout
 from .workload import Requests
 
 
@@ -25,13 +36,93 @@ def producer_client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=10, retry=Retry(NoBackoff(), 0))
 
 
-class LoadDriver:
-    """The load half of ``Run``: sends its requests to its Redis."""
+def _port(client: redis.Redis) -> int:
+    return int(client.connection_pool.connection_kwargs.get("port", 0))
 
-    redis: LocalRedis
+
+class Producer:
+    """One sender's connections: the seed's alone on a single Redis, one per master on a
+    cluster. ``xadd`` returns the port of the node that answered and the XADDs it refused with
+    a cluster redirect (by rid); ``redirected`` acts on those before the next try."""
+
+    def __init__(self, url: str, cluster: bool) -> None:
+        self.seed = producer_client(url)
+        self.topology = Topology(self.seed) if cluster else None
+        if self.topology is not None:
+            self.topology.refresh()
+        self._ask: tuple[str, int] | None = None  # the next try goes there, after ASKING
+        self._nodes: dict[tuple[str, int], redis.Redis] = {}
+
+    def _client(self, tag: str) -> tuple[redis.Redis, bool]:
+        asking, self._ask = self._ask, None
+        if asking is not None:
+            if asking not in self._nodes:
+                host, port = asking
+                self._nodes[asking] = producer_client(f"redis://{host}:{port}/0")
+            return self._nodes[asking], True
+        return (self.seed if self.topology is None else self.topology.client(tag)), False
+
+    def xadd(
+        self, tag: str, items: Sequence[tuple[str, bytes]]
+    ) -> tuple[int, dict[str, redis.ResponseError]]:
+        client, asking = self._client(tag)
+        stream = request_stream(PREFIX, tag)
+        pipe = client.pipeline(transaction=False)
+        for rid, body in items:
+            if asking:
+                pipe.execute_command("ASKING")
+            pipe.xadd(stream, {"rid": rid, "body": body})
+        replies = pipe.execute(raise_on_error=False)
+        if asking:
+            replies = replies[1::2]
+        refused: dict[str, redis.ResponseError] = {}
+        for (rid, _), reply in zip(items, replies, strict=True):
+            if isinstance(reply, Exception):
+                if not is_redirect(reply):
+                    raise reply
+                refused[rid] = reply
+        return _port(client), refused
+
+    def redirected(self, errors: Iterable[redis.ResponseError]) -> None:
+        """Follow the first MOVED or ASK; wait a moment on TRYAGAIN or CLUSTERDOWN."""
+        for exc in errors:
+            if isinstance(exc, MovedError) and self.topology is not None:
+                self.topology.follow(exc)
+                return
+            if isinstance(exc, AskError):
+                self._ask = (exc.host, int(exc.port))
+                return
+        time.sleep(0.05)  # a slot half moved or a failover under way: nothing to wait on
+
+    def lost_connection(self) -> None:
+        """The node went away: on a cluster, read the slot map again (a failover moves it)."""
+        if self.topology is None:
+            return
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            self.topology.refresh()  # when every known node is away, the next try asks again
+
+    def close(self) -> None:
+        for client in self._nodes.values():
+            client.close()
+        if self.topology is not None:
+            self.topology.close()
+        self.seed.close()
+
+
+class LoadDriver:
+    """The load half of ``Run``: sends its requests to its Redis (or cluster)."""
+
+    url: str
+    cluster: bool
     requests: Requests
     confirmed: set[str]
     resent: Counter[str]
+    acked_by: dict[str, int]  # rid -> port of the node that confirmed its XADD (the last time)
+    redirects: Counter[str]  # cluster redirects met, by kind (MovedError, AskError, ...)
+
+    def shard_of(self, rid: str) -> str:
+        """The shard tag ``rid`` is sent to (``Run`` spreads rids over shards)."""
+        return MODEL
 
     def send(
         self,
@@ -44,7 +135,7 @@ class LoadDriver:
         """XADD ``rids`` in pipelined chunks, paced at ``rate_per_s`` if given. A chunk that fails
         (Redis down, connection killed) is re-sent whole with the same rids until it goes through:
         an XADD whose answer was lost may have been applied, so its rid may appear twice."""
-        client = producer_client(self.redis.url)
+        producer = Producer(self.url, self.cluster)
         start = time.monotonic()
         try:
             for i in range(0, len(rids), chunk):
@@ -52,28 +143,42 @@ class LoadDriver:
                 if rate_per_s:
                     due = start + i / rate_per_s
                     time.sleep(max(0.0, due - time.monotonic()))  # pacing, not synchronisation
-                self._send_chunk(client, part, retry_for_s)
+                by_shard: dict[str, list[str]] = {}
+                for rid in part:
+                    by_shard.setdefault(self.shard_of(rid), []).append(rid)
+                for tag, group in by_shard.items():
+                    self._send_chunk(producer, tag, group, retry_for_s)
         finally:
-            client.close()
+            producer.close()
 
-    def _send_chunk(self, client: redis.Redis, rids: Sequence[str], retry_for_s: float) -> None:
+    def _send_chunk(
+        self, producer: Producer, tag: str, rids: Sequence[str], retry_for_s: float
+    ) -> None:
         deadline = time.monotonic() + retry_for_s
         attempt = 0
+        todo = list(rids)
         while True:
-            pipe = client.pipeline(transaction=False)
-            for rid in rids:
-                pipe.xadd(STREAM, {"rid": rid, "body": self.requests.bodies[rid]})
             try:
-                pipe.execute()
+                port, refused = producer.xadd(tag, [(r, self.requests.bodies[r]) for r in todo])
             except (redis.ConnectionError, redis.TimeoutError):
                 attempt += 1
                 if time.monotonic() > deadline:
                     raise
-                self.resent.update(rids)
+                self.resent.update(todo)
                 time.sleep(min(0.5, 0.02 * 2**attempt))  # backoff while Redis is away
+                producer.lost_connection()
                 continue
-            self.confirmed.update(rids)
-            return
+            for rid in todo:
+                if rid not in refused:
+                    self.confirmed.add(rid)
+                    self.acked_by[rid] = port
+            if not refused:
+                return
+            self.redirects.update(type(exc).__name__ for exc in refused.values())
+            if time.monotonic() > deadline:
+                raise next(iter(refused.values()))
+            todo = [rid for rid in todo if rid in refused]
+            producer.redirected(refused.values())
 
     def send_in_background(self, rids: Sequence[str], **kw: Any) -> threading.Thread:
         failure: list[BaseException] = []

@@ -1,6 +1,8 @@
 """Scenarios that fault the workers: SIGKILLs at random moments and at fault points, a crash pill,
 batches slower than ``claim_idle_ms``, SIGTERM mid-batch. Each takes its sizes, runs in its own
-Redis and workdir, and returns a Result."""
+Redis and workdir, and returns a Result. The kill scenarios take ``cluster`` (``Run``'s): True or a
+started ``LocalCluster`` runs them on a Redis Cluster, the workers pointed at a node that does not
+own the model's slot."""
 
 from __future__ import annotations
 
@@ -11,15 +13,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from producer.codec import decode_reply
 from producer.keys import reply_key
 
-from .common import CRASH_VALUE, POINTS, PREFIX, ScenarioTimeout, wait_for
+from .common import CRASH_VALUE, MODEL, POINTS, PREFIX, ScenarioTimeout, wait_for
 from .model import slow_depth
 from .oracle import Result
 from .processes import Settings, WorkerProcess
 from .run import Run
+
+if TYPE_CHECKING:
+    from tools.localcluster import LocalCluster
 
 
 def random_kills(
@@ -30,13 +36,14 @@ def random_kills(
     kills: int = 3,
     duration_s: float = 10.0,
     seed: int = 1,
+    cluster: bool | LocalCluster = False,
 ) -> Result:
     """SIGKILL a serving worker at random moments under paced load (one holding entries when
     there is one); each is restarted, half the time under its old name (it takes back its own
     pending entries), half under a new one (another worker must claim them, and the dead
     consumer must be removed)."""
     s = Settings(claim_idle_ms=1000, max_wait_ms=50, work_width=512, work_depth=4)
-    with Run("random-kills", workdir, seed, s) as run:
+    with Run("random-kills", workdir, seed, s, cluster=cluster) as run:
         generation = Counter[str]()
         names = random.Random(seed + 1)  # used on the pool's watcher threads
 
@@ -81,6 +88,7 @@ def phase_kills(
     workers: int = 2,
     kills: int = 1,
     seed: int = 2,
+    cluster: bool | LocalCluster = False,
 ) -> Result:
     """One worker armed to SIGKILL itself at ``point`` (each time it gets there) until ``kills``
     deaths; each replacement gets a new name, so its entries must be claimed by another worker.
@@ -92,7 +100,7 @@ def phase_kills(
     oracle wants every healthy request answered, so deliveries are allowed past the kills; the
     crash pill scenario tests poisoning."""
     s = Settings(claim_idle_ms=800, max_wait_ms=10, work_depth=2, max_deliveries=kills + 2)
-    with Run(f"kill-{point}", workdir, seed, s) as run:
+    with Run(f"kill-{point}", workdir, seed, s, cluster=cluster) as run:
         armed = f"{point}=kill"
         deaths = Counter[str]()
 
@@ -133,6 +141,7 @@ def fault_storm(
     probability: float = 0.02,
     duration_s: float = 8.0,
     seed: int = 9,
+    cluster: bool | LocalCluster = False,
 ) -> Result:
     """Every worker armed at all four fault points with ``probability`` per hit, restarted armed
     (under its old name) until ``kills`` deaths, then clean: kills at random points in the code.
@@ -144,7 +153,7 @@ def fault_storm(
     poisoned in five runs (its logs were not kept). The oracle wants every healthy request
     answered, so this storm allows five deliveries; the crash pill scenario tests poisoning."""
     s = Settings(claim_idle_ms=800, max_wait_ms=20, work_depth=4, max_deliveries=5)
-    with Run("fault-storm", workdir, seed, s) as run:
+    with Run("fault-storm", workdir, seed, s, cluster=cluster) as run:
         armed = ",".join(f"{p}=kill:{probability}" for p in POINTS)
         deaths = Counter[str]()
 
@@ -236,7 +245,7 @@ def slow_batch(
 def _slowest_inference_ms(run: Run, rids: Sequence[str]) -> float:
     pipe = run.r.pipeline(transaction=False)
     for rid in rids:
-        pipe.lindex(reply_key(PREFIX, rid), 0)
+        pipe.lindex(reply_key(PREFIX, MODEL, rid), 0)
     times = [decode_reply(raw).timings_ms.get("inference", 0.0) for raw in pipe.execute() if raw]
     return max(times, default=0.0)
 
