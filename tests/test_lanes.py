@@ -7,16 +7,26 @@ each finish step, cancel check and dead letter goes to the shard its entry came 
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import redis
 from harness import PREFIX, running_worker, write_config
 
 from producer import keys
 from producer.codec import decode_reply, encode_request
+from producer.topology import Topology
+from worker.config import load_config
+from worker.events import NO_EVENTS
+from worker.lanes import Lanes, LaneSettings
+from worker.service import prepare
+from worker.stream import Finish
 
 MODEL = "demo"
 TAGS = ["demo", "demo~b", "demo~c"]
@@ -128,3 +138,55 @@ def test_a_shard_added_or_retired_is_followed_without_a_restart(tmp_path: Path, 
         assert not lane.reader.is_alive()
         _send(rconn, "demo", "first-shard-still-served")
         assert _reply(rconn, "demo", "first-shard-still-served").ok
+
+
+def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
+    tmp_path: Path, rconn
+) -> None:
+    # Given lanes on two shards (not started: finish steps only), an entry read on each
+    url = rconn.connection_pool.connection_kwargs
+    config = load_config(write_config(tmp_path, MODEL, f"redis://{url['host']}:{url['port']}/0"))
+    prepared = prepare(config, "me")
+    settings = LaneSettings(
+        prefix=PREFIX,
+        consumer="me",
+        schema=prepared.intake_schema,
+        max_request_bytes=1 << 20,
+        max_element_bytes=None,
+        read_count=8,
+        claim_idle_ms=30_000,
+        max_deliveries=3,
+        out=queue.Queue(),
+        stop=threading.Event(),
+        events=NO_EVENTS,
+        burst=False,
+        is_stuck=lambda: False,
+    )
+    lanes = Lanes(Topology(rconn), MODEL, settings)
+    lanes.first.stream.ensure_group()  # the worker does this at start; sync for the others
+    lanes.sync(["demo", "demo~b"])
+    finishes = []
+    for tag in ("demo", "demo~b"):
+        _send(rconn, tag, f"in-{tag}")
+        [entry] = lanes.stream(tag).read(8, 0)
+        finishes.append(Finish(entry.entry_id, f"in-{tag}", b"reply", shard=tag))
+    # When the second shard's step fails once (its master failing over), then is retried
+    sends: Counter[str] = Counter()
+    for tag in ("demo", "demo~b"):
+        stream = lanes.stream(tag)
+        start = stream.finish_start
+
+        def counted(items, tag=tag, start=start, stream=stream):  # type: ignore[no-untyped-def]
+            sends[tag] += 1
+            if tag == "demo~b" and sends[tag] == 1:
+                raise redis.ConnectionError("master gone")
+            return start(items)
+
+        stream.finish_start = counted  # type: ignore[method-assign]
+    with pytest.raises(redis.ConnectionError):
+        lanes.finish_each(finishes)
+    done = lanes.finish_each(finishes)
+    # Then the retry sent only the failed shard, and both count as finished here
+    assert done == [True, True]
+    assert sends == {"demo": 1, "demo~b": 2}
+    assert all(_drained(rconn, t) for t in ("demo", "demo~b"))

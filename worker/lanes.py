@@ -119,6 +119,9 @@ class Lanes:
         self._lanes: dict[str, Lane] = {}
         self._lock = threading.Lock()
         self.running = False  # lanes added once running start at once
+        # A mixed batch's finish that failed on some shard: (its finishes, flags of the shards
+        # that did finish), for the writer's retry (``finish_each``)
+        self._partial: tuple[Sequence[Finish], dict[str, list[bool]]] | None = None
         self.first = self._make(model)
 
     def _make(self, tag: str) -> Lane:
@@ -193,9 +196,10 @@ class Lanes:
         read (one round trip's time, whatever the shards); per finish, whether it was
         finished here (``RequestStream.finish_each``), in the order given.
 
-        When one shard fails, the others' answers are still read (their steps ran), then the
-        error is raised: the writer's retry finishes again only what is still pending, and a
-        step that ran already finds its entries gone and changes nothing.
+        When one shard fails (its master failing over), the others' answers are still read
+        (their steps ran) and kept, then the error is raised: the writer retries the batch, and
+        the retry sends only the shards still to finish, so the others are neither run again
+        nor miscounted as not finished here.
         """
         by_shard: dict[str, list[int]] = {}
         for i, finish in enumerate(finishes):
@@ -203,25 +207,30 @@ class Lanes:
         if len(by_shard) == 1:
             [tag] = by_shard
             return self.stream(tag).finish_each(finishes)
-        sent: list[tuple[list[int], RequestStream, FinishInFlight]] = []
+        kept = self._partial[1] if self._partial and self._partial[0] is finishes else {}
+        self._partial = None
+        sent: list[tuple[str, RequestStream, FinishInFlight]] = []
         failure: BaseException | None = None
         for tag, indexes in by_shard.items():
+            if tag in kept:
+                continue
             stream = self.stream(tag)
             try:
-                sent.append((indexes, stream, stream.finish_start([finishes[i] for i in indexes])))
+                sent.append((tag, stream, stream.finish_start([finishes[i] for i in indexes])))
             except Exception as exc:
                 failure = failure or exc
-        done = [False] * len(finishes)
-        for indexes, stream, in_flight in sent:
+        for tag, stream, in_flight in sent:
             try:
-                flags = stream.finish_end(in_flight)
+                kept[tag] = stream.finish_end(in_flight)
             except Exception as exc:
                 failure = failure or exc
-                continue
-            for i, flag in zip(indexes, flags, strict=True):
-                done[i] = flag
         if failure is not None:
+            self._partial = (finishes, kept)  # the writer's retry passes the same list
             raise failure
+        done = [False] * len(finishes)
+        for tag, indexes in by_shard.items():
+            for i, flag in zip(indexes, kept[tag], strict=True):
+                done[i] = flag
         return done
 
     def release(self, finishes: Iterable[Finish]) -> None:
