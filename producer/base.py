@@ -6,19 +6,24 @@ names its redis-py flavour (``Flavour``: blocking or asyncio). Its other methods
 that do no I/O when called (``map`` and ``wait_many`` check their arguments, then hand back an
 iterator the shell drives), so they are written once as well. It is generic in the redis-py
 client it takes and the iterators it returns, so that type checkers see each shell's own types.
+
+``ShardSpread`` is the session's view of the model's shards (contract section 1): which tags
+it sends to, when to read the list again, and which tag takes each new request.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from numpy.typing import ArrayLike
 
-from producer import core, resp, window
+from producer import core, resp, shards, steps, window
 from producer.connection import (
     block_cap_s,
     check_connection_kwargs,
@@ -29,8 +34,12 @@ from producer.errors import RedisFull
 from producer.keys import DEFAULT_PREFIX
 from producer.memory import DEFAULT_HIGH_WATERMARK, MemoryWatch, check_watermark
 from producer.retry import DEFAULT_RETRY_S, RetryPolicy
+from producer.shards import Shards
+from producer.topology import seed_client
 
-__all__ = ["DEFAULT_URL", "BaseClient", "Flavour", "Session"]
+__all__ = ["DEFAULT_URL", "BaseClient", "Flavour", "Session", "ShardSpread"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -42,11 +51,60 @@ ResultsT = TypeVar("ResultsT")
 @dataclass(frozen=True, slots=True)
 class Flavour:
     """A shell's redis-py flavour: its client class, its TLS connection class (to say
-    ``rediss://`` for a client passed in), and its ``INFO memory`` reader."""
+    ``rediss://`` for a client passed in), its ``INFO memory`` reader, and its topology
+    (``producer.topology``: which node serves each shard)."""
 
     redis_class: Any
     tls_class: type
     info_memory: Callable[[Any], Any]
+    topology_class: Any
+
+
+class ShardSpread:
+    """The shards a client sends to, and which one takes each new request.
+
+    The list (``P:{M}:shards``) is read at the first submit and again when it is older than
+    ``producer.shards.REFRESH_S`` (read at each use, so tests can shorten it). The rule: the
+    k-th request this client sends goes to ``send[(start + k) % len(send)]``, with ``start``
+    random per client. So ``submit`` round-robins, ``submit_many`` and each refill of ``map``
+    split evenly (shard sizes differ by one at most), and many clients that each submit one
+    request at a time do not all start on the same shard.
+    """
+
+    __slots__ = ("_next", "_read_at", "shards")
+
+    def __init__(self, model: str) -> None:
+        self.shards = Shards.single(model)
+        self._read_at: float | None = None  # monotonic; None: never read
+        self._next = random.randrange(1 << 16)
+
+    def stale(self, now: float) -> bool:
+        """True when the list should be read before the next send."""
+        return self._read_at is None or now - self._read_at >= shards.REFRESH_S
+
+    def seen(self, found: Shards, now: float) -> None:
+        """Take a fresh reading of the list."""
+        if found.send != self.shards.send:
+            log.info("model %s: sending to shards %s", found.model, ", ".join(found.send))
+        self.shards, self._read_at = found, now
+
+    def assign(self, subs: Sequence[core.Submission]) -> dict[str, list[core.Submission]]:
+        """Give each submission without a shard the next one (one sent again keeps its own);
+        returns them by shard, each in the order given."""
+        send = self.shards.send
+        n, at = len(send), self._next
+        by_tag: dict[str, list[core.Submission]] = {}
+        for sub in subs:
+            if not sub.tag:
+                sub.tag = send[at % n]
+                at += 1
+            group = by_tag.get(sub.tag)
+            if group is None:
+                by_tag[sub.tag] = [sub]
+            else:
+                group.append(sub)
+        self._next = at % n
+        return by_tag
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +113,7 @@ class Session:
 
     ``backlog_seen`` and ``full_seen`` say what holds up the send under way (the backlog, Redis
     memory): the asyncio shell names it to a call whose time ran out behind that send.
+    ``spread`` holds the model's shards.
     """
 
     settings: core.Settings
@@ -66,13 +125,18 @@ class Session:
     info_memory: Callable[[Any], Any]
     backlog_seen: int | None = None
     full_seen: RedisFull | None = None
+    spread: ShardSpread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.spread = ShardSpread(self.settings.model)
 
 
 class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
     """The constructor and the no-I/O methods of both clients; see ``Client`` for the settings.
 
     ``url`` goes to the flavour's ``Redis.from_url``, or pass ``redis_client`` (then ``close()``
-    leaves it open).
+    leaves it open): a client of the flavour, or its ``RedisCluster``. Either way it is only a
+    seed: the client finds each shard's node itself (``producer.topology``), at first use.
     """
 
     _flavour: ClassVar[Flavour]
@@ -85,7 +149,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         prefix: str = DEFAULT_PREFIX,
         max_backlog: int | None = None,
         wait_for_backlog: bool = False,
-        redis_client: RedisT | None = None,
+        redis_client: RedisT | Any | None = None,  # Any: the flavour's RedisCluster too
         retry_s: float = DEFAULT_RETRY_S,
         memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
     ) -> None:
@@ -97,22 +161,25 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
             redis = flavour.redis_class.from_url(url, decode_responses=False)
             where = redact_url(url)
         else:
-            pool = redis.connection_pool
+            pool = seed_client(redis).connection_pool
             tls = issubclass(pool.connection_class, flavour.tls_class)
             where = describe_connection(pool.connection_kwargs, tls)
         self._redis: RedisT = redis
         self._owns_redis = redis_client is None
-        connection_kwargs = redis.connection_pool.connection_kwargs
+        seed = seed_client(redis)
+        connection_kwargs = seed.connection_pool.connection_kwargs
         check_connection_kwargs(connection_kwargs)
         self._session = Session(
             settings,
             where,
             block_cap_s(connection_kwargs.get("socket_timeout")),
             RetryPolicy(where, retry_s),
-            resp.supports(redis),
+            resp.supports(seed),
             MemoryWatch(where, memory_high_watermark),
             flavour.info_memory,
         )
+        self._topology = flavour.topology_class(seed)
+        self._routing = steps.Routing(self._topology, model)
         self._opened()
 
     def _opened(self) -> None:
@@ -123,12 +190,16 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         """The model this client sends to."""
         return self._session.settings.model
 
-    def wait_many(self, rids: Sequence[str], timeout_s: float) -> ResultsT:
-        """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end."""
-        waiter = window.ReplyWaiter(self._session.settings, timeout_s)
+    def wait_many(self, handles: Sequence[str], timeout_s: float) -> ResultsT:
+        """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end.
+        Takes what ``submit`` returned (or bare rids: the model's first shard); each Result's
+        ``handle`` says which it answers."""
+        settings = self._session.settings
+        waiter = window.ReplyWaiter(settings, timeout_s)
         now = time.monotonic()
-        for rid in rids:
-            waiter.add(rid, now)
+        for handle in handles:
+            tag, rid = settings.target(handle)
+            waiter.add(rid, now, tag)
         return self._drain(waiter)
 
     def map(
@@ -159,10 +230,12 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         the sending instead, and the iteration ends once the requests already in flight are
         yielded (its last chunk then stops short of the input's end). Stopping the iteration
         early cancels the requests still in flight. Each refill of the window is one pipelined
-        submit, with the same backlog check as ``submit_many``. When Redis is full
-        (``RedisFull``), the sending stops: the requests in flight are still awaited and
-        yielded, and then the refusal is raised; the rows after the last chunk yielded were
-        never sent (with ``wait_for_backlog``, map waits for room instead).
+        submit, split evenly over the model's shards, with the same backlog check as
+        ``submit_many``. When Redis is full (``RedisFull``), the sending stops: the requests in
+        flight are still awaited and yielded, and then the refusal is raised; the rows after
+        the last chunk yielded were not all sent (with several shards, one with room may have
+        taken some, which are answered but not yielded; with ``wait_for_backlog``, map waits
+        for room instead).
         """
         plan = window.MapPlan(
             self._session.settings,

@@ -28,6 +28,8 @@ from producer import core, plans, resp, steps, window
 from producer.base import DEFAULT_URL, BaseClient, Flavour
 from producer.core import Chunk, Result
 from producer.memory import info_memory
+from producer.retry import REDIS_ERRORS
+from producer.topology import Topology
 
 __all__ = ["DEFAULT_URL", "Client"]
 
@@ -41,12 +43,23 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     """Submit requests to one model's workers and collect their replies (blocking I/O).
 
     ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
-    or pass ``redis_client`` (then ``close()`` leaves it open; turn its own retries off,
-    ``retry=Retry(NoBackoff(), 0)``, or a pop it retries after losing a reply goes unseen and
-    that request is not sent again: see ``producer.retry``). With ``max_backlog`` set,
-    submits refuse with ``BacklogFull`` while the request stream holds that many entries, or
-    wait for it to shrink when ``wait_for_backlog`` is true (``infer`` waits no longer than its
-    ``timeout_s``, then raises ``BacklogFull`` with nothing sent).
+    or pass ``redis_client``, a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (then
+    ``close()`` leaves it open; turn its own retries off, ``retry=Retry(NoBackoff(), 0)``, or
+    a pop it retries after losing a reply goes unseen and that request is not sent again: see
+    ``producer.retry``). On Redis Cluster, any node's URL will do: the client finds each
+    shard's master itself, and follows ``MOVED`` replies.
+
+    Requests are spread over the model's shards (``P:{M}:shards``, read at the first submit and
+    every 5 s): ``submit`` takes each shard in turn from a random one, ``submit_many`` and each
+    refill of ``map`` split evenly. ``submit`` returns a handle: the rid on the model's first
+    shard (so one shard looks as before shards), ``T/R`` on another; ``poll``, ``wait``,
+    ``wait_many`` and ``cancel`` take a handle or a bare rid (the first shard).
+
+    With ``max_backlog`` set, submits refuse with ``BacklogFull`` while the request streams hold
+    that many entries in all (summed over the shards: one limit for the model, whatever its
+    shard count), or wait for the backlog to shrink when ``wait_for_backlog`` is true
+    (``infer`` waits no longer than its ``timeout_s``, then raises ``BacklogFull`` with nothing
+    sent).
 
     Redis memory is a limit too: once ``used_memory`` reaches ``memory_high_watermark`` of
     ``maxmemory`` (0.8 by default; None turns it off; nothing applies without a ``maxmemory``),
@@ -61,7 +74,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     queue it twice, never as a different request; ``producer.retry`` has the details.
     """
 
-    _flavour = Flavour(redis.Redis, redis.SSLConnection, info_memory)
+    _flavour = Flavour(redis.Redis, redis.SSLConnection, info_memory, Topology)
+    _topology: Topology
 
     # -- submitting ------------------------------------------------------------------------
 
@@ -75,10 +89,11 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         rid: str | None = None,
         reply_ttl_s: int | None = None,
     ) -> str:
-        """Queue one request and return its rid; ``deadline_s`` is seconds from now (> 0)."""
+        """Queue one request and return its handle (its rid on the model's first shard, else
+        ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
         self._run(plans.send(self._session, [sub]))
-        return sub.rid
+        return sub.handle
 
     def submit_many(
         self,
@@ -89,24 +104,28 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         meta: Any = None,
         reply_ttl_s: int | None = None,
     ) -> list[str]:
-        """Queue many requests in one pipelined round trip; returns their rids in order. They go
-        in transactions of up to 256 requests (or about 1 MiB), each added whole or not at all:
-        an error raised by a larger call (Redis refusing for memory part-way, an outage) may
-        leave its first transactions queued."""
+        """Queue many requests in one pipelined round trip (one per node on a cluster, sent one
+        after another, every node's before any answer is read); returns their handles in
+        order. They are split evenly over the shards, and go in transactions of up to 256
+        requests (or about 1 MiB) of one shard each, each added whole or not at all: an error
+        raised by a larger call (Redis refusing for memory part-way, an outage) may leave its
+        first transactions queued."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
             self._run(plans.send(self._session, subs))
-        return [sub.rid for sub in subs]
+        return [sub.handle for sub in subs]
 
     # -- replies ---------------------------------------------------------------------------
 
-    def poll(self, rid: str) -> Result | None:
-        """The reply of ``rid`` if it has arrived, else None; never blocks, never consumes."""
-        return self._run(plans.poll(self._session, rid))
+    def poll(self, handle: str) -> Result | None:
+        """The reply of ``handle`` (or rid) if it has arrived, else None; never blocks, never
+        consumes."""
+        return self._run(plans.poll(self._session, self._session.settings.target(handle)))
 
-    def wait(self, rid: str, timeout_s: float) -> Result:
-        """Block for the reply of ``rid`` and consume it; raises WaitTimeout."""
-        return self._run(plans.wait(self._session, rid, timeout_s, time.monotonic()))
+    def wait(self, handle: str, timeout_s: float) -> Result:
+        """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout."""
+        target = self._session.settings.target(handle)
+        return self._run(plans.wait(self._session, target, timeout_s, time.monotonic()))
 
     def infer(
         self,
@@ -138,12 +157,15 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
 
     # -- control and status ----------------------------------------------------------------
 
-    def cancel(self, rid: str, ttl_s: int = 3600) -> None:
-        """Ask workers not to run ``rid``: sets its cancel key for ``ttl_s`` seconds."""
-        self._run(plans.cancel(self._session, [rid], core.check_ttl_s("ttl_s", ttl_s)))
+    def cancel(self, handle: str, ttl_s: int = 3600) -> None:
+        """Ask workers not to run ``handle`` (or rid): sets its cancel key, in its shard, for
+        ``ttl_s`` seconds."""
+        target = self._session.settings.target(handle)
+        self._run(plans.cancel(self._session, [target], core.check_ttl_s("ttl_s", ttl_s)))
 
     def backlog(self) -> int:
-        """Entries in the request stream: queued plus in progress."""
+        """Entries in the model's request streams (summed over its shards): queued plus in
+        progress."""
         return self._run(plans.backlog(self._session))
 
     def workers(self) -> list[dict[str, Any]]:
@@ -183,20 +205,61 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
             stepper.fail(exc)
 
     def _once(self, cmd: steps.Call | steps.Batch) -> Any:
-        """One try of ``cmd``; its retry policy calls this again after a transient error."""
+        """One try of ``cmd`` on its shard's node; its retry policy calls this again after a
+        transient error (a redirect followed, or the slot map read again, first)."""
         cmd.tries += 1
-        if isinstance(cmd, steps.Call):
-            return cmd.fn(self._redis)
-        if cmd.packer is not None:
-            return cmd.check(resp.round_trip(self._redis, cmd.packer))
-        pipe = self._redis.pipeline(transaction=False)
-        cmd.queue(pipe)
-        return pipe.execute()
+        routing = self._routing
+        try:
+            if routing.refresh_due():
+                self._topology.refresh()
+                routing.refreshed()
+            if isinstance(cmd, steps.Call):
+                return cmd.fn(routing.client(cmd.tag))
+            groups = steps.pending(cmd, routing)
+            if len(groups) == 1:
+                _round_trip(*groups[0])
+            elif groups:
+                self._round_trips(groups)
+            return cmd.answers()
+        except REDIS_ERRORS as exc:
+            routing.failed(exc)
+            raise
+
+    def _round_trips(self, groups: list[tuple[redis.Redis, list[steps.Part]]]) -> None:
+        """One round trip per node: every node's commands sent before any answer is read, so
+        the nodes work at once. Each node's answers are taken before the first error is
+        raised, so that a retry sends only what failed."""
+        errors: list[Exception] = []
+        flights = []
+        try:
+            for client, parts in groups:
+                packer = steps.packed(parts)
+                try:
+                    if packer is None:
+                        _round_trip(client, parts)
+                    else:
+                        flights.append((resp.send(client, packer), parts))
+                except REDIS_ERRORS as exc:
+                    errors.append(exc)
+            for flight, parts in flights:
+                try:
+                    steps.settle(parts, flight.receive())
+                except REDIS_ERRORS as exc:
+                    errors.append(exc)
+        finally:
+            for flight, _ in flights:
+                flight.abandon()  # only one still owing replies: an error cut its reading short
+        for error in errors[1:]:
+            self._routing.failed(error)
+        if errors:
+            raise errors[0]
 
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the connections, unless the Redis client was passed in."""
+        """Close the connections, unless the Redis client was passed in (the connections to
+        other cluster nodes are the client's own: closed either way)."""
+        self._topology.close()
         if self._owns_redis:
             self._redis.close()
 
@@ -210,3 +273,14 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _round_trip(client: redis.Redis, parts: list[steps.Part]) -> None:
+    """The parts' commands in one round trip to ``client``'s node."""
+    packer = steps.packed(parts)
+    if packer is not None:
+        steps.settle(parts, resp.round_trip(client, packer))
+        return
+    pipe = client.pipeline(transaction=False)
+    steps.queue(pipe, parts)
+    steps.settle(parts, pipe.execute(raise_on_error=False))

@@ -12,8 +12,10 @@ close to that (docs/design.md has the figures).
   fail, and the others go again in the next round trip, as with a shared ``BLPOP`` below.
 - ``ReplyHub``: one ``BLPOP`` waits for the replies of many calls, and when it returns, one
   pipelined ``LPOP`` sweeps up the others that are ready (replies of one batch arrive together).
-  A call that starts waiting while every ``BLPOP`` is blocked gets a new one with the other
-  newcomers, so no call waits on a ``BLPOP`` that does not watch its key; a ``BLPOP`` that
+  A ``BLPOP`` watches one shard's keys (one slot: contract section 1), so each shard with
+  waiting calls has its own watchers, and a reply on one shard never waits for another's.
+  A call that starts waiting while every ``BLPOP`` of its shard is blocked gets a new one with
+  the other newcomers, so no call waits on a ``BLPOP`` that does not watch its key; a ``BLPOP`` that
   returns takes the newcomers into its next round, so their number stays near the number of
   batches in flight. Deadlines are kept by the ``BLPOP`` that watches a key (it blocks no
   longer than the first of them). A ``BLPOP`` on the wire can still pop the reply of a call
@@ -42,9 +44,10 @@ T = TypeVar("T")
 
 # send(items, until): send items, giving up at the monotonic time ``until`` (None: no bound)
 Send = Callable[[list[T], float | None], Awaitable[None]]
-# blpop(keys, until): BLPOP over keys, blocking until the monotonic time ``until`` at most
-Blpop = Callable[[list[bytes], float], Awaitable[Any]]
-Lpop = Callable[[list[bytes]], Awaitable[Sequence[Any]]]
+# blpop(tag, keys, until): BLPOP over keys of shard ``tag``, blocking until the monotonic time
+# ``until`` at most; lpop(tag, keys): LPOP of each
+Blpop = Callable[[str, list[bytes], float], Awaitable[Any]]
+Lpop = Callable[[str, list[bytes]], Awaitable[Sequence[Any]]]
 
 _ORPHANS_KEPT = 4096
 _ORPHAN_TTL_S = 3600.0
@@ -211,8 +214,9 @@ class _Waiting:
 class ReplyHub:
     """Pops reply keys for many waiting calls with few ``BLPOP``s (see the module docstring).
 
-    ``blpop(keys, until)`` and ``lpop(keys)`` are the client's commands, retries included;
-    ``timed_out(name, timeout_s)`` makes the error a caller gets when its deadline passes.
+    ``blpop(tag, keys, until)`` and ``lpop(tag, keys)`` are the client's commands on shard
+    ``tag``, retries included; ``timed_out(name, timeout_s)`` makes the error a caller gets
+    when its deadline passes.
     """
 
     def __init__(
@@ -221,8 +225,8 @@ class ReplyHub:
         self._blpop, self._lpop = blpop, lpop
         self._timed_out = timed_out
         self._waiting: dict[bytes, _Waiting] = {}
-        self._unwatched: list[bytes] = []  # awaited keys no BLPOP has taken yet
-        self._starting = False  # a new watcher is about to take the unwatched keys
+        self._unwatched: dict[str, list[bytes]] = {}  # per shard: keys no BLPOP has taken yet
+        self._starting: set[str] = set()  # shards whose new watcher is yet to take them
         self._watchers: set[asyncio.Task[None]] = set()
         # replies popped after their callers gave up: key -> (element, monotonic expiry)
         self._orphans: OrderedDict[bytes, tuple[Any, float]] = OrderedDict()
@@ -234,23 +238,23 @@ class ReplyHub:
         return None if orphan is None or orphan[1] < time.monotonic() else orphan[0]
 
     async def wait(
-        self, key: bytes, timeout_s: float, name: str, since: float | None = None
+        self, key: bytes, timeout_s: float, name: str, since: float | None = None, tag: str = ""
     ) -> Any:
-        """Pop the element at ``key``, waiting up to ``timeout_s`` from ``since`` (monotonic;
-        None: now); WaitTimeout after that."""
+        """Pop the element at ``key`` of shard ``tag``, waiting up to ``timeout_s`` from
+        ``since`` (monotonic; None: now); WaitTimeout after that."""
         if self._closed:
             raise _closed()
         if self.peek(key) is not None:
             return self._orphans.pop(key)[0]
         deadline = (time.monotonic() if since is None else since) + timeout_s
         if key in self._waiting:  # another call waits on it: wait alone, as two BLPOPs would
-            return await self._wait_alone(key, deadline, timeout_s, name)
+            return await self._wait_alone(tag, key, deadline, timeout_s, name)
         future = asyncio.get_running_loop().create_future()
         waiting = self._waiting[key] = _Waiting(future, deadline, timeout_s, name)
-        self._unwatched.append(key)
-        if not self._starting:
-            self._starting = True
-            task = asyncio.create_task(self._watch())
+        self._unwatched.setdefault(tag, []).append(key)
+        if tag not in self._starting:
+            self._starting.add(tag)
+            task = asyncio.create_task(self._watch(tag))
             self._watchers.add(task)
             task.add_done_callback(self._watchers.discard)
         try:
@@ -259,32 +263,35 @@ class ReplyHub:
             if self._waiting.get(key) is waiting:
                 del self._waiting[key]  # answered, timed out, or given up by its caller
 
-    async def _wait_alone(self, key: bytes, until: float, timeout_s: float, name: str) -> Any:
+    async def _wait_alone(
+        self, tag: str, key: bytes, until: float, timeout_s: float, name: str
+    ) -> Any:
         while True:
-            item = await self._blpop([key], until)
+            item = await self._blpop(tag, [key], until)
             if item:
                 return item[1]
             if time.monotonic() >= until:
                 raise self._timed_out(name, timeout_s)
 
-    async def _watch(self) -> None:
-        """Watch the unwatched keys, and newcomers whenever a BLPOP returns, until none wait."""
+    async def _watch(self, tag: str) -> None:
+        """Watch shard ``tag``'s unwatched keys, and its newcomers whenever a BLPOP returns,
+        until none wait."""
         keys: list[bytes] = []
         try:
             while True:
-                keys = self._live(list(dict.fromkeys(keys + self._take_unwatched())))
+                keys = self._live(list(dict.fromkeys(keys + self._take_unwatched(tag))))
                 if not keys:
                     return
                 until = min(self._waiting[k].deadline for k in keys)
                 try:
-                    item = await self._blpop(keys, until)
+                    item = await self._blpop(tag, keys, until)
                 except RedisUnavailable as exc:  # an outage outlasted the first deadline
                     keys = self._fail_expired(keys, until, exc)
                     continue
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
-                    await self._sweep(self._live(keys))
+                    await self._sweep(tag, self._live(keys))
                 keys = self._expire(self._live(keys))
         except asyncio.CancelledError:
             self._fail(keys, _closed())
@@ -292,10 +299,9 @@ class ReplyHub:
         except Exception as exc:  # the client's retries gave up: every watched call fails
             self._fail(keys, exc)
 
-    def _take_unwatched(self) -> list[bytes]:
-        keys, self._unwatched = self._unwatched, []
-        self._starting = False
-        return keys
+    def _take_unwatched(self, tag: str) -> list[bytes]:
+        self._starting.discard(tag)
+        return self._unwatched.pop(tag, [])
 
     def _live(self, keys: list[bytes]) -> list[bytes]:
         """The keys still awaited (a caller cancelled, or answered, is dropped)."""
@@ -324,13 +330,13 @@ class ReplyHub:
         while len(self._orphans) > _ORPHANS_KEPT:
             self._orphans.popitem(last=False)
 
-    async def _sweep(self, keys: list[bytes]) -> None:
+    async def _sweep(self, tag: str, keys: list[bytes]) -> None:
         """After a BLPOP's answer, one LPOP of the other keys: best effort, since the next
         BLPOP (whose retries end at a deadline) finds whatever this one missed."""
         if not keys:
             return
         try:
-            popped = await self._lpop(keys)
+            popped = await self._lpop(tag, keys)
         except RedisUnavailable:
             return
         for key, raw in zip(keys, popped, strict=True):
@@ -359,7 +365,7 @@ class ReplyHub:
     def close(self) -> None:
         """Fail every call still waiting and stop watching."""
         self._closed = True
-        self._unwatched, self._starting = [], False
+        self._unwatched, self._starting = {}, set()
         self._fail(list(self._waiting), _closed())
         for task in list(self._watchers):
             task.cancel()

@@ -6,7 +6,8 @@ style: ``plans.py`` says which Redis commands a call runs, built from the pieces
 ``connection.py`` (where a client connects; re-exported here). Pieces:
 
 - ``Result`` and ``Chunk``: what callers get back; ``parse_reply`` reads a reply element.
-- ``Settings``: a client's validated settings and the keys it uses.
+- ``Settings``: a client's validated settings, the keys it uses, and the shard and request id
+  a handle (what ``submit`` returned) names.
 - ``check_timeout_s`` and ``check_ttl_s``: the per-call arguments checked before any I/O.
 - ``build_submission``: a request as a stream entry (``rid``, ``body``); ``pack_xadds`` and
   ``pack_lpops``: submits and reply sweeps as one hand-packed round trip.
@@ -61,6 +62,7 @@ __all__ = [
     "check_xadds",
     "describe_connection",
     "failed_result",
+    "handle_of",
     "pack_lpops",
     "pack_xadds",
     "parse_reply",
@@ -94,7 +96,8 @@ _WARNED: set[str] = set()  # warnings given once per process
 # eq=False: fields hold numpy arrays, whose == is elementwise, so a generated __eq__ would raise.
 @dataclass(frozen=True, slots=True, eq=False)
 class Result:
-    """A worker's reply to one request; ``outputs`` when ``ok``, ``error`` otherwise."""
+    """A worker's reply to one request; ``outputs`` when ``ok``, ``error`` otherwise.
+    ``shard`` is the shard tag the request was sent to ("": not known, the model's first)."""
 
     rid: str
     ok: bool
@@ -105,6 +108,12 @@ class Result:
     worker: str
     batch_rows: int | None
     timings_ms: dict[str, float]
+    shard: str = ""
+
+    @property
+    def handle(self) -> str:
+        """What ``submit`` returned for this request: its rid, or ``T/R`` off the first shard."""
+        return handle_of(self.shard, self.rid)
 
     def raise_for_error(self) -> None:
         """Raise the typed ``RequestFailed`` subclass for the reply's error code when not ok."""
@@ -144,8 +153,15 @@ def _raise_for_error(rid: str, ok: bool, error: ErrorInfo | None) -> None:
     raise error_for_code(rid, err.code, err.message, err.retryable)
 
 
-def parse_reply(rid: str, raw: bytes | str) -> Result:
-    """Decode the reply element of request ``rid``; raises WireFormatError if it is not one."""
+def handle_of(tag: str, rid: str) -> str:
+    """``keys.handle``, without its checks where none is needed: a tag without ``~`` is a
+    model's first shard, whose handle is the rid itself (the common case, on the hot path)."""
+    return rid if "~" not in tag else keys.handle(tag, rid)
+
+
+def parse_reply(rid: str, raw: bytes | str, shard: str = "") -> Result:
+    """Decode the reply element of request ``rid`` (sent to ``shard``); raises WireFormatError
+    if it is not one."""
     reply = codec.decode_reply(as_bytes(raw))
     return Result(
         rid=rid,
@@ -157,20 +173,23 @@ def parse_reply(rid: str, raw: bytes | str) -> Result:
         worker=reply.worker,
         batch_rows=reply.batch_rows,
         timings_ms=reply.timings_ms,
+        shard=shard,
     )
 
 
-def parse_reply_or_fail(rid: str, raw: bytes | str, model: str) -> Result:
+def parse_reply_or_fail(rid: str, raw: bytes | str, model: str, shard: str = "") -> Result:
     """``parse_reply``, or a failed Result (INTERNAL) when the reply cannot be decoded: one bad
     reply must not become an exception that loses the others read with it."""
     try:
-        return parse_reply(rid, raw)
+        return parse_reply(rid, raw, shard)
     except WireFormatError as exc:
         message = f"the reply could not be decoded: {exc}"
-        return failed_result(rid, model, "INTERNAL", message, True)
+        return failed_result(rid, model, "INTERNAL", message, True, shard)
 
 
-def failed_result(rid: str, model: str, code: str, message: str, retryable: bool) -> Result:
+def failed_result(
+    rid: str, model: str, code: str, message: str, retryable: bool, shard: str = ""
+) -> Result:
     """A Result for a request the client had to give up on itself (no usable reply)."""
     return Result(
         rid=rid,
@@ -182,6 +201,7 @@ def failed_result(rid: str, model: str, code: str, message: str, retryable: bool
         worker="",
         batch_rows=None,
         timings_ms={},
+        shard=shard,
     )
 
 
@@ -207,7 +227,7 @@ class Settings:
     prefix: str
     max_backlog: int | None
     wait_for_backlog: bool
-    stream: str
+    stream: str  # the model's first shard's
     workers_key: str
 
     @classmethod
@@ -215,6 +235,7 @@ class Settings:
         cls, model: str, prefix: str, max_backlog: int | None, wait_for_backlog: bool
     ) -> Settings:
         """Check the settings; ValueError names the bad one."""
+        workers_key = keys.workers_key(prefix, model)  # checks the model name first
         if max_backlog is not None and (type(max_backlog) is not int or max_backlog < 1):
             raise ValueError(
                 f"max_backlog must be a positive integer or None, got {max_backlog!r}."
@@ -229,17 +250,28 @@ class Settings:
             prefix=prefix,
             max_backlog=max_backlog,
             wait_for_backlog=wait_for_backlog,
-            stream=keys.request_stream(prefix, model),  # checks the model name
-            workers_key=keys.workers_key(prefix, model),
+            stream=keys.request_stream(prefix, model),
+            workers_key=workers_key,
         )
 
-    def reply_key(self, rid: str) -> str:
-        """The reply list of ``rid``; ValueError when the rid breaks the contract pattern."""
-        return keys.reply_key(self.prefix, rid)
+    def reply_key(self, rid: str, tag: str | None = None) -> str:
+        """The reply list of ``rid`` on shard ``tag`` (default: the model's first); ValueError
+        when the rid breaks the contract pattern."""
+        return keys.reply_key(self.prefix, tag or self.model, rid)
 
-    def cancel_key(self, rid: str) -> str:
-        """The cancel key of ``rid``; ValueError when the rid breaks the contract pattern."""
-        return keys.cancel_key(self.prefix, rid)
+    def cancel_key(self, rid: str, tag: str | None = None) -> str:
+        """The cancel key of ``rid`` on shard ``tag`` (default: the model's first); ValueError
+        when the rid breaks the contract pattern."""
+        return keys.cancel_key(self.prefix, tag or self.model, rid)
+
+    def target(self, handle: str) -> tuple[str, str]:
+        """``(tag, rid)`` of what ``submit`` returned (a bare rid names the model's first
+        shard); ValueError for a malformed one or another model's."""
+        if not isinstance(handle, str):
+            raise ValueError(f"A request handle is a string, got {handle!r}.")
+        if "/" not in handle:  # a rid: checked where its key is built, as before shards
+            return self.model, handle
+        return keys.parse_handle(handle, self.model)
 
 
 def check_timeout_s(timeout_s: float) -> float:
@@ -281,12 +313,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Submission:
-    """One request ready for ``XADD stream * rid R body B``."""
+    """One request ready for ``XADD P:{T}:requests * rid R body B``; ``tag`` is the shard it
+    goes to, chosen when it is sent ("" until then)."""
 
     rid: str
     body: bytes
+    tag: str = ""
+
+    @property
+    def handle(self) -> str:
+        """What ``submit`` returns: the rid on the model's first shard, else ``T/R``."""
+        return handle_of(self.tag, self.rid)
 
     def fields(self) -> dict[FieldT, EncodableT]:
         """The stream entry's fields, in contract order."""

@@ -1,8 +1,8 @@
 """Each client call's logic, written once: plans that say which Redis commands to run, and when.
 
 A plan is a generator. It yields a step (``producer.steps``: ``Call``, one redis-py command;
-``Batch``, many commands in one round trip; ``Sleep``) and gets back the step's answer, or has
-its error raised where it yielded. ``Client`` takes each step with blocking calls and
+``Batch``, many commands in a round trip per node; ``Sleep``) and gets back the step's answer,
+or has its error raised where it yielded. ``Client`` takes each step with blocking calls and
 ``AsyncClient`` with ``await``; that, the coalescing of concurrent calls (``producer.coalesce``)
 and the connections' lifetime is all the shells do. A plan that streams (``drain``,
 ``run_map``) also yields its Results or Chunks, which the shell hands to its caller.
@@ -15,11 +15,22 @@ errors that change the course (Redis refusing a submit for memory). As explicit 
 would be a class per call, read out of order; a generator reads top to bottom and is the one
 construct that both a blocking and an asyncio driver can suspend at each command. It costs a
 generator step per Redis command, never per request; hot-path commands stay packed by hand.
+
+Shards (contract section 1): every command names the shard tag whose node runs it. Submits
+read the model's shard list first (``base.ShardSpread``: lazily, then every
+``shards.REFRESH_S``) and spread their requests over it, each shard's in transactions of
+its own (one per 256 requests: a transaction never spans two slots); the backlog is the sum of
+``XLEN`` over the shards served.
+A wait pops each shard's keys with a pipelined ``LPOP`` and blocks on one shard's keys at a
+time (``ReplyWaiter``). On a single Redis a batch's parts for all shards share one round trip;
+on a cluster the blocking shell sends every node's part before reading any answer, and the
+asyncio shell sends them concurrently.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,14 +39,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from producer import core, window
+from producer import core, keys, resp, window
 from producer.base import Session
 from producer.connection import block_s
 from producer.core import Result, Submission
 from producer.errors import BacklogFull, RedbatchError, RedisFull, RedisUnavailable, WaitTimeout
 from producer.memory import parse_info_memory
 from producer.retry import RetryPolicy
-from producer.steps import Batch, Call, Plan, Sleep
+from producer.shards import Shards, parse_shards
+from producer.steps import Batch, Call, Part, Plan, Sleep
+from producer.window import Target
 from producer.workers import WorkerRoster, check_rows_per_request, row_limit
 
 __all__ = [
@@ -65,39 +78,98 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Commands
 
+#: ``P:{T}:requests``, built (and checked) once per shard rather than once per send.
+_stream = functools.lru_cache(maxsize=4096)(keys.request_stream)
 
-def _xadd(session: Session, subs: Sequence[Submission], retry: RetryPolicy) -> Batch:
-    stream = session.settings.stream
+
+def _xadd(session: Session, by_tag: Mapping[str, list[Submission]], retry: RetryPolicy) -> Batch:
+    return Batch("XADD", retry, [_xadd_part(session, tag, subs) for tag, subs in by_tag.items()])
+
+
+def _xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
+    stream = _stream(session.settings.prefix, tag)
 
     def queue(pipe: Any) -> None:
         for sub in subs:
             pipe.xadd(stream, sub.fields())
 
     if not session.packed:
-        return Batch("XADD", retry, queue)
+        return Part(tag, queue, items=subs)
     xadds = core.pack_xadds(stream, subs)
-    return Batch("XADD", retry, queue, xadds.packer, lambda got: core.check_xadds(xadds, got))
+    return Part(tag, queue, xadds.packer, lambda got: core.check_xadds(xadds, got), subs)
 
 
-def _lpop(session: Session, keys: Sequence[bytes], retry: RetryPolicy) -> Batch:
+def _lpop(session: Session, by_tag: Mapping[str, list[bytes]], retry: RetryPolicy) -> Batch:
+    return Batch("LPOP", retry, [_lpop_part(session, tag, ks) for tag, ks in by_tag.items()])
+
+
+def _lpop_part(session: Session, tag: str, keys_: list[bytes]) -> Part:
     def queue(pipe: Any) -> None:
-        for key in keys:
+        for key in keys_:
             pipe.lpop(key)
 
-    return Batch("LPOP", retry, queue, core.pack_lpops(keys) if session.packed else None)
+    return Part(tag, queue, core.pack_lpops(keys_) if session.packed else None, items=keys_)
+
+
+def _popped(by_tag: Mapping[str, list[bytes]], answers: list[Any]) -> tuple[list[bytes], list[Any]]:
+    """The keys of an LPOP batch and their replies, each in one list, in the same order."""
+    if len(answers) == 1:
+        return next(iter(by_tag.values())), answers[0]
+    return [k for ks in by_tag.values() for k in ks], [raw for got in answers for raw in got]
 
 
 def _blpop(session: Session, waiter: window.ReplyWaiter, retry: RetryPolicy) -> Call:
     # The block is worked out per try, so a retry after an outage blocks only what is left.
     cap_s = session.block_cap_s
+    tag, keys_, shared = waiter.blpop_keys()
     return Call(
-        "BLPOP", lambda r: r.blpop(waiter.keys(), waiter.block_s(time.monotonic(), cap_s)), retry
+        "BLPOP",
+        lambda r: r.blpop(keys_, waiter.block_s(time.monotonic(), cap_s, shared)),
+        retry,
+        tag,
     )
 
 
-def _xlen(session: Session, until: float | None) -> Call:
-    stream = session.settings.stream
-    return Call("XLEN", lambda r: r.xlen(stream), session.retry.until(until, core.INFER_LIMIT))
+def _xlen(session: Session, tags: Sequence[str], retry: RetryPolicy) -> Batch:
+    return Batch("XLEN", retry, [_xlen_part(session, tag) for tag in tags])
+
+
+def _xlen_part(session: Session, tag: str) -> Part:
+    stream = _stream(session.settings.prefix, tag)
+    packer = None
+    if session.packed:
+        packer = resp.Packer()
+        packer.add(b"XLEN", stream.encode())
+    return Part(tag, lambda pipe: pipe.xlen(stream), packer, lambda got: int(_one(got)))
+
+
+def _one(replies: list[Any]) -> Any:
+    return resp.raise_first_error(replies)[0]
+
+
+def _shards(session: Session, retry: RetryPolicy) -> Plan[Shards]:
+    """The model's shards: read at first use, then again once ``shards.REFRESH_S`` old (the
+    callers check ``spread.stale`` first: no generator on the hot path)."""
+    spread = session.spread
+    (found,) = yield Batch("LRANGE", retry, [_shards_part(session)])
+    spread.seen(found, time.monotonic())
+    return spread.shards
+
+
+def _shards_part(session: Session) -> Part:
+    model, prefix = session.settings.model, session.settings.prefix
+    listed, retiring = keys.shards_key(prefix, model), keys.retiring_key(prefix, model)
+
+    def queue(pipe: Any) -> None:
+        pipe.lrange(listed, 0, -1)
+        pipe.smembers(retiring)
+
+    packer = None
+    if session.packed:
+        packer = resp.Packer()
+        packer.add(b"LRANGE", listed.encode(), b"0", b"-1")
+        packer.add(b"SMEMBERS", retiring.encode())
+    return Part(model, queue, packer, lambda got: parse_shards(model, *resp.raise_first_error(got)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,33 +214,56 @@ def requests(
     )
 
 
-def send(session: Session, subs: Sequence[Submission], until: float | None = None) -> Plan[None]:
-    """XADD ``subs`` once the backlog and Redis memory allow. ``until`` (monotonic), an
-    ``infer``'s deadline, ends the wait (BacklogFull, RedisFull) and the retries
-    (RedisUnavailable)."""
+def send(
+    session: Session,
+    subs: Sequence[Submission],
+    until: float | None = None,
+    accepted: list[Submission] | None = None,
+) -> Plan[bool]:
+    """XADD ``subs`` once the backlog and Redis memory allow, each to its shard (one chosen by
+    ``ShardSpread`` for those without). ``until`` (monotonic), an ``infer``'s deadline, ends
+    the wait (BacklogFull, RedisFull) and the retries (RedisUnavailable). ``accepted`` gets
+    the submissions in Redis when the send ends, also when it fails (a shard that had room
+    took its part, which is never sent again).
+
+    Returns True when the XADDs needed a retry: Redis went away meanwhile, and what it had
+    acknowledged before may be gone with it (a master failed over before its replica had the
+    writes: replication is asynchronous), so a caller awaiting earlier requests sends them
+    again (``resend``)."""
     settings = session.settings
     gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
+    xadd: Batch | None = None
     try:
+        if session.spread.stale(time.monotonic()):
+            yield from _shards(session, session.retry.until(until, core.INFER_LIMIT))
         while True:
             while (delay_s := (yield from _no_room_s(session, gate, until))) is not None:
                 yield Sleep(delay_s)
+            retry = session.retry.until(until, core.INFER_LIMIT)
+            if xadd is None:
+                xadd = _xadd(session, session.spread.assign(subs), retry)
+            else:  # after a refusal for memory: the parts not yet in Redis, on a fresh budget
+                xadd.retry = retry
+            tried = xadd.tries
             try:
-                yield _xadd(session, subs, session.retry.until(until, core.INFER_LIMIT))
+                yield xadd
             except RedisFull as exc:  # Redis's own OOM: past the watermark between readings
                 session.full_seen = session.memory.refused(exc.refused or "")
                 yield Sleep(gate.refused(session.full_seen, time.monotonic()))
                 continue
             session.memory.sent(sum(len(sub.body) for sub in subs))
-            return
+            return xadd.tries - tried > 1  # this attempt (not a refusal for memory) retried
     finally:
         session.backlog_seen = session.full_seen = None
+        if accepted is not None and xadd is not None:
+            accepted.extend(sub for part in xadd.parts if part.done for sub in part.items)
 
 
 def _no_room_s(session: Session, gate: core.BacklogGate, until: float | None) -> Plan[float | None]:
     """None when the backlog and Redis memory leave room; else how long to sleep before looking
     again (or the gate raises BacklogFull or RedisFull). Notes what holds the send up."""
     if gate.active:
-        backlog = int((yield _xlen(session, until)))
+        backlog = yield from _backlog(session, until)
         delay_s = gate.delay_s(backlog, time.monotonic())
         if delay_s is not None:
             session.backlog_seen = backlog
@@ -185,6 +280,14 @@ def _no_room_s(session: Session, gate: core.BacklogGate, until: float | None) ->
     if session.full_seen is None:
         return None
     return gate.refused(session.full_seen, time.monotonic())
+
+
+def _backlog(session: Session, until: float | None) -> Plan[int]:
+    """The model's backlog: the sum of ``XLEN`` over the shards it has (listed and retiring),
+    checked against ``max_backlog`` as one figure, as ``redbatch status`` and the scalers
+    see it."""
+    retry = session.retry.until(until, core.INFER_LIMIT)
+    return sum((yield _xlen(session, session.spread.shards.serve, retry)))
 
 
 def unsent(session: Session) -> RedbatchError:
@@ -207,14 +310,14 @@ def unsent(session: Session) -> RedbatchError:
 
 
 def resend(session: Session, subs: Sequence[Submission], retry: RetryPolicy) -> Plan[None]:
-    """Send awaited requests again, same rids, after a command needed a retry: a reply popped in
-    flight was lost with its connection, or a Redis restarted without persistence forgot the
-    stream. A worker answers a copy whose reply is gone (and one whose reply was read
-    meanwhile: that reply expires unread), and writes nothing for one whose reply is still
-    there. No backlog gate: these are counted in it, or were lost."""
+    """Send awaited requests again, same rids and shards, after a command needed a retry: a
+    reply popped in flight was lost with its connection, or a Redis restarted without
+    persistence forgot the stream. A worker answers a copy whose reply is gone (and one whose
+    reply was read meanwhile: that reply expires unread), and writes nothing for one whose
+    reply is still there. No backlog gate: these are counted in it, or were lost."""
     if subs:
         log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
-        yield _xadd(session, subs, retry)
+        yield _xadd(session, session.spread.assign(subs), retry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,10 +345,11 @@ def _pop(waiter: window.ReplyWaiter, pop: Call | Batch) -> Plan[Any]:
 
 
 def wait_round(session: Session, waiter: window.ReplyWaiter) -> Plan[list[Result]]:
-    """One pipelined LPOP over every awaited key; if none was ready, one BLPOP over them."""
-    keys = waiter.keys()
-    popped = yield from _pop(waiter, _lpop(session, keys, _retry_for(session, waiter)))
-    results = waiter.take_popped(keys, popped)
+    """One pipelined LPOP over every awaited key (per shard); if none was ready, one BLPOP
+    over one shard's keys."""
+    by_tag = waiter.by_shard()
+    answers = yield from _pop(waiter, _lpop(session, by_tag, _retry_for(session, waiter)))
+    results = waiter.take_popped(*_popped(by_tag, answers))
     if results:
         return results
     item = yield from _pop(waiter, _blpop(session, waiter, _retry_for(session, waiter)))
@@ -260,12 +364,18 @@ def drain(session: Session, waiter: window.ReplyWaiter) -> Plan[None]:
 
 
 def wait(
-    session: Session, rid: str, timeout_s: float, since: float, sent: Submission | None = None
+    session: Session,
+    target: Target,
+    timeout_s: float,
+    since: float,
+    sent: Submission | None = None,
 ) -> Plan[Result]:
-    """The blocking client's ``wait``, its ``timeout_s`` counted from ``since`` (monotonic).
-    ``sent``, the request itself (``infer``), is sent again after an interruption."""
+    """The blocking client's ``wait`` for ``target`` (tag, rid), its ``timeout_s`` counted from
+    ``since`` (monotonic). ``sent``, the request itself (``infer``), is sent again after an
+    interruption."""
     waiter = window.ReplyWaiter(session.settings, timeout_s)
-    waiter.add(rid, since)
+    tag, rid = target
+    waiter.add(rid, since, tag)
     while True:
         item = yield from _pop(waiter, _blpop(session, waiter, _retry_for(session, waiter)))
         results = waiter.take_blpopped(item, time.monotonic())
@@ -281,7 +391,7 @@ def infer(
 ) -> Plan[dict[str, np.ndarray]]:
     """The blocking client's ``infer``: the whole call ends within ``timeout_s`` of ``started``."""
     yield from send(session, [sub], started + core.check_timeout_s(timeout_s))
-    return outputs((yield from wait(session, sub.rid, timeout_s, started, sent=sub)))
+    return outputs((yield from wait(session, (sub.tag, sub.rid), timeout_s, started, sent=sub)))
 
 
 def outputs(result: Result) -> dict[str, np.ndarray]:
@@ -290,31 +400,40 @@ def outputs(result: Result) -> dict[str, np.ndarray]:
     return result.outputs or {}
 
 
-def hub_blpop(session: Session, keys: list[bytes], until: float) -> Plan[Any]:
-    """``coalesce.ReplyHub``'s BLPOP: its retries end at ``until``, the first waiting call's
-    deadline (RedisUnavailable then, which fails the calls whose time is up), not later."""
+def hub_blpop(session: Session, tag: str, keys_: list[bytes], until: float) -> Plan[Any]:
+    """``coalesce.ReplyHub``'s BLPOP over keys of shard ``tag``: its retries end at ``until``,
+    the first waiting call's deadline (RedisUnavailable then, which fails the calls whose time
+    is up), not later."""
     retry = session.retry.within(until - time.monotonic(), "the waiting call's timeout")
     cap_s = session.block_cap_s
     return (
-        yield Call("BLPOP", lambda r: r.blpop(keys, block_s(until, time.monotonic(), cap_s)), retry)
+        yield Call(
+            "BLPOP",
+            lambda r: r.blpop(keys_, block_s(until, time.monotonic(), cap_s)),
+            retry,
+            tag,
+        )
     )
 
 
-def hub_lpop(session: Session, keys: list[bytes]) -> Plan[list[Any]]:
-    """The hub's sweep after a BLPOP answer: one try, as the next BLPOP covers a miss."""
-    return (yield _lpop(session, keys, session.retry.once()))
+def hub_lpop(session: Session, tag: str, keys_: list[bytes]) -> Plan[list[Any]]:
+    """The hub's sweep of shard ``tag`` after a BLPOP answer: one try, as the next BLPOP covers
+    a miss."""
+    (popped,) = yield _lpop(session, {tag: keys_}, session.retry.once())
+    return list(popped)
 
 
 def poll(
-    session: Session, rid: str, kept: Callable[[bytes], Any] | None = None
+    session: Session, target: Target, kept: Callable[[bytes], Any] | None = None
 ) -> Plan[Result | None]:
-    """The reply of ``rid`` if it has arrived, else None; ``kept`` finds one the client popped
-    for a wait that gave up on it."""
-    key = session.settings.reply_key(rid)
+    """The reply of ``target`` (tag, rid) if it has arrived, else None; ``kept`` finds one the
+    client popped for a wait that gave up on it."""
+    tag, rid = target
+    key = session.settings.reply_key(rid, tag)
     raw = None if kept is None else kept(key.encode())
     if raw is None:
-        raw = yield Call("LINDEX", lambda r: r.lindex(key, 0), session.retry)
-    return None if raw is None else core.parse_reply(rid, raw)
+        raw = yield Call("LINDEX", lambda r: r.lindex(key, 0), session.retry, tag)
+    return None if raw is None else core.parse_reply(rid, raw, tag)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,18 +449,25 @@ def fit_rows(session: Session, plan: window.MapPlan) -> Plan[None]:
 
 
 def run_map(session: Session, plan: window.MapPlan) -> Plan[None]:
-    """map(): yields its Chunks in input order; see ``BaseClient.map``."""
+    """map(): yields its Chunks in input order; see ``BaseClient.map``. Each refill of the
+    window is one send: its requests split evenly over the shards, one transaction each."""
     waiter = plan.waiter
     try:
         while not plan.finished:
             subs = plan.take(time.time())
             if subs:
+                accepted: list[Submission] = []
                 try:
-                    yield from send(session, subs)
+                    if (yield from send(session, subs, accepted=accepted)):
+                        waiter.interrupted = True  # earlier acknowledged requests may be lost
                 except RedisFull as exc:  # stop sending; what is in flight is still awaited
-                    plan.refused(subs, exc)
+                    plan.sent(accepted, time.monotonic())
+                    took = {sub.rid for sub in accepted}
+                    plan.refused([sub for sub in subs if sub.rid not in took], exc)
                 else:
                     plan.sent(subs, time.monotonic())
+                finally:
+                    plan.routed(subs)  # cancels go to each one's shard, whatever happened
             yield from plan.ready()
             if waiter.pending:
                 plan.answered((yield from wait_round(session, waiter)), time.monotonic())
@@ -373,22 +499,35 @@ def fit_and_run_map(session: Session, plan: window.MapPlan) -> Plan[None]:
 
 
 def cancel(
-    session: Session, rids: Sequence[str], ttl_s: int = 3600, retry: RetryPolicy | None = None
+    session: Session,
+    targets: Sequence[Target],
+    ttl_s: int = 3600,
+    retry: RetryPolicy | None = None,
 ) -> Plan[None]:
-    """Set the cancel key of each of ``rids`` for ``ttl_s`` seconds."""
-    if rids:
-        keys = [session.settings.cancel_key(rid) for rid in rids]
+    """Set the cancel key of each of ``targets`` (tag, rid) for ``ttl_s`` seconds, in its
+    shard's slot."""
+    if targets:
+        by_tag: dict[str, list[str]] = {}
+        for tag, rid in targets:
+            by_tag.setdefault(tag, []).append(session.settings.cancel_key(rid, tag))
+        parts = [_cancel_part(tag, ks, ttl_s) for tag, ks in by_tag.items()]
+        yield Batch("SET", retry or session.retry, parts)
 
-        def queue(pipe: Any) -> None:
-            for key in keys:
-                pipe.set(key, b"1", ex=ttl_s)
 
-        yield Batch("SET", retry or session.retry, queue)
+def _cancel_part(tag: str, keys_: list[str], ttl_s: int) -> Part:
+    def queue(pipe: Any) -> None:
+        for key in keys_:
+            pipe.set(key, b"1", ex=ttl_s)
+
+    return Part(tag, queue, items=keys_)
 
 
 def backlog(session: Session) -> Plan[int]:
-    """Entries in the request stream: queued plus in progress."""
-    return int((yield _xlen(session, None)))
+    """Entries in the model's request streams, summed over its shards: queued plus in
+    progress."""
+    if session.spread.stale(time.monotonic()):
+        yield from _shards(session, session.retry)
+    return (yield from _backlog(session, None))
 
 
 def workers(session: Session) -> Plan[list[dict[str, Any]]]:

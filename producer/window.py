@@ -5,7 +5,8 @@ once. The plans (``producer.plans``) drive both for either shell: they ask for t
 these objects need and feed the answers back, so the logic exists once and can be tested
 without Redis.
 
-- ``ReplyWaiter``: the replies still awaited, their deadlines, and how long to block.
+- ``ReplyWaiter``: the replies still awaited, their shards and deadlines, which shard to block
+  on and how long.
 - ``MapPlan``: map()'s window: which rows to send next and which chunks may be yielded in order.
 """
 
@@ -26,6 +27,7 @@ from producer.core import (
     build_submission,
     check_timeout_s,
     failed_result,
+    handle_of,
     parse_reply_or_fail,
 )
 from producer.errors import RedisFull, WaitTimeout
@@ -34,8 +36,14 @@ from producer.maprows import RowFeed
 #: The client-side code of a request whose reply did not come in time (map() and ``redbatch
 #: run``); its request is cancelled, so a worker that has not formed its batch yet skips it.
 WAIT_TIMEOUT = "WAIT_TIMEOUT"
+#: The longest BLPOP on one shard while replies are awaited on others too (a BLPOP watches one
+#: slot): one shard's turn. Redis's own timeout floor (100 ms at ``hz 10``) is about this.
+SHARD_TURN_S = 0.1
 
-__all__ = ["WAIT_TIMEOUT", "MapPlan", "ReplyWaiter"]
+__all__ = ["SHARD_TURN_S", "WAIT_TIMEOUT", "MapPlan", "ReplyWaiter"]
+
+#: A request as the client addresses it: (shard tag, rid).
+Target = tuple[str, str]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,57 +51,92 @@ __all__ = ["WAIT_TIMEOUT", "MapPlan", "ReplyWaiter"]
 
 
 class ReplyWaiter:
-    """The replies still awaited, each with its own monotonic deadline.
+    """The replies still awaited, each with its shard and its own monotonic deadline.
 
-    A plan asks for ``keys()``, pops them (a pipelined LPOP, or a BLPOP of ``block_s()``
-    seconds when none was ready), and hands the answers to ``take_popped``/``take_blpopped``,
-    which return the Results and forget their keys. A BLPOP that comes back empty after a
-    deadline has passed raises WaitTimeout, so every request gets at least one look; with
-    ``late_fails`` it instead returns a failed Result (code WAIT_TIMEOUT) for each late request
-    and lists them in ``late``, for the plan to cancel. A reply that cannot be decoded is a
-    failed Result (code INTERNAL), never an exception that would lose its neighbours.
+    A plan asks for ``by_shard()``, pops those keys (a pipelined LPOP per shard), and, when
+    none was ready, a BLPOP over one shard's keys (``blpop_keys()``; a BLPOP watches one slot)
+    for ``block_s()`` seconds. It hands the answers to ``take_popped``/``take_blpopped``, which
+    return the Results and forget their keys. With replies awaited on several shards, the
+    BLPOP goes to each shard in turn and blocks at most ``SHARD_TURN_S``, so a reply on
+    another shard waits that long at most; with one shard it blocks until the first deadline.
+    A BLPOP that comes back empty after a deadline has passed raises WaitTimeout, so every
+    request gets at least one look; with ``late_fails`` it instead returns a failed Result
+    (code WAIT_TIMEOUT) for each late request and lists them in ``late``, for the plan to
+    cancel. A reply that cannot be decoded is a failed Result (code INTERNAL), never an
+    exception that would lose its neighbours.
     """
 
     def __init__(self, settings: Settings, timeout_s: float, *, late_fails: bool = False) -> None:
         self._settings = settings
         self.timeout_s = check_timeout_s(timeout_s)
         self.late_fails = late_fails
-        self.late: list[str] = []  # rids given up on, not yet cancelled by the plan
+        self.late: list[Target] = []  # requests given up on, not yet cancelled by the plan
         #: Set by the plan when a pop needed a retry: it may have taken a reply whose answer
         #: was lost with its connection, so the requests still awaited are sent again.
         self.interrupted = False
-        # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline)
-        self._pending: dict[bytes, tuple[str, float]] = {}
+        # reply key, as bytes like BLPOP hands it back -> (rid, monotonic deadline, shard tag)
+        self._pending: dict[bytes, tuple[str, float, str]] = {}
+        self._turn = 0  # which shard the next BLPOP watches, when several have keys
+
+    @property
+    def model(self) -> str:
+        """The model whose replies these are."""
+        return self._settings.model
 
     @property
     def pending(self) -> int:
         """How many replies are still awaited."""
         return len(self._pending)
 
-    def add(self, rid: str, now: float) -> None:
-        """Await ``rid``'s reply until ``now + timeout_s``; ValueError for a bad rid. ``now`` may
-        be earlier than the present: ``infer`` counts its wait from before its submit."""
-        key = self._settings.reply_key(rid).encode()
-        self._pending.setdefault(key, (rid, now + self.timeout_s))
+    def add(self, rid: str, now: float, tag: str | None = None) -> None:
+        """Await the reply of ``rid``, sent to shard ``tag`` (None: the model's first), until
+        ``now + timeout_s``; ValueError for a bad rid. ``now`` may be earlier than the present:
+        ``infer`` counts its wait from before its submit."""
+        tag = tag or self._settings.model
+        key = self._settings.reply_key(rid, tag).encode()
+        self._pending.setdefault(key, (rid, now + self.timeout_s, tag))
 
     def keys(self) -> list[bytes]:
         """The reply keys still awaited, oldest first."""
         return list(self._pending)
 
+    def by_shard(self) -> dict[str, list[bytes]]:
+        """The reply keys still awaited, by shard tag, oldest first."""
+        if len({tag for _, _, tag in self._pending.values()}) == 1:
+            return {next(iter(self._pending.values()))[2]: list(self._pending)}
+        found: dict[str, list[bytes]] = {}
+        for key, (_, _, tag) in self._pending.items():
+            found.setdefault(tag, []).append(key)
+        return found
+
+    def targets(self) -> list[Target]:
+        """The requests still awaited, as (tag, rid), oldest first."""
+        return [(tag, rid) for rid, _, tag in self._pending.values()]
+
     def rids(self) -> list[str]:
         """The request ids still awaited, oldest first."""
-        return [rid for rid, _ in self._pending.values()]
+        return [rid for rid, _, _ in self._pending.values()]
+
+    def blpop_keys(self) -> tuple[str, list[bytes], bool]:
+        """The shard the next BLPOP watches, its keys, and whether other shards have keys too
+        (then it blocks ``SHARD_TURN_S`` at most). Shards take turns."""
+        by_shard = self.by_shard()
+        tags = list(by_shard)
+        tag = tags[self._turn % len(tags)]
+        self._turn += 1
+        return tag, by_shard[tag], len(tags) > 1
 
     def time_left(self, now: float) -> float:
         """Seconds until the first deadline (0 once it has passed)."""
         return max(self._first_deadline() - now, 0.0)
 
-    def block_s(self, now: float, cap_s: float) -> float:
-        """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``."""
-        return block_s(self._first_deadline(), now, cap_s)
+    def block_s(self, now: float, cap_s: float, shared: bool = False) -> float:
+        """Seconds a BLPOP should block: until the first deadline, at most ``cap_s``, and at
+        most ``SHARD_TURN_S`` when it watches one shard of several (``shared``)."""
+        return block_s(self._first_deadline(), now, min(cap_s, SHARD_TURN_S) if shared else cap_s)
 
     def _first_deadline(self) -> float:
-        return min(deadline for _, deadline in self._pending.values())
+        return min(deadline for _, deadline, _ in self._pending.values())
 
     def take_popped(
         self, keys_: Sequence[bytes], raws: Sequence[bytes | str | None]
@@ -112,23 +155,27 @@ class ReplyWaiter:
         return [self._take(as_bytes(key), raw)]
 
     def _take(self, key: bytes, raw: bytes | str) -> Result:
-        rid, _ = self._pending.pop(key)
-        return parse_reply_or_fail(rid, raw, self._settings.model)
+        rid, _, tag = self._pending.pop(key)
+        return parse_reply_or_fail(rid, raw, self._settings.model, tag)
 
     def _late(self, now: float) -> list[Result]:
-        late = [rid for rid, deadline in self._pending.values() if deadline <= now]
+        late = {k: v for k, v in self._pending.items() if v[1] <= now}
         if not late:
             return []
         if self.late_fails:
-            self._pending = {k: v for k, v in self._pending.items() if v[0] not in set(late)}
-            self.late.extend(late)
+            self._pending = {k: v for k, v in self._pending.items() if k not in late}
+            self.late.extend((tag, rid) for rid, _, tag in late.values())
             message = (
                 f"no reply within {self.timeout_s:g} s; the request was cancelled. A worker may "
                 "be down or behind: 'redbatch status' shows the backlog and the live workers."
             )
             model = self._settings.model
-            return [failed_result(rid, model, WAIT_TIMEOUT, message, True) for rid in late]
-        raise wait_timeout(self._settings.model, self.timeout_s, late)
+            return [
+                failed_result(rid, model, WAIT_TIMEOUT, message, True, tag)
+                for rid, _, tag in late.values()
+            ]
+        handles = [handle_of(tag, rid) for rid, _, tag in late.values()]
+        raise wait_timeout(self._settings.model, self.timeout_s, handles)
 
 
 def wait_timeout(model: str, timeout_s: float, rids: Sequence[str]) -> WaitTimeout:
@@ -187,6 +234,7 @@ class MapPlan:
         self._rows_per_request = 0
         self._next_start = 0
         self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
+        self._tags: dict[str, str] = {}  # rid -> the shard it was sent to, until answered
         self._rows_of: dict[str, dict[str, np.ndarray]] = {}  # rid -> its rows, until answered
         self._sent_at: dict[str, float] = {}  # rid -> monotonic send time
         self._answered: dict[int, Chunk] = {}  # start -> chunk
@@ -223,16 +271,18 @@ class MapPlan:
         self._rows_per_request = rows_per_request
 
     @property
-    def in_flight(self) -> list[str]:
-        """The rids sent and not yet answered (to cancel when the caller stops early)."""
-        return list(self._in_flight)
+    def in_flight(self) -> list[Target]:
+        """The requests taken and not yet answered, as (tag, rid), to cancel when the caller
+        stops early (one not sent yet names the model's first shard: nothing is there)."""
+        model, tags = self.waiter.model, self._tags
+        return [(tags.get(rid, model), rid) for rid in self._in_flight]
 
     @property
     def finished(self) -> bool:
         """True once every row has been yielded (at once for zero rows), or once a stopped
         plan has yielded every request it sent."""
-        if self.stopped:
-            return not self._in_flight and not self._answered
+        if self.stopped:  # a refusal may leave a hole: the chunks past it are never yielded
+            return not self._in_flight and self._next_yield not in self._answered
         return self._feed.exhausted and self._next_yield >= self._next_start
 
     def take(self, now_s: float) -> list[Submission]:
@@ -258,15 +308,25 @@ class MapPlan:
     def sent(self, subs: Iterable[Submission], now: float) -> None:
         """Start the reply clock of requests that reached the stream (``now`` is monotonic)."""
         for sub in subs:
-            self.waiter.add(sub.rid, now)
+            self.waiter.add(sub.rid, now, sub.tag)
             self._sent_at[sub.rid] = now
 
+    def routed(self, subs: Iterable[Submission]) -> None:
+        """Note the shard each of ``subs`` went to (or was meant for, when the send failed),
+        so that cancelling it sets the cancel key there."""
+        for sub in subs:
+            if sub.tag and sub.rid in self._in_flight:
+                self._tags[sub.rid] = sub.tag
+
     def refused(self, subs: Sequence[Submission], refusal: RedisFull) -> None:
-        """Take back ``subs``, the last ones taken, which Redis was too full to accept, and
-        stop sending; the requests already in flight are still awaited."""
+        """Take back ``subs``, of the last ones taken, which Redis was too full to accept, and
+        stop sending; the requests already in flight are still awaited. With shards, a shard
+        that had room may have taken others of the same send: chunks past the first one taken
+        back are then answered but never yielded (the iteration ends at that hole)."""
         for sub in subs:
             start, _ = self._in_flight.pop(sub.rid)
             del self._rows_of[sub.rid]
+            self._tags.pop(sub.rid, None)
             self._next_start = min(self._next_start, start)
             self._held -= 1
         self.stopped = True
@@ -277,6 +337,7 @@ class MapPlan:
         for result in results:
             start, stop = self._in_flight.pop(result.rid)
             del self._rows_of[result.rid]
+            self._tags.pop(result.rid, None)
             latency_ms = (now - self._sent_at.pop(result.rid)) * 1000
             late = result.error is not None and result.error.code == WAIT_TIMEOUT
             self.stopped = self.stopped or (late and self._stop_on_timeout)
@@ -287,11 +348,13 @@ class MapPlan:
     def awaited(self, now_s: float) -> list[Submission]:
         """The requests whose reply is still awaited (not answered, not given up on), built
         again from their rows (bodies are not kept: up to ``concurrency`` of them could be
-        large) with the same rids, to send again after an interruption."""
-        return [
-            build_submission(self._rows_of[rid], outputs=self._outputs, rid=rid, now_s=now_s)
-            for rid in self.waiter.rids()
-        ]
+        large) with the same rids and shards, to send again after an interruption."""
+        again = []
+        for tag, rid in self.waiter.targets():
+            sub = build_submission(self._rows_of[rid], outputs=self._outputs, rid=rid, now_s=now_s)
+            sub.tag = tag
+            again.append(sub)
+        return again
 
     def ready(self) -> list[Chunk]:
         """The answered chunks that come next in input order, removed from the plan."""

@@ -106,7 +106,7 @@ def test_a_call_that_starts_waiting_during_a_blocked_blpop_is_not_held_by_it(
             started = time.monotonic()
             quick = asyncio.create_task(client.wait("answered", timeout_s=3.0))
             await blocked_clients(observer, 2)  # a second BLPOP watches the newcomer
-            await observer.rpush(keys.reply_key(PREFIX, "answered"), a_reply("answered"))
+            await observer.rpush(keys.reply_key(PREFIX, MODEL, "answered"), a_reply("answered"))
             result = await quick
             assert result.rid == "answered"
             assert time.monotonic() - started < 1.0  # not after the first call's 3 s
@@ -114,7 +114,7 @@ def test_a_call_that_starts_waiting_during_a_blocked_blpop_is_not_held_by_it(
             with pytest.raises(WaitTimeout, match="never-answered"):
                 await slow
             # A reply that comes after its caller gave up stays for a later wait or poll.
-            late_key = keys.reply_key(PREFIX, "never-answered")
+            late_key = keys.reply_key(PREFIX, MODEL, "never-answered")
             await observer.rpush(late_key, a_reply("never-answered"))
             assert await observer.llen(late_key) == 1
             assert (await client.wait("never-answered", timeout_s=1.0)).ok
@@ -136,7 +136,7 @@ def test_one_call_cancelled_or_timed_out_leaves_the_others_their_replies(
             with pytest.raises(WaitTimeout):
                 await waits["c"]
             for rid in ("a", "d"):
-                await writer.rpush(keys.reply_key(PREFIX, rid), a_reply(rid))
+                await writer.rpush(keys.reply_key(PREFIX, MODEL, rid), a_reply(rid))
             assert (await waits["a"]).rid == "a"
             assert (await waits["d"]).rid == "d"
             with pytest.raises(asyncio.CancelledError):
@@ -226,8 +226,8 @@ def test_a_reply_popped_after_its_callers_gave_up_is_kept_for_the_next_wait(
             with pytest.raises(WaitTimeout):
                 await client.wait("k", timeout_s=0.3)
             # The reply comes while the first call's BLPOP still blocks, and is popped by it
-            await observer.rpush(keys.reply_key(PREFIX, "k"), a_reply("k"))
-            while await observer.llen(keys.reply_key(PREFIX, "k")):
+            await observer.rpush(keys.reply_key(PREFIX, MODEL, "k"), a_reply("k"))
+            while await observer.llen(keys.reply_key(PREFIX, MODEL, "k")):
                 await asyncio.sleep(0.005)
             polled = await client.poll("k")
             assert polled is not None
@@ -244,14 +244,14 @@ def test_a_key_given_up_and_awaited_again_is_watched_once() -> None:
         released = asyncio.get_running_loop().create_future()
         calls: list[list[bytes]] = []
 
-        async def blpop(keys_: list[bytes], until: float) -> Any:
+        async def blpop(_tag: str, keys_: list[bytes], until: float) -> Any:
             calls.append(list(keys_))
             if len(calls) == 1:
                 return await released
             await asyncio.sleep(max(until - time.monotonic(), 0.001))
             return None
 
-        async def lpop(keys_: list[bytes]) -> list[Any]:
+        async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
             return [None] * len(keys_)
 
         hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))
@@ -277,7 +277,7 @@ def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
     async def scenario() -> None:
         down = True
 
-        async def blpop(keys_: list[bytes], until: float) -> Any:
+        async def blpop(_tag: str, keys_: list[bytes], until: float) -> Any:
             while down and time.monotonic() < until:  # retrying until the deadline
                 await asyncio.sleep(0.01)
             if down:
@@ -285,7 +285,7 @@ def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
             key = b"b" if b"b" in keys_ else keys_[0]
             return [key, b"reply-" + key]
 
-        async def lpop(keys_: list[bytes]) -> list[Any]:
+        async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
             raise RedisUnavailable("down")  # the sweep is best effort: never fails a call
 
         hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))

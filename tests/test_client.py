@@ -170,7 +170,7 @@ def test_wait_with_zero_timeout_still_finds_a_reply_that_is_there(
 ) -> None:
     rid = client.submit({"x": xs(1)})
     [(_entry_id, fields)] = rconn.xrange(STREAM)
-    rconn.rpush(keys.reply_key(PREFIX, rid), answer(fields)[1])
+    rconn.rpush(keys.reply_key(PREFIX, MODEL, rid), answer(fields)[1])
 
     assert client.wait(rid, timeout_s=0).ok
 
@@ -222,7 +222,7 @@ def test_wait_many_raises_for_leftovers_at_the_deadline(client: Any, rconn: redi
 def test_cancel_sets_the_key_with_a_ttl(client: Any, rconn: redis.Redis) -> None:
     client.cancel("job-1", ttl_s=120)
 
-    key = keys.cancel_key(PREFIX, "job-1")
+    key = keys.cancel_key(PREFIX, MODEL, "job-1")
     assert rconn.get(key) == b"1"
     assert 0 < rconn.ttl(key) <= 120
 

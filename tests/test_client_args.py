@@ -18,14 +18,21 @@ if TYPE_CHECKING:
 pytest_plugins = ["shells"]
 
 
+BAD_HANDLE = r"does not match|not 'demo'|neither a model"
+
+
 def test_invalid_rid_is_rejected(client: Any, rconn: redis.Redis) -> None:
     for bad in ["", "has space", "a/b", "x" * 129, "é"]:
         with pytest.raises(ValueError, match="does not match"):
             client.submit({"x": xs(1)}, rid=bad)
-        with pytest.raises(ValueError, match="does not match"):
+    # poll and cancel take handles too: "a/b" is request b on a shard of model a
+    for bad in ["", "has space", "a/b", "demo~b/", "demo~B/r", "x" * 129, "é", "demo~b/a b"]:
+        with pytest.raises(ValueError, match=BAD_HANDLE):
             client.poll(bad)
-        with pytest.raises(ValueError, match="does not match"):
+        with pytest.raises(ValueError, match=BAD_HANDLE):
             client.cancel(bad)
+        with pytest.raises(ValueError, match=BAD_HANDLE):
+            client.wait(bad, 1)
     assert rconn.exists(STREAM) == 0
 
 
@@ -71,7 +78,7 @@ def test_a_bad_cancel_ttl_is_refused_before_redis_sees_it(
 ) -> None:
     with pytest.raises(ValueError, match="ttl_s must be a whole number of seconds"):
         client.cancel("abc", ttl_s=ttl_s)
-    assert rconn.exists(keys.cancel_key(PREFIX, "abc")) == 0
+    assert rconn.exists(keys.cancel_key(PREFIX, MODEL, "abc")) == 0
 
 
 @pytest.mark.parametrize("prefix", ["", "a b", "a{b}", "a}", "tab\there", "line\n", 7])

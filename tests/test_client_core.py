@@ -20,6 +20,7 @@ from producer.codec import Reply
 from producer.errors import RedisFull, WaitTimeout
 from producer.memory import MemoryWatch
 from producer.retry import RetryPolicy
+from producer.shards import Shards
 
 SETTINGS = core.Settings.create(MODEL, PREFIX, None, False)
 
@@ -198,6 +199,15 @@ def names(taken: list[Any]) -> list[str]:
 
 
 INFO_ROOM = "used_memory:100\r\nmaxmemory:1000\r\nmaxmemory_policy:noeviction\r\n"
+ONE_SHARD = [Shards.single(MODEL)]  # the shard-list read's answer: one part, one shard
+
+
+def room(step: Any) -> Any:
+    """What a shell hands back for a command the test does not script: one shard, room in
+    Redis memory, and nothing else."""
+    if step.name == "LRANGE":
+        return ONE_SHARD
+    return INFO_ROOM if step.name == "INFO" else []
 
 
 def test_send_looks_again_after_each_backoff_until_the_backlog_has_room() -> None:
@@ -205,12 +215,14 @@ def test_send_looks_again_after_each_backoff_until_the_backlog_has_room() -> Non
 
     def answer(step: Any) -> Any:
         if step.name == "XLEN":
-            return next(backlogs)
-        return INFO_ROOM if step.name == "INFO" else []
+            return [next(backlogs)]  # one shard's
+        return room(step)
 
     sub = core.build_submission({"x": xs(1)}, now_s=0)
     _, taken, _ = drive(plans.send(session(max_backlog=3, wait=True), [sub]), answer)
-    assert names(taken) == ["XLEN", "sleep 0.005", "XLEN", "sleep 0.01", "XLEN", "INFO", "XADD"]
+    assert names(taken) == [
+        "LRANGE", "XLEN", "sleep 0.005", "XLEN", "sleep 0.01", "XLEN", "INFO", "XADD"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("wait", [False, True])
@@ -221,7 +233,7 @@ def test_a_write_redis_refuses_for_memory_is_refused_or_waited_out(wait: bool) -
         if step.name == "XADD" and not refused:
             refused.append(True)
             raise RedisFull("redis://test", None, None, None, refused="OOM command not allowed")
-        return INFO_ROOM if step.name == "INFO" else []
+        return room(step)
 
     sub = core.build_submission({"x": xs(1)}, now_s=0)
     one = session(wait=wait)
@@ -231,7 +243,7 @@ def test_a_write_redis_refuses_for_memory_is_refused_or_waited_out(wait: bool) -
         return
     _, taken, _ = drive(plans.send(one, [sub]), answer)
     # The refusal made the reading stale: memory is read again before the next try
-    assert names(taken) == ["INFO", "XADD", "sleep 0.005", "INFO", "XADD"]
+    assert names(taken) == ["LRANGE", "INFO", "XADD", "sleep 0.005", "INFO", "XADD"]
     assert one.full_seen is None  # what held the send up is forgotten once it is sent
 
 
@@ -241,7 +253,7 @@ def test_a_pop_that_needed_a_retry_marks_the_wait_interrupted() -> None:
 
     def answer(step: Any) -> Any:
         step.tries = 2  # the shell retried it: a reply may have been lost with a connection
-        return [None] if step.name == "LPOP" else None
+        return [[None]] if step.name == "LPOP" else None  # LPOP: one shard's part
 
     with pytest.raises(WaitTimeout):
         drive(plans.wait_round(session(), waiter), answer)
@@ -264,15 +276,16 @@ def test_a_map_stopped_early_cancels_what_is_in_flight_before_it_ends() -> None:
 
     def answer(step: Any) -> Any:
         if step.name == "LPOP":  # only the first request's reply is there
-            return [fake_reply("r", 1)] + [None] * (len(plan.waiter.keys()) - 1)
+            return [[fake_reply("r", 1)] + [None] * (len(plan.waiter.keys()) - 1)]
         if step.name == "SET":
-            step.queue(Recorder(cancelled))
-        return INFO_ROOM if step.name == "INFO" else []
+            for part in step.parts:
+                part.queue(Recorder(cancelled))
+        return room(step)
 
     with pytest.raises(GeneratorExit):
         drive(plans.run_map(session(), plan), answer, stop_after=1)
     assert len(cancelled) == 4  # the window was refilled before the chunk was yielded
-    assert sorted(cancelled) == sorted(SETTINGS.cancel_key(rid) for rid in plan.in_flight)
+    assert sorted(cancelled) == sorted(SETTINGS.cancel_key(rid, tag) for tag, rid in plan.in_flight)
 
 
 def test_poll_finds_a_kept_reply_without_a_round_trip() -> None:

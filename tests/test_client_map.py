@@ -65,9 +65,9 @@ def test_map_keeps_at_most_concurrency_requests_in_flight(client: Any, rconn: re
     assert first.error is not None
     assert first.error.code == "WAIT_TIMEOUT"
     assert rconn.xlen(STREAM) == 10
-    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 5  # the late ones, cancelled
+    assert len(rconn.keys(f"{PREFIX}:{{{MODEL}}}:cancel:*")) == 5  # the late ones, cancelled
     chunks.close()  # stopping early cancels what is still in flight
-    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 10
+    assert len(rconn.keys(f"{PREFIX}:{{{MODEL}}}:cancel:*")) == 10
 
 
 def test_map_with_stop_on_timeout_sends_nothing_after_a_late_reply(
@@ -83,7 +83,7 @@ def test_map_with_stop_on_timeout_sends_nothing_after_a_late_reply(
     assert [(c.start, c.stop) for c in chunks] == [(i, i + 3) for i in range(0, 15, 3)]
     assert all(c.error is not None and c.error.code == "WAIT_TIMEOUT" for c in chunks)
     assert rconn.xlen(STREAM) == 5
-    assert len(rconn.keys(f"{PREFIX}:cancel:*")) == 5
+    assert len(rconn.keys(f"{PREFIX}:{{{MODEL}}}:cancel:*")) == 5
 
 
 def test_map_late_request_does_not_lose_the_answers_behind_it(
@@ -114,7 +114,7 @@ def test_map_late_request_does_not_lose_the_answers_behind_it(
     assert results[0].error.code == "WAIT_TIMEOUT"
     assert all(c.ok for c in results[1:])
     np.testing.assert_array_equal(results[5].outputs["y"], xs(10)[5:6] * 2)
-    assert rconn.exists(keys.cancel_key(PREFIX, results[0].rid))
+    assert rconn.exists(keys.cancel_key(PREFIX, MODEL, results[0].rid))
 
 
 def test_map_of_zero_rows_yields_nothing(client: Any) -> None:

@@ -148,7 +148,7 @@ def test_wait_blocks_through_an_outage_and_gets_the_reply_written_after_it(
         # When Redis comes back and the reply is written only then
         server.start()
         writer = redis.Redis.from_url(redis_url)
-        writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-1"), reply_bytes("r-1"))
+        writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, MODEL, "r-1"), reply_bytes("r-1"))
         writer.close()
         waiter.join(timeout=30)
 
@@ -193,7 +193,9 @@ def test_async_waits_each_end_at_their_own_timeout_through_an_outage(
             # And the long one still gets its reply once Redis is back
             await asyncio.to_thread(server.start)
             writer = redis.asyncio.Redis.from_url(redis_url)
-            await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-long"), reply_bytes("r-long"))
+            await writer.rpush(
+                keys.reply_key(keys.DEFAULT_PREFIX, MODEL, "r-long"), reply_bytes("r-long")
+            )
             await writer.aclose()
             return error, (await long).ok
 
@@ -232,7 +234,9 @@ def test_async_infers_sharing_a_submit_each_end_at_their_own_timeout(
             # And the long one is still sent, and answered, once Redis is back
             await asyncio.to_thread(server.start)
             writer = redis.asyncio.Redis.from_url(redis_url)
-            await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, "r-long"), reply_bytes("r-long"))
+            await writer.rpush(
+                keys.reply_key(keys.DEFAULT_PREFIX, MODEL, "r-long"), reply_bytes("r-long")
+            )
             await writer.aclose()
             return elapsed_s, await long
 
@@ -321,7 +325,9 @@ def test_async_waits_sharing_a_blpop_ride_out_an_outage(
             await asyncio.to_thread(server.start)
             writer = redis.asyncio.Redis.from_url(redis_url)
             for rid in ("r-2", "r-1"):
-                await writer.rpush(keys.reply_key(keys.DEFAULT_PREFIX, rid), reply_bytes(rid))
+                await writer.rpush(
+                    keys.reply_key(keys.DEFAULT_PREFIX, MODEL, rid), reply_bytes(rid)
+                )
             await writer.aclose()
             return [(await w).ok for w in waits]
 

@@ -69,7 +69,7 @@ class EchoReplier:
                         if b"stop" in fields:
                             continue
                         rid, reply = text_answer(fields)
-                        pipe.rpush(keys.reply_key(keys.DEFAULT_PREFIX, rid), reply)
+                        pipe.rpush(keys.reply_key(keys.DEFAULT_PREFIX, FAKE_MODEL.name, rid), reply)
                         pipe.xack(STREAM, keys.CONSUMER_GROUP, entry_id)
                         pipe.xdel(STREAM, entry_id)
                     pipe.execute()
@@ -217,7 +217,7 @@ def test_submit_many_and_wait_many_carry_text_per_request(client: Any, echo: Ech
 def test_poll_hands_back_string_outputs_as_str(client: Any, rconn: redis.Redis) -> None:
     body = codec.encode_request({"text": [["poll", "me"]]})
     rid, reply = text_answer({b"rid": b"r-poll", b"body": body})
-    rconn.rpush(keys.reply_key(keys.DEFAULT_PREFIX, rid), reply)
+    rconn.rpush(keys.reply_key(keys.DEFAULT_PREFIX, FAKE_MODEL.name, rid), reply)
     polled = client.poll(rid)
     assert polled is not None
     assert_strs(polled.outputs["text_upper"], [["POLL", "ME"]])

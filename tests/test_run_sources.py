@@ -73,6 +73,7 @@ class EchoWorker(threading.Thread):
     def __init__(self, url: str, model: str = MODEL) -> None:
         super().__init__(daemon=True)
         self.conn = redis.Redis.from_url(url, socket_timeout=None)  # its read blocks until work
+        self.model = model
         self.stream = keys.request_stream(PREFIX, model)
         self.error: BaseException | None = None
         try:
@@ -93,7 +94,7 @@ class EchoWorker(threading.Thread):
                 for entry_id, fields in entries:
                     if b"stop" not in fields:
                         rid, reply = echo_reply(fields)
-                        key = keys.reply_key(PREFIX, MODEL, rid)
+                        key = keys.reply_key(PREFIX, self.model, rid)
                         pipe.rpush(key, reply)
                         pipe.expire(key, 60)
                     pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)

@@ -368,7 +368,8 @@ def test_a_draining_worker_shows_draining_until_it_exits(
         # and so do the stream gauges: a request sent once it reads no more stays, and is seen
         worker.reader.join(timeout=30)
         send(rconn, "demo", "after-stop", {"features": x})
-        _until(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)  # "first" was deleted once answered
+        # "first" was deleted once answered
+        _until(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)
         assert thread.is_alive()
         proceed.set()
         thread.join(timeout=30)
