@@ -30,7 +30,6 @@ asyncio shell sends them concurrently.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,16 +37,15 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-
-from producer import core, keys, resp, window
+from producer import commands, core, window
 from producer.base import Session
 from producer.connection import block_s
 from producer.core import Result, Submission
 from producer.errors import BacklogFull, RedbatchError, RedisFull, RedisUnavailable, WaitTimeout
 from producer.memory import parse_info_memory
 from producer.retry import RetryPolicy
-from producer.shards import Shards, parse_shards
-from producer.steps import Batch, Call, Part, Plan, Sleep
+from producer.shards import Shards
+from producer.steps import Batch, Call, Plan, Sleep
 from producer.window import Target
 from producer.workers import WorkerRoster, check_rows_per_request, row_limit
 
@@ -76,100 +74,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# Commands
-
-#: ``P:{T}:requests``, built (and checked) once per shard rather than once per send.
-_stream = functools.lru_cache(maxsize=4096)(keys.request_stream)
-
-
-def _xadd(session: Session, by_tag: Mapping[str, list[Submission]], retry: RetryPolicy) -> Batch:
-    return Batch("XADD", retry, [_xadd_part(session, tag, subs) for tag, subs in by_tag.items()])
-
-
-def _xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
-    stream = _stream(session.settings.prefix, tag)
-
-    def queue(pipe: Any) -> None:
-        for sub in subs:
-            pipe.xadd(stream, sub.fields())
-
-    if not session.packed:
-        return Part(tag, queue, items=subs)
-    xadds = core.pack_xadds(stream, subs)
-    return Part(tag, queue, xadds.packer, lambda got: core.check_xadds(xadds, got), subs)
-
-
-def _lpop(session: Session, by_tag: Mapping[str, list[bytes]], retry: RetryPolicy) -> Batch:
-    return Batch("LPOP", retry, [_lpop_part(session, tag, ks) for tag, ks in by_tag.items()])
-
-
-def _lpop_part(session: Session, tag: str, keys_: list[bytes]) -> Part:
-    def queue(pipe: Any) -> None:
-        for key in keys_:
-            pipe.lpop(key)
-
-    return Part(tag, queue, core.pack_lpops(keys_) if session.packed else None, items=keys_)
-
-
-def _popped(by_tag: Mapping[str, list[bytes]], answers: list[Any]) -> tuple[list[bytes], list[Any]]:
-    """The keys of an LPOP batch and their replies, each in one list, in the same order."""
-    if len(answers) == 1:
-        return next(iter(by_tag.values())), answers[0]
-    return [k for ks in by_tag.values() for k in ks], [raw for got in answers for raw in got]
-
-
-def _blpop(session: Session, waiter: window.ReplyWaiter, retry: RetryPolicy) -> Call:
-    # The block is worked out per try, so a retry after an outage blocks only what is left.
-    cap_s = session.block_cap_s
-    tag, keys_, shared = waiter.blpop_keys()
-    return Call(
-        "BLPOP",
-        lambda r: r.blpop(keys_, waiter.block_s(time.monotonic(), cap_s, shared)),
-        retry,
-        tag,
-    )
-
-
-def _xlen(session: Session, tags: Sequence[str], retry: RetryPolicy) -> Batch:
-    return Batch("XLEN", retry, [_xlen_part(session, tag) for tag in tags])
-
-
-def _xlen_part(session: Session, tag: str) -> Part:
-    stream = _stream(session.settings.prefix, tag)
-    packer = None
-    if session.packed:
-        packer = resp.Packer()
-        packer.add(b"XLEN", stream.encode())
-    return Part(tag, lambda pipe: pipe.xlen(stream), packer, lambda got: int(_one(got)))
-
-
-def _one(replies: list[Any]) -> Any:
-    return resp.raise_first_error(replies)[0]
+# The shard list
 
 
 def _shards(session: Session, retry: RetryPolicy) -> Plan[Shards]:
     """The model's shards: read at first use, then again once ``shards.REFRESH_S`` old (the
     callers check ``spread.stale`` first: no generator on the hot path)."""
     spread = session.spread
-    (found,) = yield Batch("LRANGE", retry, [_shards_part(session)])
+    (found,) = yield Batch("LRANGE", retry, [commands.shard_list(session)])
     spread.seen(found, time.monotonic())
     return spread.shards
-
-
-def _shards_part(session: Session) -> Part:
-    model, prefix = session.settings.model, session.settings.prefix
-    listed, retiring = keys.shards_key(prefix, model), keys.retiring_key(prefix, model)
-
-    def queue(pipe: Any) -> None:
-        pipe.lrange(listed, 0, -1)
-        pipe.smembers(retiring)
-
-    packer = None
-    if session.packed:
-        packer = resp.Packer()
-        packer.add(b"LRANGE", listed.encode(), b"0", b"-1")
-        packer.add(b"SMEMBERS", retiring.encode())
-    return Part(model, queue, packer, lambda got: parse_shards(model, *resp.raise_first_error(got)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +155,7 @@ def send(
                 yield Sleep(delay_s)
             retry = session.retry.until(until, core.INFER_LIMIT)
             if xadd is None:
-                xadd = _xadd(session, session.spread.assign(subs), retry)
+                xadd = commands.xadd(session, session.spread.assign(subs), retry)
             else:  # after a refusal for memory: the parts not yet in Redis, on a fresh budget
                 xadd.retry = retry
             tried = xadd.tries
@@ -287,7 +201,7 @@ def _backlog(session: Session, until: float | None) -> Plan[int]:
     checked against ``max_backlog`` as one figure, as ``redbatch status`` and the scalers
     see it."""
     retry = session.retry.until(until, core.INFER_LIMIT)
-    return sum((yield _xlen(session, session.spread.shards.serve, retry)))
+    return sum((yield commands.xlen(session, session.spread.shards.serve, retry)))
 
 
 def unsent(session: Session) -> RedbatchError:
@@ -317,7 +231,7 @@ def resend(session: Session, subs: Sequence[Submission], retry: RetryPolicy) -> 
     reply is still there. No backlog gate: these are counted in it, or were lost."""
     if subs:
         log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
-        yield _xadd(session, session.spread.assign(subs), retry)
+        yield commands.xadd(session, session.spread.assign(subs), retry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,11 +262,11 @@ def wait_round(session: Session, waiter: window.ReplyWaiter) -> Plan[list[Result
     """One pipelined LPOP over every awaited key (per shard); if none was ready, one BLPOP
     over one shard's keys."""
     by_tag = waiter.by_shard()
-    answers = yield from _pop(waiter, _lpop(session, by_tag, _retry_for(session, waiter)))
-    results = waiter.take_popped(*_popped(by_tag, answers))
+    answers = yield from _pop(waiter, commands.lpop(session, by_tag, _retry_for(session, waiter)))
+    results = waiter.take_popped(*commands.popped(by_tag, answers))
     if results:
         return results
-    item = yield from _pop(waiter, _blpop(session, waiter, _retry_for(session, waiter)))
+    item = yield from _pop(waiter, commands.blpop(session, waiter, _retry_for(session, waiter)))
     return waiter.take_blpopped(item, time.monotonic())
 
 
@@ -377,7 +291,7 @@ def wait(
     tag, rid = target
     waiter.add(rid, since, tag)
     while True:
-        item = yield from _pop(waiter, _blpop(session, waiter, _retry_for(session, waiter)))
+        item = yield from _pop(waiter, commands.blpop(session, waiter, _retry_for(session, waiter)))
         results = waiter.take_blpopped(item, time.monotonic())
         if results:
             return results[0]
@@ -419,7 +333,7 @@ def hub_blpop(session: Session, tag: str, keys_: list[bytes], until: float) -> P
 def hub_lpop(session: Session, tag: str, keys_: list[bytes]) -> Plan[list[Any]]:
     """The hub's sweep of shard ``tag`` after a BLPOP answer: one try, as the next BLPOP covers
     a miss."""
-    (popped,) = yield _lpop(session, {tag: keys_}, session.retry.once())
+    (popped,) = yield commands.lpop(session, {tag: keys_}, session.retry.once())
     return list(popped)
 
 
@@ -510,16 +424,8 @@ def cancel(
         by_tag: dict[str, list[str]] = {}
         for tag, rid in targets:
             by_tag.setdefault(tag, []).append(session.settings.cancel_key(rid, tag))
-        parts = [_cancel_part(tag, ks, ttl_s) for tag, ks in by_tag.items()]
+        parts = [commands.cancel_part(tag, ks, ttl_s) for tag, ks in by_tag.items()]
         yield Batch("SET", retry or session.retry, parts)
-
-
-def _cancel_part(tag: str, keys_: list[str], ttl_s: int) -> Part:
-    def queue(pipe: Any) -> None:
-        for key in keys_:
-            pipe.set(key, b"1", ex=ttl_s)
-
-    return Part(tag, queue, items=keys_)
 
 
 def backlog(session: Session) -> Plan[int]:
