@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+
 from producer import commands, core, window
 from producer.base import Session
 from producer.connection import block_s
