@@ -10,7 +10,6 @@ dead-letter stream to be empty (the cluster scenarios send no poison).
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,10 +22,10 @@ from producer.keys import (
     dead_key,
     reply_key,
     request_stream,
-    shard_tag,
     shards_key,
 )
-from producer.topology import Topology, tag_slot
+from producer.shardcmd import plan_placement
+from producer.topology import Topology
 from tools.localcluster import LocalCluster
 
 from .common import PREFIX
@@ -38,21 +37,17 @@ __all__ = ["ShardedOracle", "flush_cluster", "place_shards"]
 def place_shards(
     cluster: LocalCluster, home: redis.Redis, model: str, count: int, prefix: str = PREFIX
 ) -> list[str]:
-    """``count`` shard tags of ``model``, first the model's own, each on a master that holds
-    none of the others while there are masters left (``M~1``, ``M~2``, ... skipping those that
-    land on a taken master); with more than one, ``P:{M}:shards`` lists them (on ``home``, the
-    client of the model's own master)."""
-    taken: list[int] = [cluster.node_for_slot(tag_slot(model)).port]
-    tags = [model]
-    masters = len(cluster.masters())
-    for k in itertools.count(1):
-        if len(tags) >= count:
-            break
-        tag = shard_tag(model, str(k))
-        port = cluster.node_for_slot(tag_slot(tag)).port
-        if port not in taken or len(set(taken)) >= masters:
-            tags.append(tag)
-            taken.append(port)
+    """``count`` shard tags of ``model``, first the model's own, placed as ``redbatch shards
+    place`` places them (one per master, then round-robin); with more than one,
+    ``P:{M}:shards`` lists them (on ``home``, the client of the model's own master)."""
+    topology = Topology(redis.Redis.from_url(cluster.url))
+    try:
+        topology.refresh()
+        masters = topology.slots.masters()
+        tags = [model, *plan_placement(model, [model], count, topology.node_of, masters, set())]
+    finally:
+        topology.close()
+        topology.seed.close()
     if count > 1:
         pipe = home.pipeline(transaction=True)
         pipe.delete(shards_key(prefix, model))

@@ -12,16 +12,16 @@ not the throughput, is the figure that scales with masters.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from producer import keys
+from producer.shardcmd import plan_placement
 from producer.shards import read_shards
-from producer.topology import Topology, tag_slot
+from producer.topology import Node, Topology, tag_slot
 
 __all__ = [
     "RedisNode",
@@ -32,16 +32,16 @@ __all__ = [
     "write_shards",
 ]
 
-_MAX_KEYS_TRIED = 100_000  # shard keys tried in all; a master owning a slot is found long before
+SLOTS = 16384  # a Redis Cluster's hash slots
 
 
 def place_shards(
-    model: str, count: int, owner: Callable[[int], Hashable | None] | None = None
+    model: str, count: int, owner: Callable[[int], Node | None] | None = None
 ) -> list[str]:
     """``count`` shard tags of ``model``, the model's own tag first, each on a master no other
     of them is on: ``owner(slot)`` names the master of a slot (None, or no ``owner``: a single
-    Redis, where the tags are simply ``M``, ``M~1``, ``M~2``...). A shard's key ``K`` is the
-    first of 1, 2, 3... whose tag ``M~K`` hashes to a slot of a master without a shard yet.
+    Redis, where the tags are simply ``M``, ``M~1``, ``M~2``...). The tags are the ones
+    ``redbatch shards place`` picks (``producer.shardcmd.plan_placement``).
 
     ValueError when there are fewer masters than shards (they cannot be distinct).
     """
@@ -50,20 +50,16 @@ def place_shards(
     first = keys.shard_tag(model)
     if owner is None or owner(tag_slot(first)) is None:
         return [first, *(keys.shard_tag(model, str(k)) for k in range(1, count))]
-    tags, used = [first], {owner(tag_slot(first))}
-    candidates = (keys.shard_tag(model, str(k)) for k in itertools.count(1))
-    for tag in itertools.islice(candidates, _MAX_KEYS_TRIED):
-        if len(tags) == count:
-            break
-        master = owner(tag_slot(tag))
-        if master is not None and master not in used:
-            tags.append(tag)
-            used.add(master)
-    if len(tags) < count:
+    masters = list(dict.fromkeys(m for m in map(owner, range(SLOTS)) if m is not None))
+    if len(masters) < count:
         raise ValueError(
-            f"{count} shards of {model!r} need {count} masters; the cluster has {len(used)}"
+            f"{count} shards of {model!r} need {count} masters; the cluster has {len(masters)}"
         )
-    return tags
+
+    def node_of(tag: str) -> Node | None:
+        return owner(tag_slot(tag))
+
+    return [first, *plan_placement(model, [first], count, node_of, masters, set())]
 
 
 def write_shards(topology: Topology, prefix: str, model: str, tags: Sequence[str]) -> None:
