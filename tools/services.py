@@ -16,6 +16,7 @@ from typing import NoReturn
 import redis
 
 from producer.keys import DEFAULT_PREFIX, workers_key
+from producer.topology import Topology
 from tools.localredis import LocalRedis, RedisNotInstalled
 
 __all__ = ["answers", "redis_url", "worker_process"]
@@ -77,10 +78,14 @@ def worker_process(
 def _wait_ready(
     label: str, url: str, model: str, proc: subprocess.Popen[bytes], timeout_s: float
 ) -> None:
-    """Wait until the worker's record appears in Redis (it registers once warm)."""
-    client = redis.Redis.from_url(url)
+    """Wait until the worker's record appears in Redis (it registers once warm); on a cluster,
+    on the master of the model's slot, wherever ``url`` points."""
+    seed = redis.Redis.from_url(url)
+    topology = Topology(seed)
     deadline = time.monotonic() + timeout_s
-    with contextlib.closing(client):
+    with contextlib.closing(seed), contextlib.closing(topology):
+        topology.refresh()
+        client = topology.client(model)
         while not client.scard(workers_key(DEFAULT_PREFIX, model)):
             if proc.poll() is not None:
                 _fail(label, f"the worker exited with code {proc.returncode} before it was ready")
