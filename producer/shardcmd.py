@@ -352,7 +352,12 @@ def retire(
         if progress is not None:
             progress(state)
         if checked >= grace_until and state.drained:
-            break
+            # Dropped, then looked at once more: a request a producer with a stale list sent
+            # between the check and the drop puts the shard back (workers keep serving it).
+            access.on(model, _forget, retiring_key, tag)
+            if access.on(tag, _drain_state, stream)[0] == 0:
+                break
+            access.on(model, _keep, retiring_key, tag)
         if checked >= deadline:
             dead = access.on(tag, _xlen, keys.dead_key(prefix, tag))
             return Retirement(
@@ -370,7 +375,6 @@ def retire(
                 timed_out=True,
             )
         sleep(POLL_S if poll_s is None else poll_s)
-    access.on(model, _forget, retiring_key, tag)
     dead = access.on(tag, _xlen, keys.dead_key(prefix, tag))
     return Retirement(model, prefix, tag, moved, deleted, True, True, 0, 0, dead, clock() - started)
 
@@ -394,6 +398,10 @@ def _drain_state(client: redis.Redis, stream: str) -> tuple[int, int]:
 
 def _forget(client: redis.Redis, retiring_key: str, tag: str) -> None:
     client.srem(retiring_key, tag)
+
+
+def _keep(client: redis.Redis, retiring_key: str, tag: str) -> None:
+    client.sadd(retiring_key, tag)
 
 
 def _xlen(client: redis.Redis, key: str) -> int:

@@ -136,6 +136,7 @@ def test_a_shard_added_or_retired_is_followed_without_a_restart(tmp_path: Path, 
 
         _until(retired)
         assert not lane.reader.is_alive()
+        assert ("demo~n",) not in worker.metrics.backlog._metrics  # its series went with it
         _send(rconn, "demo", "first-shard-still-served")
         assert _reply(rconn, "demo", "first-shard-still-served").ok
 

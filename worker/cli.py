@@ -192,8 +192,14 @@ def _serve(
     if args.check:
         print(json.dumps(prepared.record, indent=2))
         return 0
+    # A read timeout well above the longest blocking read (block_ms, 0.5 s): a master whose host
+    # vanished without a reset (a partition) is noticed, and the cluster followed, in 30 s.
     client = redis.Redis.from_url(
-        config.redis.url, socket_connect_timeout=5, health_check_interval=30
+        config.redis.url,
+        socket_connect_timeout=5,
+        socket_timeout=30,
+        socket_keepalive=True,
+        health_check_interval=30,
     )
     worker = Worker(prepared, client, burst=args.burst, metrics=metrics, faults=faults)
     serving.append(worker)

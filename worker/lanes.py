@@ -20,13 +20,15 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import redis
+
 from producer.topology import Topology
 from worker.claims import Claims
+from worker.errors import WorkerError
 from worker.events import Events
 from worker.leases import LeaseKeeper, Leases
 from worker.read import Handoff, Reader
 from worker.reclaim import Reclaimer
-from worker.retry import OutageRetry
 from worker.schema import Schema
 from worker.stream import Finish, FinishInFlight, RequestStream
 
@@ -103,7 +105,12 @@ class Lane:
     @property
     def done(self) -> bool:
         """Retired, no longer reading, and nothing it read is left to answer."""
-        return self.retired.is_set() and not self.reader.is_alive() and not len(self.leases)
+        return (
+            self.retired.is_set()
+            and not self.reader.is_alive()
+            and self.reader.failure is None  # kept, so that the worker raises it
+            and not len(self.leases)
+        )
 
     def threads(self) -> list[tuple[str, threading.Thread]]:
         return [(f"intake {self.tag}", self.reader), (f"leases {self.tag}", self.keeper)]
@@ -124,10 +131,18 @@ class Lanes:
         self._partial: tuple[Sequence[Finish], dict[str, list[bool]]] | None = None
         self.first = self._make(model)
 
-    def _make(self, tag: str) -> Lane:
+    def _make(self, tag: str, join: bool = False) -> Lane:
+        """A lane for ``tag``, in the map; with ``join``, only once its consumer group exists
+        (one try: a failure is followed on the cluster and raised, the next sync tries again)."""
         s = self.settings
         stream = RequestStream(self.topology.client(tag), s.prefix, tag, s.consumer)
         lane = Lane(tag, stream, s)
+        if join:
+            try:
+                stream.ensure_group()
+            except redis.RedisError as exc:
+                self.topology.follow(exc)
+                raise
         with self._lock:
             self._lanes[tag] = lane
         return lane
@@ -147,8 +162,8 @@ class Lanes:
         """The stream of shard ``tag`` ("" is the model's first shard)."""
         with self._lock:
             lane = self._lanes.get(tag or self.model)
-        if lane is None:  # never happens for an entry a lane read; the first shard's then
-            return self.first.stream
+        if lane is None:  # a lane closes only once what it read is answered (``Lane.done``)
+            raise WorkerError(f"no lane serves shard {tag!r}")
         return lane.stream
 
     def start(self) -> None:
@@ -169,10 +184,11 @@ class Lanes:
         for tag in wanted:
             if tag in current:  # served already (or retired and listed again: it finishes
                 continue  # what it holds and closes; the next sync after that reopens it)
-            new = self._make(tag)
-            OutageRetry(f"joining shard {tag}", give_up=self.settings.stop).call(
-                new.stream.ensure_group
-            )
+            try:
+                new = self._make(tag, join=True)
+            except redis.RedisError as exc:  # its master away, or a refusal: next beat again
+                log.warning("cannot join shard %s yet (%s); trying again next beat", tag, exc)
+                continue
             if self.running:
                 new.start()
             added.append(tag)

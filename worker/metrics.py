@@ -9,6 +9,7 @@ warm and reading from the stream.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import os
@@ -334,6 +335,12 @@ class Metrics(Events):
         oldest = stats.oldest_ms
         age = 0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0
         self.backlog_age.labels(shard=shard).set(age)
+
+    def shard_gone(self, shard: str) -> None:
+        """Drop a retired shard's series, so that its last values do not linger."""
+        for gauge in (self.backlog, self.pending, self.lag, self.dead_letters, self.backlog_age):
+            with contextlib.suppress(KeyError):
+                gauge.remove(shard)
 
     def memory_seen(self, memory: MemoryReading | None) -> None:
         """Record Redis memory: on a cluster, the fullest node of the model's shards."""

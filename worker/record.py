@@ -233,9 +233,13 @@ class Registry(threading.Thread):
 
     def _beat_once(self) -> None:
         try:
-            self.beat()
-            if self.on_beat is not None:
-                self.on_beat()
+            try:
+                self.beat()
+            finally:
+                # Also when the beat failed: on a cluster the record's master may be the one
+                # failing over, and ``on_beat`` is where the worker reads the slot map again.
+                if self.on_beat is not None:
+                    self.on_beat()
             if self._down:
                 self._down = False
                 log.warning("heartbeat reached Redis again")

@@ -214,14 +214,23 @@ class Worker:
         return self.lanes.first.leases
 
     def _on_beat(self) -> None:
-        """Heartbeat hook: follow the cluster and the shard list, then sample the streams."""
-        if self.topology.cluster:
-            self.topology.refresh()
-        self._follow_shards()
-        self._sample_stream()
+        """Heartbeat hook: follow the cluster and the shard list, then sample the streams. Each
+        step runs even when one before it failed (one master away must not stop the others'
+        sampling); the first failure is raised after, for the heartbeat to log once."""
+        failure: Exception | None = None
+        steps = (self.topology.refresh, self._follow_shards, self._sample_stream)
+        for step in steps if self.topology.cluster else steps[1:]:
+            try:
+                step()
+            except (redis.RedisError, WorkerError) as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _follow_shards(self) -> None:
         """Serve the shards ``P:{M}:shards`` lists now (and those retiring), without a restart."""
+        if self.stop.is_set():
+            return  # draining: no lane joins now
         cfg = self.config
         prefix, model = cfg.redis.prefix, cfg.model.name
         try:
@@ -233,7 +242,10 @@ class Worker:
                 "(docs/security.md, 'Upgrading')"
             ) from exc
         if list(shards.serve) != self.lanes.tags() or len(self.lanes) > 1:
+            before = set(self.lanes.tags())
             self.lanes.sync(shards.serve)
+            for gone in before - set(self.lanes.tags()):
+                self.metrics.shard_gone(gone)
             # Two reads waiting per lane: each lane's reads are its share of the traffic, and a
             # batch gathers from all of them (a queue of two would hold two shards' reads).
             with self.queue.mutex:
@@ -243,13 +255,21 @@ class Worker:
     def _sample_stream(self) -> None:
         """Each shard's stream state and Redis memory, for metrics and the log."""
         fullest: MemoryReading | None = None
+        failed: redis.RedisError | None = None
         for lane in self.lanes:
-            stats = lane.stream.stats()
+            try:
+                stats = lane.stream.stats()
+            except redis.RedisError as exc:  # that shard's master is away: sample the others
+                failed = failed or exc
+                self.topology.follow(exc)
+                continue
             self.metrics.stream_seen(stats, time.time() * 1000.0, shard=lane.tag)
             fullest = _fuller(fullest, stats.memory)
         self.metrics.memory_seen(fullest)
         self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch
+        if failed is not None:
+            raise failed  # the heartbeat logs it once per outage
 
     def stuck(self) -> bool:
         """True while one batch has been running longer than ``delivery.max_run_s``."""
@@ -288,7 +308,9 @@ class Worker:
     def _start(self) -> bool:
         """Reach Redis (riding out an outage), then start the threads and report ready; False
         when stopped before Redis could be reached."""
-        starting = OutageRetry("starting up", give_up=self.stop, events=self.events)
+        starting = OutageRetry(
+            "starting up", give_up=self.stop, events=self.events, on_retry=self.topology.follow
+        )
         try:
             starting.call(self.topology.refresh)
             starting.call(self.stream.ensure_group)
