@@ -65,7 +65,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     ``maxmemory`` (0.8 by default; None turns it off; nothing applies without a ``maxmemory``),
     submits refuse with ``RedisFull``, or wait for room with ``wait_for_backlog``, so that the
     workers keep the rest to answer what is queued. Memory is read with ``INFO memory`` about
-    once a second, not per submit; a write Redis itself refuses for memory is ``RedisFull`` too.
+    once a second, not per submit, from each shard's node (on a cluster the fullest master
+    counts); a write Redis itself refuses for memory is ``RedisFull`` too.
 
     Every Redis command is retried with capped, jittered backoff through outages of up to
     ``retry_s`` seconds (0: no retries), with one log line when an outage starts and one when it

@@ -165,6 +165,16 @@ class MemoryWatch:
         """Take a fresh reading made at ``now`` (monotonic)."""
         self.reading, self._read_at, self._sent_bytes = reading, now, 0
 
+    def tightest(self, readings: list[MemoryReading]) -> MemoryReading:
+        """Of several shards' readings (on a cluster, each master has its own memory), the one
+        with the least room below the watermark: a submit may go to any of them."""
+
+        def room(reading: MemoryReading) -> float:
+            left = self._room_bytes(reading)
+            return float("inf") if left is None else float(left)
+
+        return min(readings, key=room)
+
     def cannot_read(self) -> None:
         """INFO is refused to this user: stop asking; an OOM refusal is still ``RedisFull``."""
         self.unreadable = True

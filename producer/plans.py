@@ -185,12 +185,17 @@ def _no_room_s(session: Session, gate: core.BacklogGate, until: float | None) ->
             return delay_s
     memory = session.memory
     if memory.stale(time.monotonic()):
+        # Each shard's node (on a cluster each master has its own memory), the fullest counts
         retry = session.retry.until(until, core.INFER_LIMIT)
-        info = yield Call("INFO", session.info_memory, retry)
-        if info is None:
-            memory.cannot_read()
+        readings = []
+        for tag in session.spread.shards.send:
+            info = yield Call("INFO", session.info_memory, retry, tag)
+            if info is None:
+                memory.cannot_read()
+                break
+            readings.append(parse_info_memory(info))
         else:
-            memory.seen(parse_info_memory(info), time.monotonic())
+            memory.seen(memory.tightest(readings), time.monotonic())
     session.full_seen = memory.full()
     if session.full_seen is None:
         return None

@@ -17,7 +17,7 @@ import pytest
 import redis
 from harness import running_worker, write_config
 
-from producer import ConnectionFailed, RedisFull, memory
+from producer import ConnectionFailed, RedisFull, keys, memory
 from producer.cli import main as redbatch
 
 if TYPE_CHECKING:
@@ -138,6 +138,31 @@ def test_a_reading_goes_stale_with_time_or_once_a_quarter_of_the_room_is_sent() 
     assert watch.stale(11.0)  # a refusal reads again before the next try
     watch.seen(memory.MemoryReading(900, 1000, "allkeys-lru"), 12.0)
     assert watch.full() is None  # Redis evicts rather than refuses: nothing to stop for
+
+
+def test_of_several_shards_readings_the_one_with_least_room_counts() -> None:
+    # On a cluster each shard's master has its own memory: a submit may go to any of them
+    watch = memory.MemoryWatch("r", 0.8)
+    roomy = memory.MemoryReading(100, 10_000, "noeviction")  # 7,900 bytes below the watermark
+    tight = memory.MemoryReading(700, 1_000, "noeviction")  # 100 bytes
+    unlimited = memory.MemoryReading(5_000, 0, "noeviction")
+    assert watch.tightest([roomy, tight, unlimited]) is tight
+    assert watch.tightest([unlimited, roomy]) is roomy
+    watch.seen(watch.tightest([roomy, memory.MemoryReading(900, 1_000, "noeviction")]), 1.0)
+    assert watch.full() is not None
+
+
+def test_memory_is_read_from_every_shard_a_client_sends_to(
+    shell: Shell, redis_url: str, rconn: redis.Redis
+) -> None:
+    # Given a model with three shards (all on this one Redis)
+    rconn.rpush(keys.shards_key(keys.DEFAULT_PREFIX, "demo"), "demo", "demo~b", "demo~c")
+    before = _infos(rconn)
+    # When a client submits
+    with shell.Client("demo", redis_url) as client:
+        client.submit(X)
+    # Then it read memory once per shard (on a cluster: each shard's master)
+    assert _infos(rconn) - before == 3 + 1  # and this test's INFO commandstats
 
 
 def test_submit_with_wait_for_backlog_waits_for_room_then_sends(
