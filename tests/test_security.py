@@ -17,7 +17,7 @@ import redis
 import trustme
 from harness import direct_run, running_worker, send, wait_reply, write_config
 
-from producer import AsyncClient, Client, core, shardcmd, shards
+from producer import AsyncClient, Client, core, shardops, shards
 from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
 from producer.keys import (
@@ -397,7 +397,7 @@ def test_operator_user_runs_shards_status_and_replay_per_shard(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(shards, "REFRESH_S", 0.0)  # no producer here to wait for
-    monkeypatch.setattr(shardcmd, "MARGIN_S", 0.0)
+    monkeypatch.setattr(shardops, "MARGIN_S", 0.0)
     base = ["--redis-url", url(server, "operator"), "--retry-s", "0"]
     # The operator places three shards, shows them, and reads status per shard
     assert redbatch_main([*base, "shards", "place", "--model", MODEL, "--count", "3"]) == 0

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import redis
 
-from producer import keys, shardcmd, shards
+from producer import keys, shardops, shards
 from producer.cli import main
-from producer.shardcmd import DrainState, plan_placement, retire
+from producer.shardops import DrainState, plan_placement, retire
 from producer.status import ShardAccess
 from producer.topology import Node, tag_slot
 from tools.localcluster import LocalCluster
@@ -31,8 +31,8 @@ GROUP = keys.CONSUMER_GROUP
 def _fast_retire(monkeypatch: pytest.MonkeyPatch) -> None:
     """No 5 s grace period: producers here are the test itself."""
     monkeypatch.setattr(shards, "REFRESH_S", 0.05)
-    monkeypatch.setattr(shardcmd, "MARGIN_S", 0.0)
-    monkeypatch.setattr(shardcmd, "POLL_S", 0.01)
+    monkeypatch.setattr(shardops, "MARGIN_S", 0.0)
+    monkeypatch.setattr(shardops, "POLL_S", 0.01)
 
 
 def _run(url: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -250,10 +250,10 @@ def test_placement_spreads_round_robin_over_masters() -> None:
 
 def test_an_uneven_spread_is_pointed_out() -> None:
     masters = ["a:1", "b:2", "c:3"]
-    assert shardcmd.spread_notes({"demo": "a:1", "demo~1": "b:2"}, masters) == []
-    (note,) = shardcmd.spread_notes({"demo": "a:1", "demo~1": "a:1"}, masters)
+    assert shardops.spread_notes({"demo": "a:1", "demo~1": "b:2"}, masters) == []
+    (note,) = shardops.spread_notes({"demo": "a:1", "demo~1": "a:1"}, masters)
     assert "demo, demo~1 on a:1" in note
-    assert shardcmd.spread_notes({"demo": None, "demo~1": None}, []) == []
+    assert shardops.spread_notes({"demo": None, "demo~1": None}, []) == []
 
 
 # ---------------------------------------------------------------------------------------------

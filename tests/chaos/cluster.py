@@ -24,7 +24,7 @@ from producer.keys import (
     request_stream,
     shards_key,
 )
-from producer.shardcmd import plan_placement
+from producer.shardops import plan_placement
 from producer.topology import Topology
 from tools.localcluster import LocalCluster
 

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from producer import keys
-from producer.shardcmd import plan_placement
+from producer.shardops import plan_placement
 from producer.shards import read_shards
 from producer.topology import Node, Topology, tag_slot
 
@@ -41,7 +41,7 @@ def place_shards(
     """``count`` shard tags of ``model``, the model's own tag first, each on a master no other
     of them is on: ``owner(slot)`` names the master of a slot (None, or no ``owner``: a single
     Redis, where the tags are simply ``M``, ``M~1``, ``M~2``...). The tags are the ones
-    ``redbatch shards place`` picks (``producer.shardcmd.plan_placement``).
+    ``redbatch shards place`` picks (``producer.shardops.plan_placement``).
 
     ValueError when there are fewer masters than shards (they cannot be distinct).
     """
