@@ -18,7 +18,18 @@ from urllib.parse import urlsplit
 
 import redis
 
-from producer import __version__, argtypes, core, keys, replay, runcmd, shardcmd, status, watch
+from producer import (
+    __version__,
+    argtypes,
+    core,
+    keys,
+    replay,
+    runcmd,
+    shardcmd,
+    status,
+    statusreport,
+    watch,
+)
 from producer.argtypes import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -60,9 +71,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     finally:
         conn.close()
     if args.json:
-        print(json.dumps(status.status_to_json(report), indent=2, default=str))
+        print(json.dumps(statusreport.status_to_json(report), indent=2, default=str))
     else:
-        print(status.format_status(report, redis_url=where))
+        print(statusreport.format_status(report, redis_url=where))
     return EXIT_OK
 
 

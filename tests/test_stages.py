@@ -15,7 +15,8 @@ import redis
 
 from producer import keys, stages, watch
 from producer.cli import main
-from producer.status import WorkerInfo, format_status, gather_status
+from producer.status import WorkerInfo, gather_status
+from producer.statusreport import format_status
 from tools.bench.metrics import scrape
 from worker.metrics import Metrics, MetricsServer
 

@@ -23,7 +23,9 @@ from producer import codec, keys, replay, watch, watchstats
 from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
-from producer.status import WorkerInfo, format_status, gather_status, printable
+from producer.status import WorkerInfo, gather_status
+from producer.statusformat import printable
+from producer.statusreport import format_status
 from tools.localredis import free_port
 from worker.metrics import Metrics, MetricsServer
 

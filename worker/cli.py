@@ -19,7 +19,7 @@ import redis
 
 from producer import __version__
 from producer.keys import is_valid_name
-from producer.status import tensor_spec
+from producer.statusformat import tensor_spec
 from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
 from worker.faults import FaultPoints
