@@ -23,7 +23,7 @@ from producer import (
     argtypes,
     core,
     keys,
-    replay,
+    replaycmd,
     runcmd,
     shardcmd,
     status,
@@ -188,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay_cmd = commands.add_parser(
         "replay", help="re-send dead-lettered requests", formatter_class=formatter
     )
-    replay.add_arguments(replay_cmd)
+    replaycmd.add_arguments(replay_cmd)
     _add_connection_options(replay_cmd, top=False)
-    replay_cmd.set_defaults(handler=replay.run_command)
+    replay_cmd.set_defaults(handler=replaycmd.run_command)
 
     shards_cmd = commands.add_parser(
         "shards",

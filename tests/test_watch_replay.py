@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from producer import codec, keys, replay, watch, watchstats
+from producer import codec, keys, replay, replaycmd, watch, watchstats
 from producer.cli import main as redbatch_main
 from producer.errors import ConnectionFailed
 from producer.job import UsageError
@@ -331,10 +331,10 @@ def test_ctrl_c_in_a_terminal_ends_the_watch_with_status_0(
 
 
 def _replay(redis_url: str, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
-    args = _parser(replay.add_arguments).parse_args(
+    args = _parser(replaycmd.add_arguments).parse_args(
         ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--json", *argv]
     )
-    code = replay.run_command(args)
+    code = replaycmd.run_command(args)
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -467,10 +467,10 @@ def test_replay_table_reports_mapping_and_skips(
 ) -> None:
     rconn.xadd(DEAD, {"rid": "r1", "body": BODY})
     rconn.xadd(DEAD, {"reason": "no rid, no body"})
-    args = _parser(replay.add_arguments).parse_args(
+    args = _parser(replaycmd.add_arguments).parse_args(
         ["--redis-url", redis_url, "--model", MODEL, "--from-dead"]
     )
-    assert replay.run_command(args) == 1
+    assert replaycmd.run_command(args) == 1
     text = capsys.readouterr().out
     assert "examined 2 dead letters: re-sent 1, skipped 1" in text
     assert "OLD RID" in text
@@ -481,16 +481,16 @@ def test_replay_table_reports_mapping_and_skips(
 def test_replay_of_an_empty_dead_stream_says_so(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = _parser(replay.add_arguments).parse_args(
+    args = _parser(replaycmd.add_arguments).parse_args(
         ["--redis-url", redis_url, "--model", MODEL, "--from-dead"]
     )
-    assert replay.run_command(args) == 0
+    assert replaycmd.run_command(args) == 0
     assert "no dead letters" in capsys.readouterr().out
 
 
 def test_replay_needs_from_dead() -> None:
     with pytest.raises(SystemExit):
-        _parser(replay.add_arguments).parse_args(["--redis-url", "redis://x", "--model", MODEL])
+        _parser(replaycmd.add_arguments).parse_args(["--redis-url", "redis://x", "--model", MODEL])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,11 +567,11 @@ def test_replay_report_escapes_old_rids(
     redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rconn.xadd(DEAD, {"rid": HOSTILE_RID, "body": BODY})
-    args = _parser(replay.add_arguments).parse_args(
+    args = _parser(replaycmd.add_arguments).parse_args(
         ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--dry-run"]
     )
 
-    assert replay.run_command(args) == 0
+    assert replaycmd.run_command(args) == 0
 
     _assert_escaped(capsys.readouterr().out)
 
@@ -724,11 +724,11 @@ def test_replay_limit_counts_over_all_shards_and_the_table_names_them(
     for tag in TAGS:
         for i in range(2):
             rconn.xadd(keys.dead_key(P, tag), {"rid": f"r{i}", "body": BODY})
-    args = _parser(replay.add_arguments).parse_args(
+    args = _parser(replaycmd.add_arguments).parse_args(
         ["--redis-url", redis_url, "--model", MODEL, "--from-dead", "--limit", "3"]
     )
 
-    assert replay.run_command(args) == 0
+    assert replaycmd.run_command(args) == 0
 
     text = capsys.readouterr().out
     assert "replay P:{T}:dead -> P:{T}:requests of 3 shards (new request ids)" in text
