@@ -1,20 +1,21 @@
 """redbatch's producer library: send arrays to ONNX workers over Redis streams, get replies back.
 
 ``Client`` (blocking) and ``AsyncClient`` (asyncio) are thin shells over one logic: the plans of
-``producer.plans`` say what to send and what to wait for, over the sans-I/O state of
-``producer.core`` and ``producer.window``. The wire format is ``producer.codec``, Redis outages
-are retried by ``producer.retry``, and every error derives from ``RedbatchError``.
+``producer.client.plans`` say what to send and what to wait for, over the sans-I/O state of
+``producer.client.core`` and ``producer.client.window``. The wire format is
+``producer.protocol.codec``, Redis outages
+are retried by ``producer.redisio.retry``, and every error derives from ``RedbatchError``.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
 
-from producer.aio import AsyncClient
-from producer.client import Client
-from producer.codec import ErrorInfo, ModelRef
-from producer.core import Chunk, Result
-from producer.errors import (
+from producer.client.aio import AsyncClient
+from producer.client.blocking import Client
+from producer.client.core import Chunk, Result
+from producer.protocol.codec import ErrorInfo, ModelRef
+from producer.protocol.errors import (
     BacklogFull,
     Cancelled,
     ConnectionFailed,

@@ -58,8 +58,8 @@ from dashboard.report import render  # noqa: E402
 from dashboard.stack import PrometheusProc, WorkerProc, make_workers  # noqa: E402
 from dashboard.timeline import drive  # noqa: E402
 
-from producer.client import Client  # noqa: E402
-from producer.errors import RedbatchError  # noqa: E402
+from producer.client.blocking import Client  # noqa: E402
+from producer.protocol.errors import RedbatchError  # noqa: E402
 from tools.localredis import LocalRedis, free_port  # noqa: E402
 from tools.synthetic import save  # noqa: E402
 

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # after PYTHONPATH, so another checkout given there wins
 
 from tools.localredis import LocalRedis  # noqa: E402
-from worker.stream import Finish, RequestStream  # noqa: E402
+from worker.redisio.stream import Finish, RequestStream  # noqa: E402
 
 STREAM = "redbatch:{demo}:requests"
 _COMMANDS = ("evalsha", "eval", "rpush", "expire")

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from producer import Client  # noqa: E402
-from producer.keys import workers_key  # noqa: E402
+from producer.protocol.keys import workers_key  # noqa: E402
 from tools.localredis import LocalRedis  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "image"

@@ -327,7 +327,7 @@ restarts, {sum(r.duplicates for r in total)} duplicate executions,
 ## What the columns mean
 
 - **kills**: workers that died of SIGKILL, whether sent by the driver at a random moment or by
-  a fault point (`REDBATCH_FAULTS`, `worker/faults.py`) or the crash pill; each was restarted as
+  a fault point (`REDBATCH_FAULTS`, `worker/ops/faults.py`) or the crash pill; each was restarted as
   an orchestrator would (worker restarts).
 - **duplicates executed**: executions beyond the first, over all requests, from the execution log.
 - **lost**: requests with no reply at the end. Under `flushall` only requests sent after the

@@ -60,7 +60,7 @@ def report():
     anon[0] = max(anon[0], status('RssAnon'))
     sys.stderr.write('PEAK_KIB %d ANON_KIB %d\\n' % (status('VmHWM'), anon[0]))
 atexit.register(report)
-from producer.cli import main
+from producer.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -4,7 +4,7 @@ fixtures that run each test against both clients).
 The fake worker (``FakeReplier``) reads the request streams of the shards it is given as the
 worker would (group ``workers``, one reader per shard), answers ``y = x * 2``, and answers
 INVALID_INPUT for any request holding a negative value. It finds each shard's node as the
-clients do (``producer.topology``), so it serves a Redis Cluster too.
+clients do (``producer.redisio.topology``), so it serves a Redis Cluster too.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 import redis
 
-from producer import codec, keys
-from producer.codec import ErrorInfo, ModelRef, Reply
-from producer.topology import Topology
+from producer.protocol import codec, keys
+from producer.protocol.codec import ErrorInfo, ModelRef, Reply
+from producer.redisio.topology import Topology
 
 MODEL = "demo"
 PREFIX = keys.DEFAULT_PREFIX

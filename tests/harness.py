@@ -12,11 +12,11 @@ import numpy as np
 import onnxruntime as ort
 import redis
 
-from producer.codec import Reply, decode_reply, encode_request
-from producer.keys import reply_key, request_stream
+from producer.protocol.codec import Reply, decode_reply, encode_request
+from producer.protocol.keys import reply_key, request_stream
 from tools.synthetic import save
 from worker.config import load_config
-from worker.metrics import Metrics
+from worker.ops.metrics import Metrics
 from worker.service import Prepared, Worker, prepare
 
 PREFIX = "redbatch"

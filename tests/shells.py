@@ -25,10 +25,10 @@ import redis
 import redis.asyncio
 from fakes import MODEL, FakeReplier
 
-from producer import aio, steps
-from producer import client as client_module
-from producer.aio import AsyncClient
-from producer.client import Client
+from producer.client import aio, steps
+from producer.client import blocking as client_module
+from producer.client.aio import AsyncClient
+from producer.client.blocking import Client
 
 Command = steps.Call | steps.Batch
 CALL_TIMEOUT_S = 120  # no call of a test blocks this long; a hang fails instead

@@ -1,4 +1,5 @@
-"""What only AsyncClient does: concurrent calls share their round trips (``producer.coalesce``).
+"""What only AsyncClient does: concurrent calls share their round trips
+(``producer.client.coalesce``).
 
 Every other behaviour runs against both clients in the shared suite (``tests/shells.py``). Each
 test here is a plain function that runs its scenario with ``asyncio.run``; the fake worker
@@ -19,11 +20,12 @@ import redis
 import redis.asyncio
 from fakes import FAKE_MODEL, MODEL, PREFIX, STREAM, FakeReplier, xs
 
-from producer import codec, keys, plans
-from producer.aio import AsyncClient
-from producer.coalesce import Coalescer, ReplyHub
-from producer.codec import Reply
-from producer.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
+from producer.client import plans
+from producer.client.aio import AsyncClient
+from producer.client.coalesce import Coalescer, ReplyHub
+from producer.protocol import codec, keys
+from producer.protocol.codec import Reply
+from producer.protocol.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -40,7 +42,7 @@ def replying(url: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# Concurrent calls share round trips (producer/coalesce.py)
+# Concurrent calls share round trips (producer/client/coalesce.py)
 
 
 def a_reply(rid: str) -> bytes:

@@ -6,14 +6,14 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from worker.assemble import FeedBuffers
-from worker.axes import Axes
-from worker.cancels import CancelCheck
+from worker.answer.assemble import FeedBuffers
+from worker.answer.run import run_batch
 from worker.errors import Rejected
 from worker.items import Admitted
-from worker.run import run_batch
-from worker.schema import ValidRequest
-from worker.stream import RawEntry
+from worker.model.axes import Axes
+from worker.model.schema import ValidRequest
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.stream import RawEntry
 
 
 def _request(x: np.ndarray) -> ValidRequest:

@@ -7,12 +7,12 @@ import queue
 import numpy as np
 import pytest
 
-from worker.batcher import Batcher
-from worker.cancels import CancelCheck
+from worker.answer.batcher import Batcher
 from worker.errors import Rejected
 from worker.items import Admitted, Item, Refused
-from worker.schema import ValidRequest
-from worker.stream import RawEntry
+from worker.model.schema import ValidRequest
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.stream import RawEntry
 
 
 class FakeTime:

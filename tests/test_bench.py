@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producer.job import UsageError
+from producer.jobs.job import UsageError
 from tools import bench, benchkit, synthetic
 from tools.bench import burn, cli, load, pipelines, pipereport
 from tools.bench.__main__ import main

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer import keys
-from producer.codec import ModelRef, Reply, encode_reply
-from producer.topology import Node, SlotMap, tag_slot
+from producer.protocol import keys
+from producer.protocol.codec import ModelRef, Reply, encode_reply
+from producer.redisio.topology import Node, SlotMap, tag_slot
 from tools.bench.__main__ import EXIT_USAGE, main
 from tools.bench.shards import per_master, place_shards
 from tools.bench.wire import ProducerTally, Replies, Sender

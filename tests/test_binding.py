@@ -17,11 +17,11 @@ import redis
 from harness import direct_run, running_worker, send, wait_reply, write_config
 from onnx import TensorProto, helper
 
-from worker.binding import BoundRunner, buckets_for, check_graph_shapes
 from worker.config import ProviderConfig, load_config
 from worker.errors import ConfigError, ModelError
-from worker.model import TensorSpec, _provider_options
-from worker.schema import Schema
+from worker.model.binding import BoundRunner, buckets_for, check_graph_shapes
+from worker.model.schema import Schema
+from worker.model.session import TensorSpec, _provider_options
 from worker.service import Prepared, prepare
 from worker.warmup import warm_up
 

@@ -1,6 +1,7 @@
 """Cancel checks answered while the batch runs, and the read sent behind each check.
 
-The reading thread hands a read over before its cancel check's answer is in (worker/cancels.py):
+The reading thread hands a read over before its cancel check's answer is in
+(worker/redisio/cancels.py):
 a request whose answer comes before its batch starts is left out of the run; one whose answer
 comes during the run is answered CANCELLED after it. Both cases are forced here by holding the
 answer back until a chosen moment, on a real worker and a real Redis.
@@ -26,16 +27,17 @@ from harness import (
     write_config,
 )
 
-from producer import keys, resp
-from worker import answer as answer_module
-from worker import batcher as batcher_module
-from worker import cancels as cancels_module
-from worker.cancels import CancelCheck
+from producer.protocol import keys
+from producer.redisio import resp
+from worker.answer import answerer as answer_module
+from worker.answer import batcher as batcher_module
 from worker.config import load_config
 from worker.items import Admitted
-from worker.metrics import Metrics
+from worker.ops.metrics import Metrics
+from worker.redisio import cancels as cancels_module
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.stream import RequestStream
 from worker.service import Worker, prepare
-from worker.stream import RequestStream
 
 MODEL = "multi_io"
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import redis
 
-from producer import codec, keys
-from producer.cli import main
-from producer.codec import ErrorInfo, ModelRef
-from producer.core import Chunk, Result
-from producer.job import RunSummary, format_summary, run_job, write_errors, write_outputs
+from producer.cli.main import main
+from producer.client.core import Chunk, Result
+from producer.jobs.job import RunSummary, format_summary, run_job, write_errors, write_outputs
+from producer.protocol import codec, keys
+from producer.protocol.codec import ErrorInfo, ModelRef
 from tools.localredis import free_port
 
 MODEL = "demo"
@@ -383,7 +383,7 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
     script = [(2, 10.0, None), (2, 10.0, None)]
     client = ScriptedClient(script, interrupt=KeyboardInterrupt())
     monkeypatch.setattr(
-        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+        "producer.client.blocking.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
@@ -408,7 +408,7 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(
     np.save(tmp_path / "x.npy", np.arange(5, dtype=np.float32).reshape(5, 1))
     client = ScriptedClient([(2, 10.0, None), (2, 10.0, None)], interrupt=signals.SIGTERM)
     monkeypatch.setattr(
-        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+        "producer.client.blocking.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
     unhandled: list[int] = []  # without the run's own handler, SIGTERM would land here
 
@@ -442,7 +442,7 @@ def test_run_interrupted_before_any_answer_keeps_the_previous_files_as_a_pair(
     errors.write_text("")  # and its errors file: that run failed no row
     client = ScriptedClient([], interrupt=KeyboardInterrupt())
     monkeypatch.setattr(
-        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+        "producer.client.blocking.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
 
@@ -682,7 +682,7 @@ def test_help_describes_each_command(argv: list[str], capsys: pytest.CaptureFixt
 def test_run_help_documents_every_option_and_input_kind(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from producer import runcmd
+    from producer.cli import run as runcmd
 
     parser = argparse.ArgumentParser()
     runcmd.add_arguments(parser)
@@ -795,7 +795,7 @@ def test_rewriting_an_output_keeps_its_permissions(tmp_path: Path) -> None:
 
 
 def test_a_ctrl_c_while_results_are_written_is_held_and_a_second_goes_through() -> None:
-    from producer.runcmd import _sigint_deferred
+    from producer.cli.run import _sigint_deferred
 
     with _sigint_deferred() as held:
         os.kill(os.getpid(), signals.SIGINT)
@@ -812,7 +812,7 @@ def test_a_ctrl_c_after_the_job_still_writes_everything(
     np.save(tmp_path / "x.npy", np.arange(2, dtype=np.float32).reshape(2, 1))
     client = ScriptedClient([(1, 10.0, None), (1, 10.0, None)])
     monkeypatch.setattr(
-        "producer.client.Client.map", lambda _self, arrays, **kw: client.map(arrays)
+        "producer.client.blocking.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
 
     class Bar:
@@ -821,7 +821,7 @@ def test_a_ctrl_c_after_the_job_still_writes_everything(
         def close(self) -> None:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("producer.runcmd._progress_bar", lambda *_a, **_kw: Bar())
+    monkeypatch.setattr("producer.cli.run._progress_bar", lambda *_a, **_kw: Bar())
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
 

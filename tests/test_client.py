@@ -26,8 +26,10 @@ from fakes import (
     xs,
 )
 
-from producer import codec, core, keys, resp
-from producer.errors import ConnectionFailed, InvalidInput, WaitTimeout
+from producer.client import core
+from producer.protocol import codec, keys
+from producer.protocol.errors import ConnectionFailed, InvalidInput, WaitTimeout
+from producer.redisio import resp
 from tools.localredis import free_port
 
 if TYPE_CHECKING:

@@ -10,7 +10,9 @@ import pytest
 import redis
 from fakes import MODEL, PREFIX, STREAM, xs
 
-from producer import argtypes, core, keys
+from producer.cli import argtypes
+from producer.client import core
+from producer.protocol import keys
 
 if TYPE_CHECKING:
     from shells import Shell

@@ -11,9 +11,9 @@ import pytest
 import redis
 from fakes import MODEL, STREAM, FakeReplier, xs
 
-from producer import core
-from producer.aio import AsyncClient
-from producer.errors import BacklogFull
+from producer.client import core
+from producer.client.aio import AsyncClient
+from producer.protocol.errors import BacklogFull
 
 if TYPE_CHECKING:
     from shells import Shell

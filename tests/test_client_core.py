@@ -1,5 +1,6 @@
 """The clients' logic without Redis: the sans-I/O pieces (``core``, ``window``, ``connection``),
-and the plans (``producer.plans``) driven by a scripted shell that answers each step itself."""
+and the plans (``producer.client.plans``) driven by a scripted shell that answers each step
+itself."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ import redis.exceptions as rex
 from fakes import FAKE_MODEL, MODEL, PREFIX, xs
 
 import producer
-from producer import codec, core, plans, steps, window
-from producer.base import Session
-from producer.codec import Reply
-from producer.errors import RedisFull, WaitTimeout
-from producer.memory import MemoryWatch
-from producer.retry import RetryPolicy
-from producer.shards import Shards
+from producer.client import core, plans, steps, window
+from producer.client.base import Session
+from producer.protocol import codec
+from producer.protocol.codec import Reply
+from producer.protocol.errors import RedisFull, WaitTimeout
+from producer.redisio.memory import MemoryWatch
+from producer.redisio.retry import RetryPolicy
+from producer.redisio.shards import Shards
 
 SETTINGS = core.Settings.create(MODEL, PREFIX, None, False)
 

@@ -22,9 +22,10 @@ from fakes import (
 )
 from test_run_sources import EchoWorker
 
-from producer import codec, core, keys, window
-from producer.errors import InvalidInput, NoWorkerInfo
-from producer.maprows import Blocks, RowFeed
+from producer.client import core, window
+from producer.client.maprows import Blocks, RowFeed
+from producer.protocol import codec, keys
+from producer.protocol.errors import InvalidInput, NoWorkerInfo
 
 if TYPE_CHECKING:
     from shells import Shell

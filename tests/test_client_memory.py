@@ -17,8 +17,10 @@ import pytest
 import redis
 from harness import running_worker, write_config
 
-from producer import ConnectionFailed, RedisFull, keys, memory
-from producer.cli import main as redbatch
+from producer import ConnectionFailed, RedisFull
+from producer.cli.main import main as redbatch
+from producer.protocol import keys
+from producer.redisio import memory
 
 if TYPE_CHECKING:
     from shells import Shell

@@ -22,13 +22,13 @@ import redis
 import redis.asyncio
 import redis.exceptions as rex
 
-from producer import codec, keys
-from producer.aio import AsyncClient
-from producer.codec import ModelRef, Reply
-from producer.errors import ConnectionFailed, RedisUnavailable
-from producer.replay import replay
-from producer.retry import RetryPolicy, is_transient
-from producer.status import gather_status
+from producer.client.aio import AsyncClient
+from producer.ops.replay import replay
+from producer.ops.status import gather_status
+from producer.protocol import codec, keys
+from producer.protocol.codec import ModelRef, Reply
+from producer.protocol.errors import ConnectionFailed, RedisUnavailable
+from producer.redisio.retry import RetryPolicy, is_transient
 from tools.localredis import LocalRedis
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ pytest_plugins = ["shells"]
 
 MODEL = "demo"
 STREAM = keys.request_stream(keys.DEFAULT_PREFIX, MODEL)
-RETRY_LOGGER = "producer.retry"
+RETRY_LOGGER = "producer.redisio.retry"
 
 
 class LogSignal(logging.Handler):

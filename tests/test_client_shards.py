@@ -16,13 +16,15 @@ import redis
 import redis.exceptions as rex
 from fakes import MODEL, PREFIX, FakeReplier, answer, xs
 
-from producer import core, keys, plans, resp, shards, steps, window
-from producer.base import Session, ShardSpread
-from producer.client import Client
-from producer.errors import BacklogFull, RedisFull
-from producer.memory import MemoryWatch
-from producer.retry import RetryPolicy
-from producer.shards import Shards
+from producer.client import core, plans, steps, window
+from producer.client.base import Session, ShardSpread
+from producer.client.blocking import Client
+from producer.protocol import keys
+from producer.protocol.errors import BacklogFull, RedisFull
+from producer.redisio import resp, shards
+from producer.redisio.memory import MemoryWatch
+from producer.redisio.retry import RetryPolicy
+from producer.redisio.shards import Shards
 
 if TYPE_CHECKING:
     from shells import Shell
@@ -337,7 +339,7 @@ def cluster() -> Iterator[Any]:
 def test_client_on_a_cluster_spreads_over_shards_on_three_masters(cluster: Any) -> None:
     from redis.cluster import RedisCluster
 
-    from producer.topology import Topology
+    from producer.redisio.topology import Topology
     from tools.bench.shards import place_shards
 
     # Given three shards placed on three distinct masters, and a replier on each

@@ -14,8 +14,8 @@ import pytest
 import redis
 from fakes import FAKE_MODEL, STREAM, ensure_group
 
-from producer import codec, keys
-from producer.errors import WireFormatError
+from producer.protocol import codec, keys
+from producer.protocol.errors import WireFormatError
 
 pytest_plugins = ["shells"]
 

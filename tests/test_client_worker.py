@@ -16,9 +16,10 @@ import pytest
 import redis
 from harness import direct_run, running_worker, write_config
 
-from producer import AsyncClient, Client, steps
-from producer.cli import main as redbatch
-from producer.errors import InvalidInput, TooLarge
+from producer import AsyncClient, Client
+from producer.cli.main import main as redbatch
+from producer.client import steps
+from producer.protocol.errors import InvalidInput, TooLarge
 
 if TYPE_CHECKING:
     from shells import Shell
@@ -209,8 +210,8 @@ def test_a_retried_submit_sends_nothing_again(
     assert rconn.xinfo_stream("redbatch:{demo}:requests")["entries-added"] == 16
 
 
-# Client only: AsyncClient's infer waits on a BLPOP shared with other calls (producer.coalesce),
-# which does not hold the requests' bodies to send again.
+# Client only: AsyncClient's infer waits on a BLPOP shared with other calls
+# (producer.client.coalesce), which does not hold the requests' bodies to send again.
 @pytest.mark.parametrize("shell", ["sync"], indirect=True)
 def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
     shell: Shell, demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch

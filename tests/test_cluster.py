@@ -34,11 +34,11 @@ import redis
 from harness import PREFIX, running_worker, write_config
 from redis.crc import key_slot
 
-from producer.client import Client
-from producer.codec import Reply, decode_reply, encode_request
-from producer.core import Chunk
-from producer.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
-from producer.topology import Topology, tag_slot
+from producer.client.blocking import Client
+from producer.client.core import Chunk
+from producer.protocol.codec import Reply, decode_reply, encode_request
+from producer.protocol.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
+from producer.redisio.topology import Topology, tag_slot
 from tools.localcluster import ClusterNode, LocalCluster
 
 pytestmark = pytest.mark.timeout(180)

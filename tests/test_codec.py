@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wire_strategies import DTYPE_NAMES, RID, a_reply, arrays, meta_values, names
 
-from producer import codec
-from producer.errors import ERROR_CODES, WireFormatError
+from producer.protocol import codec
+from producer.protocol.errors import ERROR_CODES, WireFormatError
 
 MAX_BYTES = 1 << 20
 CONTRACT_EXAMPLE = bytes.fromhex(

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wire_strategies import a_reply, blobs, meta_values, text_arrays, texts
 
-from producer import codec
-from producer.errors import WireFormatError
+from producer.protocol import codec
+from producer.protocol.errors import WireFormatError
 
 MAX_BYTES = 1 << 20
 UNICODE = [

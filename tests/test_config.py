@@ -197,7 +197,7 @@ def test_cuda_libraries_from_nvidia_packages_are_preloaded_when_installed(
 ) -> None:
     import importlib.util
 
-    from worker import model
+    from worker.model import session as model
 
     real_find_spec = importlib.util.find_spec
     installed = {"nvidia": False}
@@ -226,7 +226,7 @@ def test_cuda_libraries_from_nvidia_packages_are_preloaded_when_installed(
 def test_cuda_libraries_are_preloaded_only_when_cuda_is_asked_for(
     tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker import model
+    from worker.model import session as model
 
     calls: list[object] = []
     monkeypatch.setattr(model, "preload_cuda_libraries", calls.append)
@@ -258,8 +258,8 @@ _BOUNDS = [
 def _schema(model_dir: Path, dtype: str, bounds: dict):
     import numpy as np
 
-    from worker.model import TensorSpec
-    from worker.schema import Schema
+    from worker.model.schema import Schema
+    from worker.model.session import TensorSpec
 
     config = _parse(model_dir, inputs={"x": bounds})
     inputs = (TensorSpec("x", np.dtype(dtype), ("N", 3)),)
@@ -274,7 +274,7 @@ def test_warmup_inputs_pass_the_checks_for_any_allowed_bounds(
 ) -> None:
     import numpy as np
 
-    from worker.schema import ValidRequest
+    from worker.model.schema import ValidRequest
 
     info = np.finfo(dtype) if dtype.startswith("float") else np.iinfo(dtype)
     if bounds.get("min", 0.0) > float(info.max) or bounds.get("max", 0.0) < float(info.min):
@@ -480,8 +480,8 @@ def test_a_bound_past_the_dtype_range_passes_every_finite_value_but_not_infinity
     # check never overflows casting the bound to float32)
     import numpy as np
 
-    from worker.model import TensorSpec
-    from worker.schema import Schema, ValidRequest
+    from worker.model.schema import Schema, ValidRequest
+    from worker.model.session import TensorSpec
 
     config = _parse(
         model_dir,
@@ -504,8 +504,8 @@ def test_one_requests_nan_does_not_wave_another_requests_out_of_range_value_thro
     # min() of a batch holding a NaN is NaN, which compares false: every value passed
     import numpy as np
 
-    from worker.model import TensorSpec
-    from worker.schema import Schema, ValidRequest
+    from worker.model.schema import Schema, ValidRequest
+    from worker.model.session import TensorSpec
 
     config = _parse(model_dir, inputs={"x": {"min": 0.0}}, limits={"reject_non_finite": False})
     inputs = (TensorSpec("x", np.dtype("float32"), ("N", 3)),)

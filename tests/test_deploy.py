@@ -24,10 +24,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from producer import keys
+from producer.protocol import keys
 from tools.synthetic import save
 from worker.config import parse_config
-from worker.metrics import Metrics, MetricsServer
+from worker.ops.metrics import Metrics, MetricsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

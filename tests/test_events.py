@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from harness import write_config
 
-from worker import faults as faults_module
 from worker.cli import main
 from worker.events import NO_EVENTS, Events, Fanout, Ran
-from worker.faults import FaultPoints
-from worker.metrics import Metrics
+from worker.ops import faults as faults_module
+from worker.ops.faults import FaultPoints
+from worker.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_the_execution_log_gets_one_line_per_request_run(tmp_path: Path) -> None
 def test_importing_the_worker_reads_no_fault_variables() -> None:
     # A spec that would be refused: importing every worker module must not look at it
     env = {**os.environ, "REDBATCH_FAULTS": "nowhere=kill", "PYTHONPATH": str(ROOT)}
-    code = "import worker.faults, worker.service, worker.cli; print('imported')"
+    code = "import worker.ops.faults, worker.service, worker.cli; print('imported')"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

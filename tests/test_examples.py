@@ -348,7 +348,7 @@ def test_tokenizer_other_than_the_pinned_one_is_refused(models: Path) -> None:
 def pipelines(models: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The worker's pipeline support (skip until it exists), with REDIS_URL at the test Redis,
     which the example configs' redis.url gives way to."""
-    pytest.importorskip("worker.pipeline", reason="the worker has no pipeline support yet")
+    pytest.importorskip("worker.pipeline.hooks", reason="the worker has no pipeline support yet")
     monkeypatch.setenv("REDIS_URL", redis_url)
     return redis_url
 

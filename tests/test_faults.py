@@ -15,8 +15,8 @@ import chaos
 import numpy as np
 import pytest
 
-from producer.codec import ErrorInfo, ModelRef, Reply, encode_reply
-from producer.keys import reply_key
+from producer.protocol.codec import ErrorInfo, ModelRef, Reply, encode_reply
+from producer.protocol.keys import reply_key
 
 pytestmark = pytest.mark.timeout(120)
 

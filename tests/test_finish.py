@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from worker import stream as stream_module
-from worker.stream import INLINE_MAX_BYTES, Finish, RequestStream
+from worker.redisio import stream as stream_module
+from worker.redisio.stream import INLINE_MAX_BYTES, Finish, RequestStream
 
 STREAM = "redbatch:{demo}:requests"
 DEAD = "redbatch:{demo}:dead"

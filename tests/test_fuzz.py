@@ -37,12 +37,13 @@ from harness import running_worker, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer import codec, guards
-from producer.errors import WireFormatError
-from worker.admit import admit
+from producer.protocol import bounded as guards
+from producer.protocol import codec
+from producer.protocol.errors import WireFormatError
+from worker.intake.admit import admit
+from worker.intake.layouts import Layouts
 from worker.items import DeadLetter, Refused
-from worker.layouts import Layouts
-from worker.stream import RawEntry
+from worker.redisio.stream import RawEntry
 
 TARGET = FuzzTarget("demo", max_request_bytes=16384, max_batch_size=8)
 SCHEMA = schema_for(TARGET)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import redis
 
-from producer.job import UsageError
+from producer.jobs.job import UsageError
 from tools import bench, benchkit, synthetic
 from tools.bench import cli as bench_cli
 from tools.bench import phases, runner

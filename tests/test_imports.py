@@ -1,4 +1,5 @@
-"""No import cycles among the modules of producer/, worker/ and tools/.
+"""No import cycles among the modules of producer/, worker/ and tools/, and the layers of
+producer/ and worker/ import one way only: down.
 
 The graph is read with ``ast``, not by importing: every ``import`` and ``from ... import``
 anywhere in a module counts, at the top, inside a function (a lazy import hides a cycle, it does
@@ -101,8 +102,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_modules_and_their_imports() -> None:
     graph = import_graph()
-    assert {"producer.cli", "worker.config", "tools.bench.runner"} <= set(graph)
-    assert "worker.errors" in graph["worker.config"]
+    assert {"producer.cli.main", "worker.config", "tools.bench.runner"} <= set(graph)
+    assert "worker.errors" in graph["worker.config.settings"]
 
 
 def test_cycles_are_found_wherever_the_import_is() -> None:
@@ -115,6 +116,99 @@ def test_no_import_cycles() -> None:
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+#: Each package's layers, lowest first: a folder (or a top-level module) may import from the
+#: layers below it and from itself, never from a layer above it or beside it. ``producer`` never
+#: imports ``worker``; ``worker`` may import any of ``producer``.
+LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "producer": [
+        ("protocol",),
+        ("redisio",),
+        ("client",),
+        ("jobs", "ops"),
+        ("cli",),
+        ("__init__", "__main__"),
+    ],
+    "worker": [
+        ("errors", "events"),
+        ("config",),
+        ("model",),
+        ("redisio",),
+        ("items",),
+        ("intake",),
+        ("pipeline",),
+        ("answer",),
+        ("ops",),
+        ("warmup",),
+        ("service",),
+        ("cli",),
+        ("__init__", "__main__"),
+    ],
+}
+
+
+def unit_of(module: str) -> tuple[str, str]:
+    """A module's package and its layer unit: the folder it lives in, or its own name at the
+    top (``producer`` itself is the unit ``__init__``)."""
+    package, _, rest = module.partition(".")
+    return package, rest.split(".")[0] or "__init__"
+
+
+def rank(module: str) -> int:
+    package, unit = unit_of(module)
+    for level, units in enumerate(LAYERS[package]):
+        if unit in units:
+            return level
+    raise AssertionError(f"{module} is in no layer of {package}: add its folder to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up or sideways in the layers, as ``a -> b``."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        if module.split(".")[0] not in LAYERS:
+            continue
+        for target in sorted(imported):
+            if target.split(".")[0] not in LAYERS:
+                continue
+            if unit_of(module)[0] != unit_of(target)[0]:
+                if unit_of(module)[0] == "producer":
+                    found.append(f"{module} -> {target}")
+                continue
+            if unit_of(module) != unit_of(target) and rank(target) >= rank(module):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in import_graph():
+        if module.split(".")[0] in LAYERS:
+            rank(module)
+
+
+def test_an_upward_or_sideways_import_is_found() -> None:
+    graph = {
+        "producer.protocol.codec": {"producer.client.blocking"},
+        "producer.jobs.job": {"producer.ops.status"},
+        "producer.client.blocking": {"producer.protocol.codec", "producer.client.plans"},
+        "producer.cli.main": {"worker.config"},
+        "worker.model.schema": {"worker.intake.admit"},
+        "worker.intake.admit": {"worker.model.schema", "producer.protocol.codec"},
+    }
+    assert upward_imports(graph) == [
+        "producer.cli.main -> worker.config",
+        "producer.jobs.job -> producer.ops.status",
+        "producer.protocol.codec -> producer.client.blocking",
+        "worker.model.schema -> worker.intake.admit",
+    ]
+
+
+def test_imports_point_down_the_layers() -> None:
+    found = upward_imports(import_graph())
+    assert not found, "imports against the layer order:\n" + "\n".join(found)
+
+
 if __name__ == "__main__":
+    for line in upward_imports(import_graph()):
+        print(line)
     for component in cycles(import_graph()) or [["no cycles"]]:
         print(" <-> ".join(component))

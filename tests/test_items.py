@@ -1,8 +1,8 @@
 """The item variants: what admission makes of an entry, and the finish step each one becomes.
 
 ``Admitted``, ``Refused`` and ``DeadLetter`` each carry only what their answer needs; these
-tests pin which variant an entry becomes, what it carries, and how ``worker.answer`` answers
-the ones that never reach the model, without Redis or a model file.
+tests pin which variant an entry becomes, what it carries, and how ``worker.answer.answerer``
+answers the ones that never reach the model, without Redis or a model file.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 from fuzzing import FuzzTarget, schema_for
 
-from producer import codec
-from producer.codec import ModelRef, decode_reply
-from worker.admit import admit, poisoned
-from worker.answer import Answerer
-from worker.cancels import CancelCheck
-from worker.claims import Claimed
+from producer.protocol import codec
+from producer.protocol.codec import ModelRef, decode_reply
+from worker.answer.answerer import Answerer
+from worker.answer.replies import ReplyEncoder
 from worker.errors import Rejected
 from worker.events import NO_EVENTS
+from worker.intake.admit import admit, poisoned
+from worker.intake.reclaim import Redelivery
 from worker.items import Admitted, DeadLetter, Item, Refused
-from worker.reclaim import Redelivery
-from worker.replies import ReplyEncoder
-from worker.stream import RawEntry
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.claims import Claimed
+from worker.redisio.stream import RawEntry
 
 TARGET = FuzzTarget("demo", max_request_bytes=16384, max_batch_size=8)
 SCHEMA = schema_for(TARGET)

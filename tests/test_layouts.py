@@ -13,17 +13,17 @@ from fuzzing import FuzzTarget, schema_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer import codec
-from worker import admit as admit_module
-from worker.admit import admit
+from producer.protocol import codec
 from worker.config import BatchingConfig, ModelConfig, RedisConfig, WorkerConfig
 from worker.errors import Rejected
+from worker.intake import admit as admit_module
+from worker.intake.admit import admit
+from worker.intake.layouts import Layouts
+from worker.intake.spans import body_spans
 from worker.items import Admitted, Item, Refused
-from worker.layouts import Layouts
-from worker.model import TensorSpec
-from worker.schema import Schema
-from worker.spans import body_spans
-from worker.stream import RawEntry
+from worker.model.schema import Schema
+from worker.model.session import TensorSpec
+from worker.redisio.stream import RawEntry
 
 MAX_BYTES = 1 << 20
 MULTI = schema_for(FuzzTarget("multi_io"))

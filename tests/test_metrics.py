@@ -16,10 +16,10 @@ import pytest
 from harness import running_worker, send, wait_reply, write_config
 from prometheus_client import CollectorRegistry, generate_latest
 
-from producer.memory import MemoryReading
-from worker.memalarm import MemoryAlarm
-from worker.metrics import Histogram, Metrics, MetricsServer
-from worker.stream import StreamStats
+from producer.redisio.memory import MemoryReading
+from worker.ops.memalarm import MemoryAlarm
+from worker.ops.metrics import Histogram, Metrics, MetricsServer
+from worker.redisio.stream import StreamStats
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -117,7 +117,7 @@ def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(-0.2)
     sample(900, 1000)
     # Then one line said it passed maxmemory, and one that it came back
-    lines = [r.getMessage() for r in caplog.records if r.name == "worker.memalarm"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.ops.memalarm"]
     assert len(lines) == 2
     assert lines[0].startswith("Redis is past maxmemory")
     assert lines[1].startswith("Redis is back under maxmemory")
@@ -192,7 +192,7 @@ def test_an_idle_connection_neither_stops_healthz_nor_holds_up_close() -> None:
 def test_an_idle_client_timed_out_leaves_no_traceback(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker import metrics as metrics_module
+    from worker.ops import metrics as metrics_module
 
     monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 0.2)
     server = MetricsServer(Metrics(), lambda: True, 0, host="127.0.0.1")

@@ -13,7 +13,7 @@ from worker import service
 from worker.cli import main
 from worker.config import load_config, parse_config
 from worker.errors import ConfigError
-from worker.model import check_sha256, read_model_file
+from worker.model.session import check_sha256, read_model_file
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from producer import codec, errors, keys
+from producer.protocol import codec, errors, keys
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER = ROOT / "producer"
@@ -90,7 +90,11 @@ def test_producer_imports_without_onnxruntime_or_worker() -> None:
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(report["imported"]) >= {"producer", "producer.codec", "producer.keys"}
+    assert set(report["imported"]) >= {
+        "producer",
+        "producer.protocol.codec",
+        "producer.protocol.keys",
+    }
     assert report["imported"] == _producer_modules()
     assert report["heavy"] == []
 

@@ -405,7 +405,7 @@ def test_a_native_string_model_is_served(
 def test_each_stage_s_time_is_measured(config: Path, rconn: redis.Redis) -> None:
     from prometheus_client import generate_latest
 
-    from worker.metrics import Metrics
+    from worker.ops.metrics import Metrics
 
     metrics = Metrics()
     with running_worker(config, metrics=metrics):

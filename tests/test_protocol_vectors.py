@@ -18,8 +18,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from producer import codec, keys
-from producer.errors import WireFormatError
+from producer.protocol import codec, keys
+from producer.protocol.errors import WireFormatError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "protocol.md"

@@ -1,4 +1,5 @@
-"""The worker's reply encoder writes exactly the bytes of ``producer.codec.encode_reply``."""
+"""The worker's reply encoder writes exactly the bytes of
+``producer.protocol.codec.encode_reply``."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from wire_strategies import RID, a_reply, arrays, meta_values, names
 
-from producer import codec
-from producer.errors import ERROR_CODES
-from worker.replies import ReplyEncoder
+from producer.protocol import codec
+from producer.protocol.errors import ERROR_CODES
+from worker.answer.replies import ReplyEncoder
 
 MODEL = codec.ModelRef("demo", "1", "ab" * 32)
 

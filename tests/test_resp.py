@@ -8,7 +8,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from producer import resp
+from producer.redisio import resp
 
 
 def _packer(*commands: tuple[bytes, ...]) -> resp.Packer:

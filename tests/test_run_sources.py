@@ -20,14 +20,15 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from producer import codec, keys, sinks
-from producer.blocks import Block, Skipped, Source, SourceOptions
-from producer.cli import main
-from producer.core import Chunk, Result
-from producer.filewalk import iter_files
-from producer.job import format_summary, run_job
-from producer.maprows import RowFeed
-from producer.sources import open_source
+from producer.cli.main import main
+from producer.client.core import Chunk, Result
+from producer.client.maprows import RowFeed
+from producer.jobs import sinks
+from producer.jobs.blocks import Block, Skipped, Source, SourceOptions
+from producer.jobs.filewalk import iter_files
+from producer.jobs.job import format_summary, run_job
+from producer.jobs.sources import open_source
+from producer.protocol import codec, keys
 
 MODEL = "echo"
 PREFIX = keys.DEFAULT_PREFIX

@@ -17,10 +17,13 @@ import redis
 import trustme
 from harness import direct_run, running_worker, send, wait_reply, write_config
 
-from producer import AsyncClient, Client, core, shardops, shards
-from producer.cli import main as redbatch_main
-from producer.errors import ConnectionFailed
-from producer.keys import (
+from producer import AsyncClient, Client
+from producer.cli.main import main as redbatch_main
+from producer.client import core
+from producer.ops import shards as shardops
+from producer.ops.status import gather_status
+from producer.protocol.errors import ConnectionFailed
+from producer.protocol.keys import (
     cancel_key,
     dead_key,
     reply_key,
@@ -30,7 +33,7 @@ from producer.keys import (
     worker_key,
     workers_key,
 )
-from producer.status import gather_status
+from producer.redisio import shards
 from tools.localredis import LocalRedis, TlsFiles
 from worker.config import load_config
 from worker.errors import WorkerError

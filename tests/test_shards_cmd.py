@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import redis
 
-from producer import keys, shardops, shards
-from producer.cli import main
-from producer.shardops import DrainState, plan_placement, retire
-from producer.status import ShardAccess
-from producer.topology import Node, tag_slot
+from producer.cli.main import main
+from producer.ops import shards as shardops
+from producer.ops.shards import DrainState, plan_placement, retire
+from producer.ops.status import ShardAccess
+from producer.protocol import keys
+from producer.redisio import shards
+from producer.redisio.topology import Node, tag_slot
 from tools.localcluster import LocalCluster
 from tools.localredis import RedisNotInstalled
 

@@ -1,4 +1,4 @@
-"""Where a worker's time goes (``producer.stages``): rates and the bound-by verdict from two
+"""Where a worker's time goes (``producer.ops.stages``): rates and the bound-by verdict from two
 samples of its running totals, as ``redbatch status --watch`` shows them per worker, and the
 pipeline ``redbatch status`` lists for each worker (against a real Redis, no worker)."""
 
@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import redis
 
-from producer import keys, stages, watch
-from producer.cli import main
-from producer.status import WorkerInfo, gather_status
-from producer.statusreport import format_status
+from producer.cli import status as status_command
+from producer.cli.main import main
+from producer.ops import stages, watch
+from producer.ops.report import format_status
+from producer.ops.status import WorkerInfo, gather_status
+from producer.protocol import keys
 from tools.bench.metrics import scrape
-from worker.metrics import Metrics, MetricsServer
+from worker.ops.metrics import Metrics, MetricsServer
 
 MODEL = "multi_io"
 P = keys.DEFAULT_PREFIX
@@ -311,14 +313,14 @@ def test_watch_says_when_stage_rates_come(redis_url: str, rconn: redis.Redis) ->
     parser.add_argument("--redis-url")
     parser.add_argument("--prefix", default=P)
     parser.add_argument("--model", default=MODEL)
-    watch.add_arguments(parser)
+    status_command.add_watch_arguments(parser)
     args = parser.parse_args(["--redis-url", redis_url, "--watch", "--iterations", "1"])
     out = io.StringIO()
-    assert watch.run_command(args, out=out) == 0
+    assert status_command.run_watch(args, out=out) == 0
     assert "from the workers' next heartbeats on (every 5 s)" in out.getvalue()
     # A worker whose record has no totals (an older worker) adds no stage section
     rconn.flushall()
     _register(rconn, _record())
     out = io.StringIO()
-    assert watch.run_command(args, out=out) == 0
+    assert status_command.run_watch(args, out=out) == 0
     assert "stages " not in out.getvalue()

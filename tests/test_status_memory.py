@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 import redis
 
-from producer import keys, watch
-from producer.cli import main
-from producer.memory import MemoryReading
-from producer.statusformat import memory_summary
-from producer.units import format_bytes
+from producer.cli import status as status_command
+from producer.cli.main import main
+from producer.ops import watch
+from producer.ops.textformat import memory_summary
+from producer.protocol import keys
+from producer.protocol.units import format_bytes
+from producer.redisio.memory import MemoryReading
 from tools.localredis import LocalRedis
 
 MODEL = "demo"
@@ -198,7 +200,7 @@ def test_watch_first_frame_shows_memory_without_a_rate(redis_url: str, limits: r
     _fill_to(limits, 0.5)
     out = io.StringIO()
 
-    assert watch.run_command(_watch_args(redis_url), out=out) == 0
+    assert status_command.run_watch(_watch_args(redis_url), out=out) == 0
 
     memory_line = next(line for line in out.getvalue().splitlines() if line.startswith("memory "))
     figures = re.fullmatch(
@@ -221,12 +223,12 @@ def test_watch_without_info_permission_says_memory_unknown(
 
 
 def _watch_args(redis_url: str) -> argparse.Namespace:
-    """``redbatch status --watch --iterations 1``, parsed as ``producer.cli`` would."""
+    """``redbatch status --watch --iterations 1``, parsed as ``producer.cli.main`` would."""
     parser = argparse.ArgumentParser(prog="redbatch")
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--prefix", default=keys.DEFAULT_PREFIX)
     parser.add_argument("--model", default=MODEL)
-    watch.add_arguments(parser)
+    status_command.add_watch_arguments(parser)
     return parser.parse_args(["--redis-url", redis_url, "--watch", "--iterations", "1"])
 
 

@@ -8,10 +8,10 @@ import pytest
 import redis
 from redis.exceptions import AskError, ClusterDownError, ConnectionError, MovedError
 
-from producer import keys
-from producer.retry import is_transient
-from producer.shards import Shards, parse_shards, read_shards
-from producer.topology import Node, SlotMap, Topology, seed_client, tag_slot
+from producer.protocol import keys
+from producer.redisio.retry import is_transient
+from producer.redisio.shards import Shards, parse_shards, read_shards
+from producer.redisio.topology import Node, SlotMap, Topology, seed_client, tag_slot
 
 # -- tags and handles ------------------------------------------------------------------------
 

@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 import redis
 
-from producer import codec, keys, replay, replaycmd, watch, watchstats
-from producer.cli import main as redbatch_main
-from producer.errors import ConnectionFailed
-from producer.job import UsageError
-from producer.status import WorkerInfo, gather_status
-from producer.statusformat import printable
-from producer.statusreport import format_status
+from producer.cli import replay as replaycmd
+from producer.cli import status as status_command
+from producer.cli.main import main as redbatch_main
+from producer.ops import replay, watch, watchstats
+from producer.ops.report import format_status
+from producer.ops.status import WorkerInfo, gather_status
+from producer.ops.textformat import printable
+from producer.protocol import codec, keys
+from producer.protocol.errors import ConnectionFailed, UsageError
 from tools.localredis import free_port
-from worker.metrics import Metrics, MetricsServer
+from worker.ops.metrics import Metrics, MetricsServer
 
 MODEL = "demo"
 P = keys.DEFAULT_PREFIX
@@ -42,7 +44,7 @@ def _parser(add: Any) -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--prefix", default=P)
     parser.add_argument("--retry-s", type=float, default=0.0)
-    if add is watch.add_arguments:
+    if add is status_command.add_watch_arguments:
         parser.add_argument("--model", default=MODEL)
         parser.add_argument("--json", action="store_true")
     add(parser)
@@ -103,10 +105,10 @@ def test_one_refresh_shows_backlog_dead_letters_and_workers(
     out = io.StringIO()
 
     # When one frame is drawn
-    args = _parser(watch.add_arguments).parse_args(
+    args = _parser(status_command.add_watch_arguments).parse_args(
         ["--redis-url", redis_url, "--watch", "--iterations", "1"]
     )
-    assert watch.run_command(args, out=out) == 0
+    assert status_command.run_watch(args, out=out) == 0
 
     # Then it names the queue, the dead letter and the worker, without escape codes
     text = out.getvalue()
@@ -184,7 +186,7 @@ def test_metrics_urls_add_worker_side_percentiles_and_batch_rows(
     server.start()
     dead_port = free_port()
     try:
-        args = _parser(watch.add_arguments).parse_args(
+        args = _parser(status_command.add_watch_arguments).parse_args(
             [
                 "--redis-url",
                 redis_url,
@@ -198,7 +200,7 @@ def test_metrics_urls_add_worker_side_percentiles_and_batch_rows(
             ]
         )
         out = io.StringIO()
-        assert watch.run_command(args, out=out) == 0
+        assert status_command.run_watch(args, out=out) == 0
     finally:
         server.close()
     text = out.getvalue()
@@ -235,9 +237,11 @@ def test_quantiles_interpolate_like_histogram_quantile() -> None:
 
 
 def test_watch_refuses_json(redis_url: str) -> None:
-    args = _parser(watch.add_arguments).parse_args(["--redis-url", redis_url, "--watch", "--json"])
+    args = _parser(status_command.add_watch_arguments).parse_args(
+        ["--redis-url", redis_url, "--watch", "--json"]
+    )
     with pytest.raises(UsageError, match="--json"):
-        watch.run_command(args, out=io.StringIO())
+        status_command.run_watch(args, out=io.StringIO())
 
 
 @pytest.mark.parametrize(
@@ -254,20 +258,20 @@ def test_watch_options_without_watch_are_a_usage_error(
 
 def test_watch_fails_at_once_when_redis_cannot_be_reached() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    args = _parser(watch.add_arguments).parse_args(["--redis-url", url, "--watch"])
+    args = _parser(status_command.add_watch_arguments).parse_args(["--redis-url", url, "--watch"])
     with pytest.raises(ConnectionFailed, match=r"Could not talk to Redis at redis://127\.0\.0\.1"):
-        watch.run_command(args, out=io.StringIO())
+        status_command.run_watch(args, out=io.StringIO())
 
 
 _CHILD = """
 import argparse, sys
-from producer import watch
+from producer.cli import status as status_command
 parser = argparse.ArgumentParser()
 parser.add_argument("--redis-url")
 parser.add_argument("--prefix", default="redbatch")
 parser.add_argument("--model", default="demo")
-watch.add_arguments(parser)
-sys.exit(watch.run_command(parser.parse_args(sys.argv[1:])))
+status_command.add_watch_arguments(parser)
+sys.exit(status_command.run_watch(parser.parse_args(sys.argv[1:])))
 """
 
 
@@ -551,11 +555,11 @@ def test_status_text_escapes_rids_reasons_consumers_and_records(
 def test_watch_frame_escapes_rids_reasons_and_records(redis_url: str, rconn: redis.Redis) -> None:
     _hostile(rconn)
     out = io.StringIO()
-    args = _parser(watch.add_arguments).parse_args(
+    args = _parser(status_command.add_watch_arguments).parse_args(
         ["--redis-url", redis_url, "--watch", "--iterations", "1"]
     )
 
-    assert watch.run_command(args, out=out) == 0
+    assert status_command.run_watch(args, out=out) == 0
 
     text = out.getvalue()
     _assert_escaped(text)
@@ -578,12 +582,12 @@ def test_replay_report_escapes_old_rids(
 
 def test_the_first_watch_refresh_retries_for_retry_s() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    args = _parser(watch.add_arguments).parse_args(
+    args = _parser(status_command.add_watch_arguments).parse_args(
         ["--redis-url", url, "--retry-s", "0.2", "--watch"]
     )
 
     with pytest.raises(ConnectionFailed) as failed:
-        watch.run_command(args, out=io.StringIO())
+        status_command.run_watch(args, out=io.StringIO())
 
     message = str(failed.value)
     assert message.startswith(f"Redis at {url} stayed unavailable for ")

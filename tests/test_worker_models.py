@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from harness import direct_run, running_worker, send, stream_is_empty, wait_reply, write_config
 
-from worker.model import OnnxModel
+from worker.model.session import OnnxModel
 
 SLOW_WINDOW = "max_batch_size = 32\nmax_wait_ms = 300"
 

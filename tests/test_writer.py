@@ -1,6 +1,6 @@
 """Where a batch's replies are written: on the writer thread while another batch waits to run or
 when the model is the bottleneck (its run took longer than a typical write), otherwise on the
-serving thread (worker/writer.py)."""
+serving thread (worker/answer/writer.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 import redis
 from harness import send, serve_in_thread, wait_reply, write_config
 
+from worker.answer.writer import Batch, ReplyWriter
 from worker.config import load_config
 from worker.errors import WorkerError
+from worker.redisio.stream import Finish, RequestStream
 from worker.service import Worker, prepare
-from worker.stream import Finish, RequestStream
-from worker.writer import Batch, ReplyWriter
 
 STREAM = "redbatch:{demo}:requests"
 
@@ -342,7 +342,7 @@ def test_giving_up_on_redis_when_told_is_one_line_not_a_traceback(
     with pytest.raises(WorkerError):
         writer.submit(_read_batch(rconn, stream, "r0"), here=True)
     assert isinstance(writer.failure, error)
-    [record] = [r for r in caplog.records if r.name == "worker.writer"]
+    [record] = [r for r in caplog.records if r.name == "worker.answer.writer"]
     if error is ValueError:  # a bug, whenever it comes, keeps its traceback
         assert record.exc_info is not None
         return

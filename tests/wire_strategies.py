@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from producer import codec
+from producer.protocol import codec
 
 DTYPE_NAMES = list(codec.DTYPES)
 RID = r"[A-Za-z0-9_.:-]{1,128}"

@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.codec import ModelRef, Reply, encode_reply
-from producer.keys import is_valid_rid, request_stream
-from producer.topology import Topology
+from producer.protocol.codec import ModelRef, Reply, encode_reply
+from producer.protocol.keys import is_valid_rid, request_stream
+from producer.redisio.topology import Topology
 from tools import bench
 from worker.config import PROVIDERS, ModelConfig, ProviderConfig
 from worker.errors import WorkerError
-from worker.stream import Finish, RawEntry, RequestStream
+from worker.redisio.stream import Finish, RawEntry, RequestStream
 
 __all__ = ["BENCH_BUILDERS", "main", "measure_asyncio", "measure_bare", "measure_protocol"]
 
@@ -52,7 +52,7 @@ _ECHO_BLOCK_MS = 200  # how late the echo worker notices its stop flag when idle
 
 
 def _session(model_file: Path, providers: Sequence[str] = ("cpu",)) -> Any:
-    from worker.model import OnnxModel
+    from worker.model.session import OnnxModel
 
     # The worker's defaults and fallback: a provider that cannot start is left out of .providers.
     chosen = tuple(ProviderConfig(name) for name in providers)
@@ -334,7 +334,7 @@ BENCH_BUILDERS = {"image150k": image150k}
 
 def _cmd_build(args: argparse.Namespace) -> dict[str, Any]:
     from tools.synthetic import save
-    from worker.model import read_model_file
+    from worker.model.session import read_model_file
 
     if args.name in BENCH_BUILDERS:
         path = Path(args.path)

@@ -15,8 +15,8 @@ from typing import NoReturn
 
 import redis
 
-from producer.keys import DEFAULT_PREFIX, workers_key
-from producer.topology import Topology
+from producer.protocol.keys import DEFAULT_PREFIX, workers_key
+from producer.redisio.topology import Topology
 from tools.localredis import LocalRedis, RedisNotInstalled
 
 __all__ = ["answers", "redis_url", "worker_process"]

@@ -13,18 +13,18 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 import redis
 
-from producer import __version__
-from producer.keys import is_valid_name
-from producer.statusformat import tensor_spec
+from producer.ops.textformat import tensor_spec
+from producer.protocol.keys import is_valid_name
 from worker.config import WorkerConfig, load_config
 from worker.errors import WorkerError
-from worker.faults import FaultPoints
-from worker.logs import configure_logging
-from worker.metrics import Metrics, MetricsServer
+from worker.ops.faults import FaultPoints
+from worker.ops.logs import configure_logging
+from worker.ops.metrics import Metrics, MetricsServer
 from worker.service import Worker, prepare
 
 __all__ = ["main"]
@@ -44,6 +44,14 @@ read and exits 0; a second signal stops waiting for an unreachable Redis.
 """
 
 
+def _version() -> str:
+    """redbatch's installed version, from the package metadata (``unknown`` in a checkout)."""
+    try:
+        return metadata.version("redbatch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _default_name() -> str:
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
     return f"{host[:100] or 'worker'}-{os.getpid()}"
@@ -56,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"redbatch-worker {__version__}")
+    parser.add_argument("--version", action="version", version=f"redbatch-worker {_version()}")
     parser.add_argument("--config", required=True, help="path to the worker's TOML config file")
     parser.add_argument(
         "--name",
@@ -128,7 +136,7 @@ def _main(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         log.error("%s", exc)
         return 2
-    try:  # the fault-injection suite's variables, read here at the edge (worker/faults.py)
+    try:  # the fault-injection suite's variables, read here at the edge (worker/ops/faults.py)
         faults = FaultPoints.from_env(os.environ)
     except ValueError as exc:
         log.error("%s", exc)

@@ -3,8 +3,8 @@
 The stages call a few named events (``batch_done``, ``redis_down``, ``point("after_read")``) on
 one object instead of taking a callback per concern. ``Events`` is the interface and its own
 null object: every method does nothing, so an implementation overrides only what it observes
-(``worker.metrics.Metrics``, ``worker.faults.FaultPoints``) and ``Fanout`` hands each event to
-several. A worker without fault points gets the metrics alone, so a fault point on the hot path
+(``worker.ops.metrics.Metrics``, ``worker.ops.faults.FaultPoints``) and ``Fanout`` hands each event
+to several. A worker without fault points gets the metrics alone, so a fault point on the hot path
 costs one call to an empty method.
 """
 
@@ -63,7 +63,7 @@ class Events:
     # -- fault points -------------------------------------------------------------------------
 
     def point(self, name: str) -> None:
-        """The path reached a named fault point (``worker.faults.POINTS``)."""
+        """The path reached a named fault point (``worker.ops.faults.POINTS``)."""
 
     def run_starts(self, feeds: Mapping[str, np.ndarray]) -> None:
         """A run is about to start on these inputs."""

@@ -1,11 +1,13 @@
 """The item: one stream entry on its way through the worker, as admission left it.
 
-Admission (``worker.admit``) turns each entry into one of three variants, and every later stage
-switches on the variant rather than on which optional fields are set:
+Admission (``worker.intake.admit``) turns each entry into one of three variants, and every later
+stage switches on the variant rather than on which optional fields are set:
 
 - ``Admitted``: a valid request that may run, with what its reply needs.
 - ``Refused``: answered with an error code without running (MALFORMED, INVALID_INPUT, ...).
 - ``DeadLetter``: copied to the dead-letter stream; answered too when its rid names a reply key.
+
+An ``Admitted`` item that ran becomes an ``Outcome``: its output rows, or its own error.
 
 Every variant knows its entry, how many times it was delivered (a redelivered entry runs in a
 batch of its own, since it may be what killed a worker) and how long admitting it took.
@@ -18,12 +20,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from worker.cancels import CancelCheck
 from worker.errors import Rejected
-from worker.schema import ValidRequest
-from worker.stream import RawEntry
+from worker.model.schema import ValidRequest
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.stream import RawEntry
 
-__all__ = ["Admitted", "DeadLetter", "Item", "Refused"]
+__all__ = ["Admitted", "DeadLetter", "Item", "Outcome", "Refused"]
 
 
 # Not frozen: every request is built as one on the hot path, and a frozen dataclass's __init__
@@ -36,13 +38,13 @@ class Admitted:
     entry: RawEntry
     rid: str
     request: ValidRequest
-    cancel: CancelCheck  # its read's cancel check (worker/cancels.py)
+    cancel: CancelCheck  # its read's cancel check (worker/redisio/cancels.py)
     deadline_ms: int | None = None
     meta_raw: bytes | None = None  # echoed byte for byte in the reply
     reply_ttl_s: int | None = None
     decode_ms: float = 0.0
     deliveries: int = 1
-    # With a pipeline (worker/pipeline.py): the raw inputs the request sent (``request`` is
+    # With a pipeline (worker/pipeline/hooks.py): the raw inputs the request sent (``request`` is
     # then what preprocess made of them), the reply outputs it asked for (None: all) and how
     # long its preprocessing took.
     raw: dict[str, np.ndarray] | None = None
@@ -103,3 +105,14 @@ class DeadLetter:
 
 
 Item = Admitted | Refused | DeadLetter
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The result of one request: its output rows, or the error it alone caused."""
+
+    item: Admitted
+    outputs: dict[str, np.ndarray] | None
+    error: Rejected | None
+    batch_rows: int
+    inference_ms: float

@@ -21,33 +21,33 @@ from typing import Any
 
 import redis
 
-from producer.codec import ModelRef
-from producer.memory import MemoryReading
-from producer.shards import read_shards
-from producer.topology import Topology
-from worker.answer import Answerer
-from worker.batcher import Batcher
+from producer.protocol.codec import ModelRef
+from producer.redisio.memory import MemoryReading
+from producer.redisio.shards import read_shards
+from producer.redisio.topology import Topology
+from worker.answer.answerer import Answerer
+from worker.answer.batcher import Batcher
+from worker.answer.replies import ReplyEncoder
+from worker.answer.writer import Batch, ReplyWriter
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
-from worker.handler import load_handler
-from worker.hookpool import HookPool
+from worker.intake.lanes import Lanes, LaneSettings
+from worker.intake.leases import LeaseKeeper, Leases
+from worker.intake.read import Reader
 from worker.items import Item
-from worker.lanes import Lanes, LaneSettings
-from worker.leases import LeaseKeeper, Leases
-from worker.memalarm import MemoryAlarm
-from worker.metrics import Metrics
-from worker.model import OnnxModel, check_sha256, read_model_file
-from worker.pipeline import Pipeline, raw_schema
-from worker.prep import PrepStage
-from worker.read import Reader
-from worker.record import Registry, build_record
-from worker.replies import ReplyEncoder
-from worker.retry import OutageRetry, is_transient
-from worker.schema import Schema
-from worker.stream import RequestStream
+from worker.model.schema import Schema
+from worker.model.session import OnnxModel, check_sha256, read_model_file
+from worker.ops.memalarm import MemoryAlarm
+from worker.ops.metrics import Metrics
+from worker.ops.record import Registry, build_record
+from worker.pipeline.handler import load_handler
+from worker.pipeline.hookpool import HookPool
+from worker.pipeline.hooks import Pipeline, raw_schema
+from worker.pipeline.prep import PrepStage
+from worker.redisio.retry import OutageRetry, is_transient
+from worker.redisio.stream import RequestStream
 from worker.warmup import warm_up, warm_up_pipeline
-from worker.writer import Batch, ReplyWriter
 
 __all__ = ["Prepared", "Worker", "prepare"]
 
@@ -109,7 +109,7 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
 class Worker:
     """Serves one model from its request stream as one consumer of the ``workers`` group.
 
-    ``faults`` (``worker.faults.FaultPoints``, built by the CLI) hears every event along with
+    ``faults`` (``worker.ops.faults.FaultPoints``, built by the CLI) hears every event along with
     the metrics; without it the metrics alone do.
     """
 
@@ -359,7 +359,7 @@ class Worker:
 
     def _drained(self) -> bool:
         """Burst mode: nothing new to read, nothing pending on any consumer (the reader's
-        ``idle``, worker/read.py) and nothing held here."""
+        ``idle``, worker/intake/read.py) and nothing held here."""
         return (
             self.lanes.idle()
             and self._intake_empty()
@@ -417,15 +417,15 @@ class Worker:
     # -- one batch --------------------------------------------------------------------------
 
     def process(self, batch: Sequence[Item]) -> None:
-        """Answer every item of the batch (worker/answer.py), then hand the finish steps to the
-        writer, which finishes the batch in one round trip while the next one runs (or here,
+        """Answer every item of the batch (worker/answer/answerer.py), then hand the finish steps
+        to the writer, which finishes the batch in one round trip while the next one runs (or here,
         when no next one waits)."""
         answered = self.answers.answer(batch)
         self.events.point("after_inference")
         self.writer.submit(answered, here=self._write_here(answered.runs))
 
     def _write_here(self, runs: Sequence[tuple[int, float]]) -> bool:
-        """Write on this thread (worker/writer.py) when no read waits to be batched and the
+        """Write on this thread (worker/answer/writer.py) when no read waits to be batched and the
         batch ran for less than a typical write: its path is then mostly Redis and thread
         hand-offs, and the hand-off to the writer costs more than overlapping the write saves.
         A longer run means the model is the bottleneck, and no batch may wait on a write."""

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from producer.codec import RequestBody, as_tensor
-from worker.cancels import CancelCheck
+from producer.protocol.codec import RequestBody, as_tensor
+from worker.answer.run import run_batch
 from worker.errors import ModelError, Rejected
 from worker.items import Admitted, Refused
-from worker.model import Model
-from worker.pipeline import Pipeline
-from worker.run import run_batch
-from worker.schema import Schema, ValidRequest
-from worker.stream import RawEntry
+from worker.model.schema import Schema, ValidRequest
+from worker.model.session import Model
+from worker.pipeline.hooks import Pipeline
+from worker.redisio.cancels import CancelCheck
+from worker.redisio.stream import RawEntry
 
 __all__ = ["warm_up", "warm_up_pipeline"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.client import Client
-from producer.codec import encode_request
-from producer.keys import request_stream
+from producer.client.blocking import Client
+from producer.protocol.codec import encode_request
+from producer.protocol.keys import request_stream
 
 from .common import MODEL, PREFIX, progress
 

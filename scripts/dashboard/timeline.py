@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from producer.keys import CONSUMER_GROUP, request_stream
+from producer.protocol.keys import CONSUMER_GROUP, request_stream
 from tools.localredis import LocalRedis
 
 from .common import MODEL, PREFIX, progress

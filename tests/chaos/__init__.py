@@ -8,7 +8,7 @@ worker subprocesses (``python -m worker``), drives load and faults, then asks th
   show as 2), equal to its expected output or its expected error code;
 - the stream is empty, nothing is pending, the dead-letter stream holds exactly the injected
   poison, and the consumer list is bounded by the live workers;
-- duplicate executions are counted from ``REDBATCH_EXEC_LOG`` (``worker/faults.py``): at-least-
+- duplicate executions are counted from ``REDBATCH_EXEC_LOG`` (``worker/ops/faults.py``): at-least-
   once allows them after a kill, and the report shows how many.
 
 The model (``y = tanh(x @ W + b)``, ``[N, 8] -> [N, 4]``, optionally with a fixed-cost side

@@ -16,16 +16,16 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.codec import WireFormatError, decode_reply
-from producer.keys import (
+from producer.ops.shards import plan_placement
+from producer.protocol.codec import WireFormatError, decode_reply
+from producer.protocol.keys import (
     CONSUMER_GROUP,
     dead_key,
     reply_key,
     request_stream,
     shards_key,
 )
-from producer.shardops import plan_placement
-from producer.topology import Topology
+from producer.redisio.topology import Topology
 from tools.localcluster import LocalCluster
 
 from .common import PREFIX

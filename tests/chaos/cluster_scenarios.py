@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from producer.topology import tag_slot
+from producer.redisio.topology import tag_slot
 from tools.localcluster import ClusterNode, LocalCluster
 
 from .common import MODEL, ScenarioTimeout, wait_for

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from producer.keys import dead_key, request_stream
+from producer.protocol.keys import dead_key, request_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "redbatch"

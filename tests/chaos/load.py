@@ -2,8 +2,8 @@
 confirm, and recording which rids were confirmed (and by which node) and which re-sent.
 
 On a Redis Cluster each rid goes to its shard's stream (``shard_of``), on the master that owns
-the shard's slot (``producer.topology``), and the driver follows the cluster as a cluster client
-does: ``MOVED`` repoints the slot, ``ASK`` sends the refused XADDs once more to the importing
+the shard's slot (``producer.redisio.topology``), and the driver follows the cluster as a cluster
+client does: ``MOVED`` repoints the slot, ``ASK`` sends the refused XADDs once more to the importing
 node after ``ASKING``, ``TRYAGAIN`` and ``CLUSTERDOWN`` wait and retry, and a lost connection
 (a master that died) reads the slot map again. Redirected XADDs were not applied, so they are
 not counted as re-sent; ``redirects`` counts them by kind.
@@ -23,8 +23,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, MovedError
 from redis.retry import Retry
 
-from producer.keys import request_stream
-from producer.topology import Topology, is_redirect
+from producer.protocol.keys import request_stream
+from producer.redisio.topology import Topology, is_redirect
 
 from .common import MODEL, PREFIX, ScenarioTimeout
 from .workload import Requests

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from producer.codec import WireFormatError, decode_reply
-from producer.keys import CONSUMER_GROUP, reply_key
+from producer.protocol.codec import WireFormatError, decode_reply
+from producer.protocol.keys import CONSUMER_GROUP, reply_key
 
 from .common import DEAD, MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
 

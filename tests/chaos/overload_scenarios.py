@@ -25,9 +25,9 @@ import onnxruntime as ort
 import redis
 
 from producer import Client, RedbatchError, RedisFull, WaitTimeout
-from producer.core import Result as Reply
-from producer.keys import reply_key
-from producer.memory import DEFAULT_HIGH_WATERMARK
+from producer.client.core import Result as Reply
+from producer.protocol.keys import reply_key
+from producer.redisio.memory import DEFAULT_HIGH_WATERMARK
 
 from .common import DEAD, MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
 from .oracle import Result

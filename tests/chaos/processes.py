@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from producer.keys import worker_key
+from producer.protocol.keys import worker_key
 
 from .common import MODEL, PREFIX, ROOT, ScenarioTimeout, wait_for
 

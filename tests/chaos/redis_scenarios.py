@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from producer.keys import reply_key
+from producer.protocol.keys import reply_key
 
 from .common import MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
 from .oracle import Result

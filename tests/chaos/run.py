@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from producer.topology import Topology, tag_slot
+from producer.redisio.topology import Topology, tag_slot
 from tools.localcluster import LocalCluster
 from tools.localredis import LocalRedis
 

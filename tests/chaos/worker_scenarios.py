@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from producer.codec import decode_reply
-from producer.keys import reply_key
+from producer.protocol.codec import decode_reply
+from producer.protocol.keys import reply_key
 
 from .common import CRASH_VALUE, MODEL, POINTS, PREFIX, ScenarioTimeout, wait_for
 from .model import slow_depth

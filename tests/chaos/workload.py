@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from producer.codec import encode_request
+from producer.protocol.codec import encode_request
 
 from .common import CRASH_VALUE
 

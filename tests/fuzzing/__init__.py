@@ -6,7 +6,8 @@ INTERNAL and never nothing; no input crashes, hangs or bloats the worker. On top
 input's code is predicted by running ``admit`` (and the batch's value screen) locally, so the
 worker must also answer with the right code, not just an allowed one.
 
-Two drivers share one seeded ``Mutator``: ``fuzz_admit`` calls ``worker.admit.admit`` in-process
+Two drivers share one seeded ``Mutator``: ``fuzz_admit`` calls ``worker.intake.admit.admit``
+in-process
 (fast, with allocation tracking), and ``fuzz_worker`` pushes bodies through a real worker via
 Redis and returns a plain summary dict for reports. The same seed gives the same inputs, so a
 failure is replayed by its seed and index.

@@ -8,9 +8,9 @@ import tracemalloc
 from collections import Counter
 from typing import Any
 
-from worker.admit import admit
+from worker.intake.admit import admit
+from worker.intake.layouts import Layouts
 from worker.items import Admitted, DeadLetter, Item, Refused
-from worker.layouts import Layouts
 
 from .mutator import Mutator, fuzz_entry
 from .oracle import ADMIT_CODES, outcome, raw_entry
@@ -49,7 +49,7 @@ def fuzz_admit(
                 base = tracemalloc.get_traced_memory()[0]
             try:
                 item = admit(raw_entry(rid, body), schema, target.max_request_bytes)
-                # The same body through known layouts (worker/layouts.py) must fare the same.
+                # The same body through known layouts (worker/intake/layouts.py) must fare the same.
                 fast = admit(raw_entry(rid, body), schema, target.max_request_bytes, 1, layouts)
             except Exception as exc:  # the finding itself: admit must never raise
                 outcomes["EXCEPTION"] += 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.codec import encode_request
+from producer.protocol.codec import encode_request
 
 from .target import FuzzTarget
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from worker.items import Admitted, DeadLetter, Item, Refused
-from worker.schema import Schema
-from worker.stream import RawEntry
+from worker.model.schema import Schema
+from worker.redisio.stream import RawEntry
 
 #: What admit may decide for a fuzzed entry ("DEAD": dead-lettered, its rid names no reply key).
 ADMIT_CODES = frozenset({"OK", "MALFORMED", "INVALID_INPUT", "TOO_LARGE", "DEAD"})

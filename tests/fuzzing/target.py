@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from producer.codec import STRING
+from producer.protocol.codec import STRING
 from worker.config import BatchingConfig, LimitsConfig, ModelConfig, RedisConfig, WorkerConfig
-from worker.model import TensorSpec
-from worker.schema import Schema
+from worker.model.schema import Schema
+from worker.model.session import TensorSpec
 
 
 @dataclass(frozen=True, slots=True)

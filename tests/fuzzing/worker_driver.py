@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.codec import Reply, decode_reply, encode_request
-from producer.errors import WireFormatError
-from producer.keys import CONSUMER_GROUP, dead_key, reply_key, request_stream, workers_key
-from worker.admit import admit
+from producer.protocol.codec import Reply, decode_reply, encode_request
+from producer.protocol.errors import WireFormatError
+from producer.protocol.keys import CONSUMER_GROUP, dead_key, reply_key, request_stream, workers_key
+from worker.intake.admit import admit
 from worker.items import Admitted, DeadLetter, Item
-from worker.schema import Schema
+from worker.model.schema import Schema
 
 from .bodies import MIN_TTL_S
 from .mutator import Mutator, fuzz_entry

@@ -13,9 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from producer.client import DEFAULT_URL
-from producer.errors import ConnectionFailed, RedbatchError
-from producer.job import UsageError, one_line
+from producer.client.blocking import DEFAULT_URL
+from producer.jobs.job import UsageError, one_line
+from producer.protocol.errors import ConnectionFailed, RedbatchError
 from tools.bench.cli import add_arguments, run_command
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import redis
 
-from producer import argtypes, core, keys
-from producer.errors import ConnectionFailed
-from producer.job import UsageError
+from producer.cli import argtypes
+from producer.jobs.job import UsageError
+from producer.protocol import keys
+from producer.protocol.errors import ConnectionFailed
+from producer.redisio.connection import redact_url
 from tools.bench.load import CALLERS
 from tools.bench.pipelines import IMAGE_CONFIG
 from tools.bench.processes import private_cluster, private_redis
@@ -437,9 +439,7 @@ def run_command(args: argparse.Namespace) -> int:
         try:
             report = Bench(options, url, workdir).run()
         except redis.ConnectionError as exc:  # a --redis-url that does not answer
-            raise ConnectionFailed(
-                f"could not talk to Redis at {core.redact_url(url)}: {exc}"
-            ) from exc
+            raise ConnectionFailed(f"could not talk to Redis at {redact_url(url)}: {exc}") from exc
     print(format_report(report))
     if args.json:
         write_json(report, Path(args.json))

@@ -12,7 +12,8 @@ import time
 
 import redis
 
-from producer import core, keys
+from producer.client import core
+from producer.protocol import keys
 from tools.bench.errors import BenchError
 from tools.bench.load import LoadSpec, batch_rows_summary
 from tools.bench.metrics import cpu_cores, cpu_sample, memory_kib, scrape, worker_view

@@ -3,7 +3,8 @@
 The bench runs this module as a process, ``python -m tools.bench.hooks``, as it runs
 ``tools.benchkit``: it imports the worker's handler loader and the handler (Pillow, a
 tokenizer), which the bench's own process never does. It loads
-the handler exactly as a worker does (``worker.handler.load_handler``: next to ``--source-dir``
+the handler exactly as a worker does (``worker.pipeline.handler.load_handler``: next to
+``--source-dir``
 first, with ``--options``), takes one request's raw inputs (the handler's ``warmup_inputs()``,
 or rows drawn for its declared inputs), writes that request encoded for the wire
 (``--body-out``: the load the bench then sends), and calls ``preprocess`` on it from
@@ -24,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from producer import core
+from producer.client import core
 from tools.bench.load import percentiles
 from tools.bench.wire import input_rows
 from worker.config import PipelineConfig
-from worker.handler import Handler, load_handler
+from worker.pipeline.handler import Handler, load_handler
 
 __all__ = ["main", "measure_preprocess"]
 

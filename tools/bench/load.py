@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import redis
 
-from producer.errors import WaitTimeout
-from producer.topology import Topology
+from producer.protocol.errors import WaitTimeout
+from producer.redisio.topology import Topology
 from tools.bench.errors import BenchError
 from tools.bench.wire import ProducerTally, Replies, Sender, Sent
 
@@ -347,7 +347,7 @@ def _producer_main(spec: LoadSpec, conn: Any) -> None:
 
 
 def _shard_clients(client: redis.Redis, spec: LoadSpec) -> dict[str, redis.Redis] | None:
-    """Each shard tag's client, bound to its master (``producer.topology``); None for the
+    """Each shard tag's client, bound to its master (``producer.redisio.topology``); None for the
     model's own tag alone on a single Redis, which the loops then drive on ``client`` itself,
     exactly as before shards."""
     tags = spec.tags or (spec.model,)

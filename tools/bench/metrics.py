@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from producer import stages
+from producer.ops import stages
 from tools.bench.errors import BenchError
 
 __all__ = [
@@ -111,7 +111,7 @@ def pipeline_view(
     cores: int | None = None,
 ) -> dict[str, Any]:
     """A pipeline worker's stages between two scrapes: its hooks' wall and CPU ms per request,
-    how busy its hook threads and its model were, and the verdict (``producer.stages``)."""
+    how busy its hook threads and its model were, and the verdict (``producer.ops.stages``)."""
     r = stages.rates(stages.from_metrics(before, cores), stages.from_metrics(after, cores), seconds)
     pipeline = record["pipeline"]
     return {

@@ -19,7 +19,8 @@ from typing import Any
 
 import redis
 
-from producer import core, keys
+from producer.protocol import keys
+from producer.redisio.connection import redact_url
 from tools.bench import provenance
 from tools.bench.errors import BenchError
 from tools.bench.load import CALLERS, LoadSpec, run_load
@@ -130,7 +131,7 @@ class Phases:
         self._loads: dict[str, tuple[WorkerSetup, dict[str, Any]]] = {}  # phase id: its setup
         self.shard_tags: dict[str, tuple[str, ...]] = {}  # model: its shard tags, when sharded
         settings = asdict(options)
-        settings["redis"] = core.redact_url(url)
+        settings["redis"] = redact_url(url)
         self.report: dict[str, Any] = {
             "redbatch_bench": 1,
             "command": provenance.command_line(),

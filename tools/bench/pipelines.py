@@ -14,7 +14,7 @@ Two measurements, each against a reference taken in the same run:
   states the shared-cores bound: the rate at which the cores could do both for every request.
 
 Each pipeline phase carries its stages (``phase["pipeline"]``: hook ms per request, busy
-shares, the verdict ``producer.stages`` gives), which the report prints.
+shares, the verdict ``producer.ops.stages`` gives), which the report prints.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def format_pipelines(report: dict[str, Any]) -> list[str]:
         "",
         "pipelines (ms per request in the hooks, wall and CPU; busy: share of the hook "
         "threads' time, and of the model's (one run at a time); cpu: cores the worker used; "
-        "verdict: producer.stages, as redbatch status --watch says it)",
+        "verdict: producer.ops.stages, as redbatch status --watch says it)",
         f"{'phase':<24} {'threads':>7} {'pre ms':>7} {'pre cpu':>7} {'post ms':>7} "
         f"{'post cpu':>8} {'hooks':>6} {'model':>6} {'cpu':>5} {'req/s':>7}",
     ]

@@ -274,8 +274,8 @@ def worker_records(
     """The live workers' validation records for ``model`` (only ``name``'s when given)."""
     import redis
 
-    from producer.client import Client
-    from producer.topology import Topology
+    from producer.client.blocking import Client
+    from producer.redisio.topology import Topology
 
     # Seeded with the model's own master, where its worker records live (on a cluster too)
     seed = redis.Redis.from_url(url, socket_timeout=30)

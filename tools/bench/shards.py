@@ -18,10 +18,10 @@ from typing import Any
 
 import redis
 
-from producer import keys
-from producer.shardops import plan_placement
-from producer.shards import read_shards
-from producer.topology import Node, Topology, tag_slot
+from producer.ops.shards import plan_placement
+from producer.protocol import keys
+from producer.redisio.shards import read_shards
+from producer.redisio.topology import Node, Topology, tag_slot
 
 __all__ = [
     "RedisNode",
@@ -41,7 +41,7 @@ def place_shards(
     """``count`` shard tags of ``model``, the model's own tag first, each on a master no other
     of them is on: ``owner(slot)`` names the master of a slot (None, or no ``owner``: a single
     Redis, where the tags are simply ``M``, ``M~1``, ``M~2``...). The tags are the ones
-    ``redbatch shards place`` picks (``producer.shardops.plan_placement``).
+    ``redbatch shards place`` picks (``producer.ops.shards.plan_placement``).
 
     ValueError when there are fewer masters than shards (they cannot be distinct).
     """

@@ -29,8 +29,10 @@ import msgpack
 import numpy as np
 import redis
 
-from producer import core, keys, resp
-from producer.errors import WaitTimeout
+from producer.client import core
+from producer.protocol import keys
+from producer.protocol.errors import WaitTimeout
+from producer.redisio import resp
 
 __all__ = [
     "BODIES",

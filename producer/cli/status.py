@@ -1,0 +1,176 @@
+"""``redbatch status`` and its ``--watch`` view as commands: the options, the one-shot report,
+and the loop that redraws ``producer.ops.watch.render`` until Ctrl-C or ``--iterations``.
+
+The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
+Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from typing import TextIO
+from urllib.parse import urlsplit
+
+import redis
+
+from producer.cli import argtypes
+from producer.cli.argtypes import EXIT_OK
+from producer.ops import report as status_report
+from producer.ops import status
+from producer.ops.status import DEFAULT_DEAD_LIMIT
+from producer.ops.watch import DEFAULT_INTERVAL_S, render
+from producer.ops.watchstats import Snapshot, StageWatch, WorkerRates, take_snapshot
+from producer.protocol.errors import ConnectionFailed, UsageError
+from producer.redisio.connection import redact_url
+from producer.redisio.topology import Topology
+
+__all__ = [
+    "DEFAULT_DEAD_LIMIT",
+    "add_watch_arguments",
+    "run_status",
+    "run_watch",
+    "watch_only_options",
+]
+
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, erase screen
+
+
+def _metrics_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an http:// URL of a worker's /metrics, "
+            "such as http://127.0.0.1:9100/metrics"
+        )
+    return text
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--watch`` options of ``redbatch status`` (``producer.cli.main`` registers them)."""
+    add = parser.add_argument
+    add("--watch", action="store_true", help="redraw a live view until Ctrl-C")
+    add(
+        "--interval-s",
+        type=argtypes.positive_float,
+        default=None,
+        metavar="S",
+        help=f"with --watch: seconds between refreshes (default: {DEFAULT_INTERVAL_S:g})",
+    )
+    add(
+        "--iterations",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="with --watch: stop after N refreshes (default: until Ctrl-C)",
+    )
+    add(
+        "--metrics-url",
+        type=_metrics_url,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="with --watch: a worker's /metrics, for latency percentiles and batch rows "
+        "(repeat for each worker)",
+    )
+
+
+def watch_only_options(args: argparse.Namespace) -> list[str]:
+    """The --watch options given without --watch (a usage error: they would do nothing)."""
+    given = {
+        "--interval-s": args.interval_s is not None,
+        "--iterations": args.iterations is not None,
+        "--metrics-url": bool(args.metrics_url),
+    }
+    return [] if args.watch else [flag for flag, on in given.items() if on]
+
+
+def _refresh(
+    conn: redis.Redis, topology: Topology, args: argparse.Namespace, *, first: bool
+) -> Snapshot:
+    """One snapshot. The first rides out an outage for ``--retry-s``, as ``redbatch status``
+    does, since there is no view to show yet; a later one tries once, so an outage shows at once
+    over the last view, and the next refresh is the retry. The slot map is read on the first,
+    and again on each on a cluster (a failover or a migration moves shards)."""
+    retry_s = getattr(args, "retry_s", 0.0) if first else 0.0
+    if first or topology.cluster:
+        # Unreachable: the snapshot below meets the same outage, retries it and reports it.
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            topology.refresh()
+    return take_snapshot(
+        conn, args.model, args.prefix, args.metrics_url, retry_s=retry_s, topology=topology
+    )
+
+
+def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``redbatch status --watch``: redraw until Ctrl-C or ``--iterations``; returns 0."""
+    if getattr(args, "json", False):
+        raise UsageError("--watch draws a live view; leave out --json (or drop --watch).")
+    stream = sys.stdout if out is None else out
+    where = redact_url(args.redis_url)
+    clear = stream.isatty()
+    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    topology = Topology(conn)
+    rates = WorkerRates()
+    stage_rates = StageWatch()
+    before: Snapshot | None = None
+    frames = 0
+    try:
+        while args.iterations is None or frames < args.iterations:
+            if frames:
+                time.sleep(args.interval_s or DEFAULT_INTERVAL_S)
+            problem = None
+            try:
+                now = _refresh(conn, topology, args, first=before is None)
+            except ConnectionFailed as exc:
+                if before is None:
+                    raise  # it names the Redis and the retrying done, as `redbatch status` does
+                problem = f"Redis unreachable ({exc}); showing the last view, retrying"
+                now = before
+            else:
+                rates.update(now.status.workers)
+                stage_rates.update(now.status.workers)
+            frame = render(
+                None if problem else before,
+                now,
+                rates=rates,
+                redis_url=where,
+                interval_s=args.interval_s or DEFAULT_INTERVAL_S,
+                problem=problem,
+                stage_rates=stage_rates,
+            )
+            stream.write((_CLEAR if clear else ("\n" if frames else "")) + frame + "\n")
+            stream.flush()
+            before = now
+            frames += 1
+    except KeyboardInterrupt:
+        stream.write("\n")
+        stream.flush()
+    finally:
+        topology.close()
+        conn.close()
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """``redbatch status``: one report of the queue, or the live view with ``--watch``."""
+    stray = watch_only_options(args)
+    if stray:
+        raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
+    if args.watch:
+        return run_watch(args)
+    where = redact_url(args.redis_url)
+    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    try:  # a ConnectionFailed names the Redis and the retrying done; main() prints it as it is
+        report = status.gather_status(
+            conn, args.model, args.prefix, dead_limit=args.dead_letters, retry_s=args.retry_s
+        )
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps(status_report.status_to_json(report), indent=2, default=str))
+    else:
+        print(status_report.format_status(report, redis_url=where))
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""The library: ``Client`` and ``AsyncClient``, thin I/O shells over plans written once."""

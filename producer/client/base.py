@@ -1,0 +1,261 @@
+"""What ``Client`` and ``AsyncClient`` share outside their I/O: the constructor, and the state
+(``Session``) that ``producer.client.plans`` works on.
+
+``BaseClient`` checks the settings and sets up the connection once for both shells; each shell
+names its redis-py flavour (``Flavour``: blocking or asyncio). Its other methods are the ones
+that do no I/O when called (``map`` and ``wait_many`` check their arguments, then hand back an
+iterator the shell drives), so they are written once as well. It is generic in the redis-py
+client it takes and the iterators it returns, so that type checkers see each shell's own types.
+
+``ShardSpread`` is the session's view of the model's shards (contract section 1): which tags
+it sends to, when to read the list again, and which tag takes each new request.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from numpy.typing import ArrayLike
+
+from producer.client import core, steps, window
+from producer.protocol.errors import RedisFull
+from producer.protocol.keys import DEFAULT_PREFIX
+from producer.redisio import resp, shards
+from producer.redisio.connection import (
+    block_cap_s,
+    check_connection_kwargs,
+    describe_connection,
+    redact_url,
+)
+from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryWatch, check_watermark
+from producer.redisio.retry import DEFAULT_RETRY_S, RetryPolicy
+from producer.redisio.shards import Shards
+from producer.redisio.topology import seed_client
+
+__all__ = ["DEFAULT_URL", "BaseClient", "Flavour", "Session", "ShardSpread"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+RedisT = TypeVar("RedisT")
+ChunksT = TypeVar("ChunksT")
+ResultsT = TypeVar("ResultsT")
+
+
+@dataclass(frozen=True, slots=True)
+class Flavour:
+    """A shell's redis-py flavour: its client class, its TLS connection class (to say
+    ``rediss://`` for a client passed in), its ``INFO memory`` reader, and its topology
+    (``producer.redisio.topology``: which node serves each shard)."""
+
+    redis_class: Any
+    tls_class: type
+    info_memory: Callable[[Any], Any]
+    topology_class: Any
+
+
+class ShardSpread:
+    """The shards a client sends to, and which one takes each new request.
+
+    The list (``P:{M}:shards``) is read at the first submit and again when it is older than
+    ``producer.redisio.shards.REFRESH_S`` (read at each use, so tests can shorten it). The rule: the
+    k-th request this client sends goes to ``send[(start + k) % len(send)]``, with ``start``
+    random per client. So ``submit`` round-robins, ``submit_many`` and each refill of ``map``
+    split evenly (shard sizes differ by one at most), and many clients that each submit one
+    request at a time do not all start on the same shard.
+    """
+
+    __slots__ = ("_next", "_read_at", "shards")
+
+    def __init__(self, model: str) -> None:
+        self.shards = Shards.single(model)
+        self._read_at: float | None = None  # monotonic; None: never read
+        self._next = random.randrange(1 << 16)
+
+    def stale(self, now: float) -> bool:
+        """True when the list should be read before the next send."""
+        return self._read_at is None or now - self._read_at >= shards.REFRESH_S
+
+    def seen(self, found: Shards, now: float) -> None:
+        """Take a fresh reading of the list."""
+        if found.send != self.shards.send:
+            log.info("model %s: sending to shards %s", found.model, ", ".join(found.send))
+        self.shards, self._read_at = found, now
+
+    def assign(self, subs: Sequence[core.Submission]) -> dict[str, list[core.Submission]]:
+        """Give each submission without a shard the next one (one sent again keeps its own);
+        returns them by shard, each in the order given."""
+        send = self.shards.send
+        n, at = len(send), self._next
+        by_tag: dict[str, list[core.Submission]] = {}
+        for sub in subs:
+            if not sub.tag:
+                sub.tag = send[at % n]
+                at += 1
+            group = by_tag.get(sub.tag)
+            if group is None:
+                by_tag[sub.tag] = [sub]
+            else:
+                group.append(sub)
+        self._next = at % n
+        return by_tag
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """A client's checked settings and the policies its plans apply, shared by all its calls.
+
+    ``backlog_seen`` and ``full_seen`` say what holds up the send under way (the backlog, Redis
+    memory): the asyncio shell names it to a call whose time ran out behind that send.
+    ``spread`` holds the model's shards.
+    """
+
+    settings: core.Settings
+    where: str  # the Redis, as errors and logs name it: no password
+    block_cap_s: float
+    retry: RetryPolicy
+    packed: bool  # submits and reply sweeps are packed by hand (``producer.redisio.resp``)
+    memory: MemoryWatch
+    info_memory: Callable[[Any], Any]
+    backlog_seen: int | None = None
+    full_seen: RedisFull | None = None
+    spread: ShardSpread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.spread = ShardSpread(self.settings.model)
+
+
+class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
+    """The constructor and the no-I/O methods of both clients; see ``Client`` for the settings.
+
+    ``url`` goes to the flavour's ``Redis.from_url``, or pass ``redis_client`` (then ``close()``
+    leaves it open): a client of the flavour, or its ``RedisCluster``. Either way it is only a
+    seed: the client finds each shard's node itself (``producer.redisio.topology``), at first use.
+    """
+
+    _flavour: ClassVar[Flavour]
+
+    def __init__(
+        self,
+        model: str,
+        url: str = DEFAULT_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_backlog: int | None = None,
+        wait_for_backlog: bool = False,
+        redis_client: RedisT | Any | None = None,  # Any: the flavour's RedisCluster too
+        retry_s: float = DEFAULT_RETRY_S,
+        memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
+    ) -> None:
+        settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        check_watermark(memory_high_watermark)
+        flavour = self._flavour
+        redis: Any = redis_client
+        if redis is None:
+            redis = flavour.redis_class.from_url(url, decode_responses=False)
+            where = redact_url(url)
+        else:
+            pool = seed_client(redis).connection_pool
+            tls = issubclass(pool.connection_class, flavour.tls_class)
+            where = describe_connection(pool.connection_kwargs, tls)
+        self._redis: RedisT = redis
+        self._owns_redis = redis_client is None
+        seed = seed_client(redis)
+        connection_kwargs = seed.connection_pool.connection_kwargs
+        check_connection_kwargs(connection_kwargs)
+        self._session = Session(
+            settings,
+            where,
+            block_cap_s(connection_kwargs.get("socket_timeout")),
+            RetryPolicy(where, retry_s),
+            resp.supports(seed),
+            MemoryWatch(where, memory_high_watermark),
+            flavour.info_memory,
+        )
+        self._topology = flavour.topology_class(seed)
+        self._routing = steps.Routing(self._topology, model)
+        self._opened()
+
+    def _opened(self) -> None:
+        """Set up what the shell keeps beside the session; nothing unless it says so."""
+
+    @property
+    def model(self) -> str:
+        """The model this client sends to."""
+        return self._session.settings.model
+
+    def wait_many(self, handles: Sequence[str], timeout_s: float) -> ResultsT:
+        """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end.
+        Takes what ``submit`` returned (or bare rids: the model's first shard); each Result's
+        ``handle`` says which it answers."""
+        settings = self._session.settings
+        waiter = window.ReplyWaiter(settings, timeout_s)
+        now = time.monotonic()
+        for handle in handles:
+            tag, rid = settings.target(handle)
+            waiter.add(rid, now, tag)
+        return self._drain(waiter)
+
+    def map(
+        self,
+        arrays: Mapping[str, ArrayLike | Iterable[Any]],
+        *,
+        rows_per_request: int | None = None,
+        concurrency: int = 64,
+        outputs: Sequence[str] | None = None,
+        timeout_s: float = 60.0,
+        stop_on_timeout: bool = False,
+    ) -> ChunksT:
+        """Run arrays through the model in requests of at most ``rows_per_request`` rows.
+
+        Each input is an array (a list of str or bytes is a string or bytes tensor), or an
+        iterator of rows (a generator, an open file), read only as requests are sent, so an
+        input larger than memory streams; ``producer.client.maprows.Blocks`` takes arrays of many
+        rows each. Inputs must end together (ValueError when one runs out first). ``AsyncClient``
+        reads iterators on its event loop.
+
+        Yields one Chunk per request, in input order (``AsyncClient``: an async iterator); a
+        failed request is a Chunk with ``error`` set. ``rows_per_request`` defaults to the
+        smallest ``max_batch_size`` of the live workers (NoWorkerInfo when none is registered:
+        ``Client`` raises it at the call, ``AsyncClient`` on first use; bad arguments raise at
+        the call in both). ``timeout_s`` bounds the wait for each request's reply, counted from
+        when it was sent: a late request is yielded as a failed Chunk (code WAIT_TIMEOUT) and
+        cancelled, and the others carry on; with ``stop_on_timeout`` the first late reply stops
+        the sending instead, and the iteration ends once the requests already in flight are
+        yielded (its last chunk then stops short of the input's end). Stopping the iteration
+        early cancels the requests still in flight. Each refill of the window is one pipelined
+        submit, split evenly over the model's shards, with the same backlog check as
+        ``submit_many``. When Redis is full (``RedisFull``), the sending stops: the requests in
+        flight are still awaited and yielded, and then the refusal is raised; the rows after
+        the last chunk yielded were not all sent (with several shards, one with room may have
+        taken some, which are answered but not yielded; with ``wait_for_backlog``, map waits
+        for room instead).
+        """
+        plan = window.MapPlan(
+            self._session.settings,
+            arrays,
+            rows_per_request=rows_per_request,
+            concurrency=concurrency,
+            outputs=outputs,
+            timeout_s=timeout_s,
+            stop_on_timeout=stop_on_timeout,
+        )
+        return self._map(plan)
+
+    @abstractmethod
+    def _drain(self, waiter: window.ReplyWaiter) -> ResultsT:
+        """The replies ``waiter`` awaits, as they arrive."""
+
+    @abstractmethod
+    def _map(self, plan: window.MapPlan) -> ChunksT:
+        """``plan``'s chunks, in input order."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(model={self.model!r}, url={self._session.where!r})"

@@ -1,0 +1,288 @@
+"""``Client``: the blocking client, a thin redis-py shell that runs ``producer.client.plans``.
+
+Every decision (what to send, how long to block, which chunk comes next) is made in the plans and
+the sans-I/O pieces they use (``core``, ``window``); this module only runs the Redis commands
+they yield. ``producer.client.aio.AsyncClient`` runs the same plans with ``await``.
+
+Example::
+
+    with Client("demo", "redis://127.0.0.1:6379/0") as client:
+        y = client.infer({"x": np.ones((1, 4), np.float32)})["y"]
+        for chunk in client.map({"x": big}, rows_per_request=32):
+            chunk.raise_for_error()
+            use(chunk.start, chunk.stop, chunk.outputs)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import numpy as np
+import redis
+from numpy.typing import ArrayLike
+
+from producer.client import core, plans, steps, window
+from producer.client.base import DEFAULT_URL, BaseClient, Flavour
+from producer.client.core import Chunk, Result
+from producer.redisio import resp
+from producer.redisio.memory import info_memory
+from producer.redisio.retry import REDIS_ERRORS
+from producer.redisio.topology import Topology
+
+__all__ = ["DEFAULT_URL", "Client"]
+
+R = TypeVar("R")
+
+# The backlog wait's sleep; a module attribute so tests can see that a submit waited.
+_sleep = time.sleep
+
+
+class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
+    """Submit requests to one model's workers and collect their replies (blocking I/O).
+
+    ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
+    or pass ``redis_client``, a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (then
+    ``close()`` leaves it open; turn its own retries off, ``retry=Retry(NoBackoff(), 0)``, or
+    a pop it retries after losing a reply goes unseen and that request is not sent again: see
+    ``producer.redisio.retry``). On Redis Cluster, any node's URL will do: the client finds each
+    shard's master itself, and follows ``MOVED`` replies.
+
+    Requests are spread over the model's shards (``P:{M}:shards``, read at the first submit and
+    every 5 s): ``submit`` takes each shard in turn from a random one, ``submit_many`` and each
+    refill of ``map`` split evenly. ``submit`` returns a handle: the rid on the model's first
+    shard (so one shard looks as before shards), ``T/R`` on another; ``poll``, ``wait``,
+    ``wait_many`` and ``cancel`` take a handle or a bare rid (the first shard).
+
+    With ``max_backlog`` set, submits refuse with ``BacklogFull`` while the request streams hold
+    that many entries in all (summed over the shards: one limit for the model, whatever its
+    shard count), or wait for the backlog to shrink when ``wait_for_backlog`` is true
+    (``infer`` waits no longer than its ``timeout_s``, then raises ``BacklogFull`` with nothing
+    sent).
+
+    Redis memory is a limit too: once ``used_memory`` reaches ``memory_high_watermark`` of
+    ``maxmemory`` (0.8 by default; None turns it off; nothing applies without a ``maxmemory``),
+    submits refuse with ``RedisFull``, or wait for room with ``wait_for_backlog``, so that the
+    workers keep the rest to answer what is queued. Memory is read with ``INFO memory`` about
+    once a second, not per submit, from each shard's node (on a cluster the fullest master
+    counts); a write Redis itself refuses for memory is ``RedisFull`` too.
+
+    Every Redis command is retried with capped, jittered backoff through outages of up to
+    ``retry_s`` seconds (0: no retries), with one log line when an outage starts and one when it
+    ends; then ``RedisUnavailable`` is raised. Other Redis errors raise ``ConnectionFailed`` at
+    once. A retried submit resends the same request (same rid and body), so a lost answer can
+    queue it twice, never as a different request; ``producer.redisio.retry`` has the details.
+    """
+
+    _flavour = Flavour(redis.Redis, redis.SSLConnection, info_memory, Topology)
+    _topology: Topology
+
+    # -- submitting ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        inputs: Mapping[str, ArrayLike],
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        rid: str | None = None,
+        reply_ttl_s: int | None = None,
+    ) -> str:
+        """Queue one request and return its handle (its rid on the model's first shard, else
+        ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        self._run(plans.send(self._session, [sub]))
+        return sub.handle
+
+    def submit_many(
+        self,
+        requests: Sequence[Mapping[str, ArrayLike]],
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        reply_ttl_s: int | None = None,
+    ) -> list[str]:
+        """Queue many requests in one pipelined round trip (one per node on a cluster, sent one
+        after another, every node's before any answer is read); returns their handles in
+        order. They are split evenly over the shards, and go in transactions of up to 256
+        requests (or about 1 MiB) of one shard each, each added whole or not at all: an error
+        raised by a larger call (Redis refusing for memory part-way, an outage) may leave its
+        first transactions queued."""
+        subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
+        if subs:
+            self._run(plans.send(self._session, subs))
+        return [sub.handle for sub in subs]
+
+    # -- replies ---------------------------------------------------------------------------
+
+    def poll(self, handle: str) -> Result | None:
+        """The reply of ``handle`` (or rid) if it has arrived, else None; never blocks, never
+        consumes."""
+        return self._run(plans.poll(self._session, self._session.settings.target(handle)))
+
+    def wait(self, handle: str, timeout_s: float) -> Result:
+        """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout."""
+        target = self._session.settings.target(handle)
+        return self._run(plans.wait(self._session, target, timeout_s, time.monotonic()))
+
+    def infer(
+        self,
+        inputs: Mapping[str, ArrayLike],
+        timeout_s: float = 30.0,
+        *,
+        outputs: Sequence[str] | None = None,
+        deadline_s: float | None = None,
+        meta: Any = None,
+        rid: str | None = None,
+        reply_ttl_s: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Submit, wait and return the outputs; raises the typed RequestFailed subclass.
+
+        The whole call, submit included, ends within ``timeout_s``: WaitTimeout when no reply
+        came, RedisUnavailable when Redis was down then, BacklogFull when the backlog never
+        dropped (with ``wait_for_backlog``; the request was not sent).
+        """
+        started = time.monotonic()
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        return self._run(plans.infer(self._session, sub, timeout_s, started))
+
+    def _drain(self, waiter: window.ReplyWaiter) -> Iterator[Result]:
+        return self._iterate(plans.drain(self._session, waiter))
+
+    def _map(self, plan: window.MapPlan) -> Iterator[Chunk]:
+        self._run(plans.fit_rows(self._session, plan))  # NoWorkerInfo at the call
+        return self._iterate(plans.run_map(self._session, plan))
+
+    # -- control and status ----------------------------------------------------------------
+
+    def cancel(self, handle: str, ttl_s: int = 3600) -> None:
+        """Ask workers not to run ``handle`` (or rid): sets its cancel key, in its shard, for
+        ``ttl_s`` seconds."""
+        target = self._session.settings.target(handle)
+        self._run(plans.cancel(self._session, [target], core.check_ttl_s("ttl_s", ttl_s)))
+
+    def backlog(self) -> int:
+        """Entries in the model's request streams (summed over its shards): queued plus in
+        progress."""
+        return self._run(plans.backlog(self._session))
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The live workers' validation records, by name; forgets workers whose record expired."""
+        return self._run(plans.workers(self._session))
+
+    # -- running plans ---------------------------------------------------------------------
+
+    def _run(self, plan: steps.Plan[R]) -> R:
+        """Run ``plan`` to its end and return what it returns."""
+        stepper = steps.Stepper(plan)
+        while (step := stepper.step()) is not steps.DONE:
+            self._do(stepper, step)
+        return stepper.result
+
+    def _iterate(self, plan: steps.Plan[None]) -> Iterator[Any]:
+        """Run a streaming plan, yielding its outputs. Closing the iterator early stops the plan
+        (``steps.CallerStopped``), whose clean-up still runs its commands."""
+        stepper: steps.Stepper[None] = steps.Stepper(plan)
+        while (step := stepper.step()) is not steps.DONE:
+            if isinstance(step, steps.Step):
+                self._do(stepper, step)
+                continue
+            try:
+                yield step
+            except BaseException as exc:  # GeneratorExit included: the plan cleans up
+                stepper.fail(exc)
+
+    def _do(self, stepper: steps.Stepper[Any], cmd: steps.Step) -> None:
+        """Take one step, handing its answer or error back to the plan."""
+        try:
+            if isinstance(cmd, steps.Sleep):
+                _sleep(cmd.seconds)
+            else:
+                stepper.answer(cmd.retry.call(self._once, cmd))
+        except BaseException as exc:  # KeyboardInterrupt included: the plan cleans up
+            stepper.fail(exc)
+
+    def _once(self, cmd: steps.Call | steps.Batch) -> Any:
+        """One try of ``cmd`` on its shard's node; its retry policy calls this again after a
+        transient error (a redirect followed, or the slot map read again, first)."""
+        cmd.tries += 1
+        routing = self._routing
+        try:
+            if routing.refresh_due():
+                self._topology.refresh()
+                routing.refreshed()
+            if isinstance(cmd, steps.Call):
+                return cmd.fn(routing.client(cmd.tag))
+            groups = steps.pending(cmd, routing)
+            if len(groups) == 1:
+                _round_trip(*groups[0])
+            elif groups:
+                self._round_trips(groups)
+            return cmd.answers()
+        except REDIS_ERRORS as exc:
+            routing.failed(exc)
+            raise
+
+    def _round_trips(self, groups: list[tuple[redis.Redis, list[steps.Part]]]) -> None:
+        """One round trip per node: every node's commands sent before any answer is read, so
+        the nodes work at once. Each node's answers are taken before the first error is
+        raised, so that a retry sends only what failed."""
+        errors: list[Exception] = []
+        flights = []
+        try:
+            for client, parts in groups:
+                packer = steps.packed(parts)
+                try:
+                    if packer is None:
+                        _round_trip(client, parts)
+                    else:
+                        flights.append((resp.send(client, packer), parts))
+                except REDIS_ERRORS as exc:
+                    errors.append(exc)
+            for flight, parts in flights:
+                try:
+                    steps.settle(parts, flight.receive())
+                except REDIS_ERRORS as exc:
+                    errors.append(exc)
+        finally:
+            for flight, _ in flights:
+                flight.abandon()  # only one still owing replies: an error cut its reading short
+        for error in errors[1:]:
+            self._routing.failed(error)
+        if errors:
+            raise errors[0]
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the connections, unless the Redis client was passed in (the connections to
+        other cluster nodes are the client's own: closed either way)."""
+        self._topology.close()
+        if self._owns_redis:
+            self._redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _round_trip(client: redis.Redis, parts: list[steps.Part]) -> None:
+    """The parts' commands in one round trip to ``client``'s node."""
+    packer = steps.packed(parts)
+    if packer is not None:
+        steps.settle(parts, resp.round_trip(client, packer))
+        return
+    pipe = client.pipeline(transaction=False)
+    steps.queue(pipe, parts)
+    steps.settle(parts, pipe.execute(raise_on_error=False))

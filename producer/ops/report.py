@@ -1,0 +1,291 @@
+"""``redbatch status`` as a table a person reads (``format_status``) and as plain JSON values
+(``status_to_json``), from what ``producer.ops.status`` gathered. Both lead with Redis memory
+against ``maxmemory``: past the producers' high watermark new work is refused (``RedisFull``), so
+operators must see it come. With one shard the report is as it always was; with more, the text
+adds a table of shards and a total line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producer.ops.status import DeadLetters, ModelStatus, RequestsInfo, iso_age_s
+from producer.ops.textformat import (
+    INFO_REFUSED,
+    ago,
+    ago_or_dash,
+    duration,
+    memory_notes,
+    memory_summary,
+    printable,
+    producers_refused,
+    record_lines,
+    show,
+    table,
+)
+from producer.protocol import keys
+from producer.redisio.memory import MemoryReading
+
+__all__ = ["format_status", "status_to_json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+def status_to_json(status: ModelStatus) -> dict[str, Any]:
+    """The status as JSON values: the dataclasses' fields, with each worker's full record;
+    ``requests`` and ``dead`` are the totals, ``shards`` each shard's own."""
+    return {
+        "model": status.model,
+        "prefix": status.prefix,
+        "observed_at": status.observed_at,
+        "cluster": status.cluster,
+        "requests": _requests_json(status.requests),
+        "dead": _dead_json(status.dead),
+        "shards": [
+            {
+                "tag": s.tag,
+                "state": s.state,
+                "node": s.node,
+                "requests": _requests_json(s.requests),
+                "dead": _dead_json(s.dead),
+            }
+            for s in status.shards
+        ],
+        "workers": [
+            {
+                "name": w.name,
+                "ttl_s": w.ttl_s,
+                "heartbeat_age_s": iso_age_s(w.get("heartbeat_at"), status.observed_at),
+                "record": w.record,
+            }
+            for w in status.workers
+        ],
+        "expired_workers": list(status.expired_workers),
+        "redis": _memory_json(status.memory, status.memory_node),
+    }
+
+
+def _requests_json(req: RequestsInfo) -> dict[str, Any]:
+    group = req.group
+    return {
+        "key": req.key,
+        "exists": req.exists,
+        "backlog": req.backlog,
+        "oldest_entry_age_s": req.oldest_entry_age_s,
+        "group": None
+        if group is None
+        else {
+            "name": group.name,
+            "pending": group.pending,
+            "lag": group.lag,
+            "last_delivered_id": group.last_delivered_id,
+            "consumers": [
+                {"name": c.name, "pending": c.pending, "idle_ms": c.idle_ms}
+                for c in group.consumers
+            ],
+        },
+    }
+
+
+def _dead_json(dead: DeadLetters) -> dict[str, Any]:
+    return {
+        "key": dead.key,
+        "count": dead.count,
+        "recent": [
+            {
+                "entry_id": d.entry_id,
+                "rid": d.rid,
+                "reason": d.reason,
+                "age_s": d.age_s,
+                "shard": d.tag or None,
+            }
+            for d in dead.recent
+        ],
+    }
+
+
+def _memory_json(reading: MemoryReading | None, node: str | None = None) -> dict[str, Any] | None:
+    if reading is None:
+        return None
+    return {
+        "node": node,
+        "used_memory": reading.used_bytes,
+        "maxmemory": reading.max_bytes,
+        "maxmemory_policy": reading.policy,
+        "used_fraction": reading.used_fraction,
+        "headroom_bytes": reading.headroom_bytes,
+        "producers_refused": producers_refused(reading),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
+    """Render the status as the readable report ``redbatch status`` prints: with one shard its
+    stream, group and dead letters; with more, a table of shards and their total first."""
+    where = f" at {redis_url}" if redis_url else ""
+    lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}"]
+    lines += [*_format_memory(status.memory, status.memory_node), ""]
+    if len(status.shards) > 1:
+        lines += _format_shards(status)
+        lines.append("")
+        lines += _format_consumers(status.requests)
+    else:
+        lines += _format_requests(status.requests)
+    lines.append("")
+    lines += _format_dead(status.dead, sharded=len(status.shards) > 1)
+    lines.append("")
+    lines += _format_workers(status)
+    return "\n".join(map(printable, lines))
+
+
+def _format_shards(status: ModelStatus) -> list[str]:
+    """One row per shard and a total: where it lives, backlog, pending, lag, dead, oldest."""
+    sending = sum(s.state == "send" for s in status.shards)
+    retiring = len(status.shards) - sending
+    title = f"Shards: {len(status.shards)} ({sending} taking requests"
+    title += f", {retiring} retiring: drained, no longer sent to)" if retiring else ")"
+    header = ["SHARD", "STATE", *(["MASTER"] if status.cluster else []), "BACKLOG", "PENDING"]
+    rows = [[*header, "LAG", "DEAD", "OLDEST"]]
+    for s in status.shards:
+        rows.append(
+            [
+                s.tag,
+                s.state,
+                *([s.node or "-"] if status.cluster else []),
+                *_shard_cells(s.requests, s.dead),
+            ]
+        )
+    blank = [""] if status.cluster else []
+    rows.append(["total", "", *blank, *_shard_cells(status.requests, status.dead)])
+    first = 3 if status.cluster else 2
+    return [title, *table(rows, indent="  ", right=frozenset(range(first, first + 4)))]
+
+
+def _shard_cells(req: RequestsInfo, dead: DeadLetters) -> list[str]:
+    group = req.group
+    oldest = "-" if req.oldest_entry_age_s is None else ago(req.oldest_entry_age_s)
+    return [
+        str(req.backlog),
+        "-" if group is None else str(group.pending),
+        "-" if group is None or group.lag is None else str(group.lag),
+        str(dead.count),
+        oldest,
+    ]
+
+
+def _format_consumers(req: RequestsInfo) -> list[str]:
+    """The group's consumers over all shards (a worker is one consumer on each)."""
+    group = req.group
+    if group is None:
+        return [f"Consumers: no consumer group {keys.CONSUMER_GROUP!r} yet (no worker has started)"]
+    if not group.consumers:
+        return ["Consumers: none yet"]
+    lines = [f"Consumers of group {group.name!r}, over all shards"]
+    rows = [["CONSUMER", "PENDING", "IDLE"]]
+    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
+
+
+def _format_memory(reading: MemoryReading | None, node: str | None = None) -> list[str]:
+    if reading is None:
+        return [f"Redis memory {INFO_REFUSED}"]
+    notes = [f"  {note}" for note in memory_notes(reading)]
+    where = f" (fullest master, {node})" if node else ""
+    return [f"Redis memory{where}: {memory_summary(reading)}", *notes]
+
+
+def _format_requests(req: RequestsInfo) -> list[str]:
+    lines = [f"Requests stream {req.key}"]
+    if not req.exists:
+        return [*lines, "  no requests stream yet (no request sent and no worker started)"]
+    oldest = (
+        "" if req.oldest_entry_age_s is None else f", oldest entry {ago(req.oldest_entry_age_s)}"
+    )
+    lines.append(f"  backlog (XLEN): {req.backlog}{oldest}")
+    group = req.group
+    if group is None:
+        return [*lines, f"  no consumer group {keys.CONSUMER_GROUP!r} yet (no worker has started)"]
+    lag = "unknown" if group.lag is None else str(group.lag)
+    lines.append(
+        f"  group {group.name!r}: pending {group.pending}, lag {lag}, "
+        f"last delivered {group.last_delivered_id}"
+    )
+    if not group.consumers:
+        return [*lines, "  no consumers yet"]
+    rows = [["CONSUMER", "PENDING", "IDLE"]]
+    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
+
+
+def _format_dead(dead: DeadLetters, *, sharded: bool = False) -> list[str]:
+    if sharded:
+        lines = [f"Dead letters: {dead.count} over all shards (P:{{T}}:dead)"]
+    else:
+        lines = [f"Dead letters {dead.key}: {dead.count}"]
+    if dead.recent:
+        shard = ["SHARD"] if sharded else []
+        rows = [[*shard, "ENTRY", "AGE", "RID", "REASON"]]
+        rows += [
+            [*([d.tag] if sharded else []), d.entry_id, ago(d.age_s), d.rid or "-", d.reason]
+            for d in dead.recent
+        ]
+        lines += table(rows, indent="  ")
+    return lines
+
+
+def _format_workers(status: ModelStatus) -> list[str]:
+    now = status.observed_at
+    lines = [f"Workers: {len(status.workers)} live"]
+    if status.expired_workers:
+        lines.append(
+            f"  removed {len(status.expired_workers)} expired from the registry: "
+            + ", ".join(status.expired_workers)
+        )
+    if not status.workers:
+        return [*lines, "  no live worker has registered for this model"]
+    rows = [
+        [
+            "NAME",
+            "STATE",
+            "VERSION",
+            "SHA256",
+            "PROVIDERS",
+            "BATCH",
+            "ORT",
+            "HOST:PID",
+            "STARTED",
+            "HEARTBEAT",
+            "SERVED",
+        ]
+    ]
+    for w in status.workers:
+        providers = w.get("runtime", "providers") or []
+        served_req, served_batches = w.get("served", "requests"), w.get("served", "batches")
+        rows.append(
+            [
+                w.name,
+                show(w.get("state")),
+                show(w.get("model", "version")),
+                show(w.get("model", "sha256"))[:12],
+                ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
+                f"{show(w.get('batching', 'max_batch_size'))} rows/"
+                f"{show(w.get('batching', 'max_wait_ms'))} ms",
+                show(w.get("runtime", "onnxruntime")),
+                f"{show(w.get('host'))}:{show(w.get('pid'))}",
+                ago_or_dash(iso_age_s(w.get("started_at"), now)),
+                ago_or_dash(iso_age_s(w.get("heartbeat_at"), now)),
+                f"{show(served_req)} req/{show(served_batches)} batches",
+            ]
+        )
+    lines += table(rows, indent="  ")
+    for w in status.workers:
+        lines.append(f"  {w.name}:")
+        if w.get("error"):
+            lines.append(f"    {w.get('error')}")
+        lines += [f"    {line}" for line in record_lines(w.record)]
+    return lines

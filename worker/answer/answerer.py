@@ -1,0 +1,325 @@
+"""Answering a batch: every item becomes its finish step, with the admitted ones run first.
+
+This is the one place where replies and finish steps (``worker.redisio.stream.Finish``) are built. A
+refused item is answered with its error; a dead letter is copied to the dead-letter stream (and
+answered when it has a rid); an admitted one is answered CANCELLED or DEADLINE_EXCEEDED when
+that is already known, else run with the requests of its shape (``worker.answer.run``) and answered
+with its outputs or the error it alone caused. The ok replies of one run are encoded together,
+so what they share is packed once. The writer then finishes the whole batch in one round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from producer.protocol.codec import ErrorInfo
+from worker.answer.assemble import FeedBuffers
+from worker.answer.replies import ReplyEncoder
+from worker.answer.run import run_batch
+from worker.answer.writer import Batch
+from worker.errors import Rejected
+from worker.events import Events
+from worker.items import Admitted, DeadLetter, Item, Outcome, Refused
+from worker.model.schema import Schema
+from worker.model.session import OnnxModel
+from worker.pipeline.hooks import Pipeline
+from worker.redisio import cancels
+from worker.redisio.stream import Finish, RawEntry, RequestStream
+
+__all__ = ["Answerer"]
+
+# The logger's name is the one these lines have always had.
+log = logging.getLogger("worker.service")
+
+
+class Answerer:
+    """Answers batches for one worker, on the main thread (its input buffers are reused)."""
+
+    def __init__(
+        self,
+        model: OnnxModel,
+        schema: Schema,
+        streams: Callable[[str], RequestStream],
+        encoder: ReplyEncoder,
+        reply_ttl_s: int,
+        events: Events,
+        pipeline: Pipeline | None = None,
+    ) -> None:
+        self.model = model
+        self.pipeline = pipeline
+        self.schema = schema
+        self.streams = streams  # a shard's stream, for the cancel recheck
+        self.encoder = encoder
+        self.reply_ttl_s = reply_ttl_s
+        self.events = events
+        self.buffers = FeedBuffers(max(schema.max_batch_size, schema.fixed_batch or 0))
+        self.running_since: float | None = None  # monotonic start of the run in progress
+
+    def answer(self, batch: Sequence[Item]) -> Batch:
+        """The batch's finish steps, with what metrics want to know once it is written."""
+        started_ms = time.time() * 1000.0
+        runs: list[tuple[int, float]] = []
+        try:
+            finishes = self._answer(batch, started_ms, runs)
+        except Exception:  # a bug here must not stop the worker or leave requests unanswered
+            log.exception("batch failed unexpectedly; answering its requests INTERNAL")
+            error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
+            finishes = [self._failure(item, error, started_ms) for item in batch]
+        return Batch(
+            finishes,
+            queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
+            decode_s=[item.decode_ms / 1000.0 for item in batch],
+            runs=runs,
+        )
+
+    def _answer(
+        self, batch: Sequence[Item], started_ms: float, runs: list[tuple[int, float]]
+    ) -> list[Finish]:
+        finishes: list[Finish] = []
+        runnable: list[Admitted] = []
+        for item in batch:
+            match item:
+                case Admitted():
+                    error = cancels.already(item) or _expired(item)
+                    if error is None:
+                        runnable.append(item)
+                    else:
+                        finishes.append(self._refusal(item, error, started_ms))
+                case Refused():
+                    finishes.append(self._refusal(item, item.error, started_ms))
+                case DeadLetter():
+                    finishes.append(self._dead_letter(item, item.error, started_ms))
+        for group in _by_signature(runnable):
+            live = []
+            for item in group:  # cancels and deadlines again, just before the run
+                error = cancels.already(item) or _expired(item)
+                if error is not None:
+                    finishes.append(self._refusal(item, error, started_ms))
+                else:
+                    live.append(item)
+            if live:
+                finishes += self._run(live, started_ms, runs)
+        return finishes
+
+    def _run(
+        self, items: list[Admitted], started_ms: float, runs: list[tuple[int, float]]
+    ) -> list[Finish]:
+        check = cancels.RunCheck(self.streams, items)
+        self.running_since = time.monotonic()
+        try:
+            outcomes = run_batch(
+                self.model,
+                self.schema,
+                items,
+                self._output_names(items),
+                runs=runs,
+                buffers=self.buffers,
+                pad_rows=self.model.padded_rows,
+                events=self.events,
+            )
+        finally:
+            self.running_since = None
+            check.run_ended()
+        return self._finish_run(outcomes, started_ms, check)
+
+    def _output_names(self, items: Iterable[Admitted]) -> list[str]:
+        wanted = {n for item in items for n in item.request.outputs}
+        return [n for n in self.schema.output_names if n in wanted]
+
+    def _finish_run(
+        self, outcomes: Sequence[Outcome], started_ms: float, check: cancels.RunCheck
+    ) -> list[Finish]:
+        """The finish steps of a sub-batch's outcomes; the ok replies of each run are encoded
+        together (what they share is packed once)."""
+        finishes = []
+        runs: dict[tuple[int, float], list[Outcome]] = {}
+        for outcome in outcomes:
+            item = outcome.item
+            if check.cancelled(item):  # its cancel check answered after the run started
+                self.events.cancelled_after_run()
+                finishes.append(
+                    self._refusal(item, cancels.cancelled_error(), started_ms, outcome.inference_ms)
+                )
+                continue
+            if outcome.error is None:
+                runs.setdefault((outcome.batch_rows, outcome.inference_ms), []).append(outcome)
+                continue
+            if outcome.error.code == "INFERENCE_FAILED":
+                log.warning(
+                    "request failed in the runtime",
+                    extra={"fields": {"rid": item.rid, "error": outcome.error.message}},
+                )
+            finishes.append(self._refusal(item, outcome.error, started_ms, outcome.inference_ms))
+        if self.pipeline is not None:
+            return finishes + self._finish_pipeline(runs, started_ms)
+        for (rows, inference_ms), done in runs.items():
+            items = [o.item for o in done]
+            replies = self.encoder.encode_run(
+                [
+                    (item.rid, o.outputs or {}, _queued_ms(item.entry, started_ms), item.meta_raw)
+                    for item, o in zip(items, done, strict=True)
+                ],
+                batch_rows=rows,
+                inference_ms=round(inference_ms, 3),
+            )
+            finishes += [
+                Finish(
+                    item.entry.entry_id,
+                    item.rid,
+                    reply,
+                    self._ttl(item.reply_ttl_s),
+                    code="OK",
+                    shard=item.entry.shard,
+                )
+                for item, reply in zip(items, replies, strict=True)
+            ]
+        return finishes
+
+    def _finish_pipeline(
+        self, runs: dict[tuple[int, float], list[Outcome]], started_ms: float
+    ) -> list[Finish]:
+        """The ok outcomes' replies through the pipeline's postprocess: each request's own
+        outputs, or the error its postprocess alone caused; timings add its pre and post."""
+        assert self.pipeline is not None
+        done = [o for group in runs.values() for o in group]
+        post_started = time.perf_counter()
+        results = self.pipeline.postprocess(done)
+        post_ms = (time.perf_counter() - post_started) * 1000.0 / max(len(done), 1)
+        finishes = []
+        for outcome, result in zip(done, results, strict=True):
+            item = outcome.item
+            if isinstance(result, Rejected):
+                if result.code == "INFERENCE_FAILED":
+                    log.warning(
+                        "postprocess failed on a request",
+                        extra={"fields": {"rid": item.rid, "error": result.message}},
+                    )
+                finishes.append(self._refusal(item, result, started_ms, outcome.inference_ms))
+                continue
+            timings = {
+                "queued": _queued_ms(item.entry, started_ms),
+                "inference": round(outcome.inference_ms, 3),
+                "preprocess": round(item.preprocess_ms, 3),
+                "postprocess": round(post_ms, 3),
+            }
+            reply = self.encoder.encode(
+                item.rid,
+                outputs=result,
+                batch_rows=outcome.batch_rows,
+                timings_ms=timings,
+                meta_raw=item.meta_raw,
+            )
+            finishes.append(
+                Finish(
+                    item.entry.entry_id,
+                    item.rid,
+                    reply,
+                    self._ttl(item.reply_ttl_s),
+                    code="OK",
+                    shard=item.entry.shard,
+                )
+            )
+        return finishes
+
+    # -- replies without outputs ---------------------------------------------------------------
+
+    def _failure(self, item: Item, error: Rejected, started_ms: float) -> Finish:
+        """``item`` answered with ``error`` whatever its variant (a dead letter without a rid
+        has no reply key: the dead-letter stream is its answer)."""
+        if isinstance(item, DeadLetter):
+            return self._dead_letter(item, error, started_ms)
+        return self._refusal(item, error, started_ms)
+
+    def _refusal(
+        self,
+        item: Admitted | Refused,
+        error: Rejected,
+        started_ms: float,
+        inference_ms: float = 0.0,
+    ) -> Finish:
+        reply = self._error_reply(
+            item.rid, item.entry, item.meta_raw, error, started_ms, inference_ms
+        )
+        return Finish(
+            item.entry.entry_id,
+            item.rid,
+            reply,
+            self._ttl(item.reply_ttl_s),
+            code=error.code,
+            shard=item.entry.shard,
+        )
+
+    def _dead_letter(self, item: DeadLetter, error: Rejected | None, started_ms: float) -> Finish:
+        log.warning(
+            "dead-lettered an entry",
+            extra={
+                "fields": {
+                    "entry": item.entry.entry_id.decode(),
+                    "rid": item.rid,
+                    "reason": item.reason,
+                }
+            },
+        )
+        if item.rid is None:  # no reply key can be named: the dead-letter stream is its answer
+            return Finish(
+                item.entry.entry_id,
+                dead_reason=item.reason,
+                code="DEAD_LETTER",
+                shard=item.entry.shard,
+            )
+        assert error is not None
+        reply = self._error_reply(item.rid, item.entry, None, error, started_ms, 0.0)
+        return Finish(
+            item.entry.entry_id,
+            item.rid,
+            reply,
+            self._ttl(None),
+            dead_reason=item.reason,
+            code=error.code,
+            shard=item.entry.shard,
+        )
+
+    def _error_reply(
+        self,
+        rid: str,
+        entry: RawEntry,
+        meta_raw: bytes | None,
+        error: Rejected,
+        started_ms: float,
+        inference_ms: float,
+    ) -> bytes:
+        info = ErrorInfo(error.code, error.message, error.retryable)
+        timings = {"queued": _queued_ms(entry, started_ms), "inference": round(inference_ms, 3)}
+        return self.encoder.encode(rid, error=info, timings_ms=timings, meta_raw=meta_raw)
+
+    def _ttl(self, requested_s: int | None) -> int:
+        """The reply's TTL: the request's own when it asks for less than the worker's."""
+        own = self.reply_ttl_s
+        return min(requested_s, own) if requested_s else own
+
+
+def _queued_ms(entry: RawEntry, started_ms: float) -> float:
+    """From enqueue (the stream id's time) to the batch's start, as replies report it."""
+    return round(max(started_ms - entry.id_ms, 0.0), 3)
+
+
+def _expired(item: Admitted) -> Rejected | None:
+    now_ms = time.time() * 1000.0
+    if item.deadline_ms is None or item.deadline_ms > now_ms:
+        return None
+    return Rejected(
+        "DEADLINE_EXCEEDED",
+        f"the request's deadline_ms {item.deadline_ms} passed before it could run (the "
+        f"worker's clock read {now_ms:.0f}, {now_ms - item.deadline_ms:.0f} ms later).",
+    )
+
+
+def _by_signature(items: Sequence[Admitted]) -> list[list[Admitted]]:
+    """Group requests that can share a run (equal non-batch shapes), oldest group first."""
+    groups: dict[Any, list[Admitted]] = {}
+    for item in items:
+        groups.setdefault(item.request.signature, []).append(item)
+    return list(groups.values())

@@ -1,0 +1,166 @@
+"""The reply writer: finishes batches in Redis on its own thread, or on the caller's.
+
+Writing a batch's replies is one round trip that mostly waits on Redis; on this thread it
+overlaps with the next batch's inference instead of delaying it. The queue holds at most two
+batches, so a slow Redis slows the worker down rather than letting answers pile up in memory.
+
+When no batch waits to run, there is nothing to overlap with, and handing the write to this
+thread only adds a wake-up and a turn of the GIL to the batch's path: with a small model, most
+of the path. The caller then writes the batch itself (``submit(batch, here=True)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import redis
+
+from worker.errors import WorkerError
+from worker.events import NO_EVENTS, Events
+from worker.redisio.retry import OutageRetry
+from worker.redisio.stream import Finish
+
+__all__ = ["Batch", "ReplyWriter"]
+
+log = logging.getLogger(__name__)
+
+_TYPICAL_WEIGHT = 0.25  # weight of the newest write in ``typical_s``
+
+
+class Finisher(Protocol):
+    """Where finish steps go: one shard's ``RequestStream``, or every shard's (``Lanes``)."""
+
+    def finish_each(self, items: Sequence[Finish]) -> list[bool]: ...
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch's finish steps, with what metrics want to know once it is written."""
+
+    finishes: Sequence[Finish]
+    queued_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    runs: list[tuple[int, float]] = field(default_factory=list)
+    # once written: per finish, whether it was finished here (its reply written, its entry
+    # acked) rather than left to the consumer that holds it now
+    finished: list[bool] = field(default_factory=list)
+
+
+class ReplyWriter(threading.Thread):
+    """Takes finished batches and writes them, retrying through Redis outages.
+
+    ``on_written(batch, seconds)`` is told of each batch once it is in Redis, on the thread that
+    wrote it; a write that fails for good sets ``stop``, and the batches not written stay
+    pending. ``give_up`` (a second stop signal) ends the retries of an outage.
+    """
+
+    def __init__(
+        self,
+        stream: Finisher,
+        give_up: threading.Event,
+        on_written: Callable[[Batch, float], None],
+        stop: threading.Event,
+        depth: int = 2,
+        events: Events = NO_EVENTS,
+        on_retry: Callable[[BaseException], object] | None = None,
+    ) -> None:
+        super().__init__(name="redbatch-writer", daemon=True)
+        self.stream = stream
+        self.on_written = on_written
+        self.stop = stop
+        self.events = events
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
+        self._outage = OutageRetry(
+            "writing replies", give_up=give_up, events=events, on_retry=on_retry
+        )
+        self.failure: BaseException | None = None
+        # Moving average of a write's seconds, over writes that needed no retry (an outage
+        # says nothing about how long writes take); 0 until the first.
+        self.typical_s = 0.0
+
+    def submit(self, batch: Batch, *, here: bool = False) -> None:
+        """Queue a batch for writing; blocks while two batches already wait. With ``here`` and
+        nothing queued, write it on the calling thread instead, so batches are still written
+        one at a time and in order."""
+        if here and self.idle():
+            self._write_here(batch)
+        else:
+            self._put(batch)
+
+    def idle(self) -> bool:
+        """True when every submitted batch has been written."""
+        return self._queue.unfinished_tasks == 0
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        if self.is_alive():
+            self._put(None)
+            self.join()
+
+    def _put(self, item: Batch | None) -> None:
+        while True:
+            if self.failure is not None:
+                raise WorkerError(f"the reply writer stopped: {self.failure}") from self.failure
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                self._write(batch)
+            except BaseException as exc:  # surfaced by the service, which stops the worker
+                self._failed(exc)
+                return
+            finally:
+                self._queue.task_done()
+
+    def _write_here(self, batch: Batch) -> None:
+        if self.failure is not None:
+            raise WorkerError(f"the reply writer stopped: {self.failure}") from self.failure
+        try:
+            self._write(batch)
+        except BaseException as exc:
+            self._failed(exc)
+            self._queue.put_nowait(None)  # idle, so there is room: its thread ends as well
+            raise WorkerError(f"the reply writer stopped: {exc}") from exc
+
+    def _write(self, batch: Batch) -> None:
+        started = time.perf_counter()
+        self.events.point("before_finish")
+        self._outage.interrupted = False
+        batch.finished = self._outage.call(
+            functools.partial(self.stream.finish_each, batch.finishes)
+        )
+        elapsed = time.perf_counter() - started
+        if not self._outage.interrupted:
+            self.typical_s += _TYPICAL_WEIGHT * (elapsed - self.typical_s)
+        self.events.point("after_finish")
+        self.on_written(batch, elapsed)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failure = exc
+        told = self._outage.give_up is not None and self._outage.give_up.is_set()
+        if told and isinstance(exc, redis.RedisError):
+            # asked for (a second stop signal during an outage): one line, not a traceback
+            log.error(
+                "reply writer gave up on Redis as told (%s: %s); the unwritten entries stay "
+                "pending, for a worker to claim",
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            log.exception("reply writer stopped; the unwritten entries stay pending")
+        self.stop.set()

@@ -1,0 +1,2 @@
+"""What the worker tells operators: metrics and health endpoints, the validation record, the
+memory alarm, logging set-up, and fault points for the reliability suite."""

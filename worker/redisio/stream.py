@@ -1,0 +1,488 @@
+"""Redis I/O for one model's request stream: the group, reads, and the per-batch finish step.
+
+The finish step is one round trip per batch: one Lua script, atomic, fenced, and flagged
+``allow-oom`` so that it runs on a full Redis (``maxmemory`` with ``noeviction``). It takes the
+entries still pending on this consumer (one ``XPENDING`` over the batch's id range), writes each
+reply with its TTL unless a reply is already there, copies dead letters (their first 64 fields
+plus ``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
+another consumer has claimed is left to that consumer, so a request never gets two different
+replies. Each run deletes the requests it answers, which is why it may write past
+``maxmemory``: a full Redis still drains (contract section 4). Their replies stay until read or
+expired, and may be larger than the requests were (docs/operations.md, "A full Redis").
+
+How a reply reaches its key depends on its size. Redis copies a script's arguments into Lua on
+the one thread every worker shares, at a cost that grows with their size (docs/design.md, "The
+finish step on a full Redis"). A small reply goes into the script itself (``RPUSH``, and
+``LTRIM`` of ours when a reply stood). A larger one is first pushed, with its TTL, to a staging
+key of its own (``P:{M}:staging:NAME:TOKEN.N``, the token random per process) in the same round
+trip, and the script moves it onto its reply key with ``RENAMENX``. On a full Redis that plain
+push is refused (``OOM``); the script then reports the reply missing and leaves its entry
+pending, and the same call runs the script again at once with that reply inside it. A staging
+key whose script never ran (a dropped connection) expires with the reply's TTL. (On Redis 8.2,
+XACKDEL could replace XACK + XDEL.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from producer.protocol.keys import (
+    CONSUMER_GROUP,
+    cancel_key,
+    dead_key,
+    reply_key,
+    request_stream,
+    staging_key,
+)
+from producer.redisio import resp
+from producer.redisio.memory import MemoryReading, parse_info_memory
+from producer.redisio.retry import is_oom
+from worker.errors import WorkerError
+
+__all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
+
+log = logging.getLogger(__name__)
+
+_FINISH_LUA = """#!lua flags=allow-oom
+local stream, dead, group, me = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
+local n, lo, hi, span = tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
+-- After FLUSHALL, or a restart without persistence, the group is gone (NOGROUP): nothing is
+-- ours to finish. Any other error stops the script and reaches the worker.
+local function pending(from, to, count)
+  local page = redis.pcall('XPENDING', stream, group, from, to, count, me)
+  if type(page) == 'table' and page.err then
+    if string.sub(page.err, 1, 7) == 'NOGROUP' then return {}, nil end
+    return nil, page
+  end
+  return page, nil
+end
+-- A reply inside the script. One already there (or a key of another type) stands: ours is
+-- trimmed off again. Write-only commands, so the worker's ACL user never reads a reply.
+local function push(reply, data, ttl)
+  local length = redis.pcall('RPUSH', reply, data)
+  if type(length) == 'table' and length.err then
+    if string.sub(length.err, 1, 9) ~= 'WRONGTYPE' then
+      return redis.error_reply(length.err .. ' (the finish script, at RPUSH ' .. reply .. ')')
+    end
+  elseif length == 1 then
+    redis.call('EXPIRE', reply, ttl)
+  else
+    redis.call('LTRIM', reply, 0, -2)
+  end
+  return true
+end
+-- A staged reply: moved unless one is there. Returns false when the staged reply is gone
+-- (refused for memory, or evicted): the entry then stays pending and is answered again.
+local function move(staged, reply)
+  local moved = redis.pcall('RENAMENX', staged, reply)
+  if type(moved) == 'table' and moved.err then
+    if string.find(moved.err, 'no such key', 1, true) then return false end
+    return redis.error_reply(moved.err .. ' (the finish script, at RENAMENX ' .. staged
+      .. ' ' .. reply .. ')')
+  elseif moved == 0 then
+    redis.call('DEL', staged)
+  end
+  return true
+end
+local page, failed = pending(lo, hi, span)
+if failed then return failed end
+local mine = {}
+for _, p in ipairs(page) do mine[p[1]] = true end
+local acked = {}
+-- per entry, in order: '1' finished here, '0' not this consumer's to finish, '2' this
+-- consumer's, but its staged reply is gone: send it again inside the script
+local flags = {}
+for i = 0, n - 1 do
+  local base = 7 + i * 6
+  local id, ki, reason, how = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3]
+  local ours = mine[id]
+  if ours == nil and #page >= span then  -- a full page may have cut it off: ask for it alone
+    local one
+    one, failed = pending(id, id, 1)
+    if failed then return failed end
+    ours = one[1] ~= nil
+  end
+  mine[id] = false  -- an id twice in one batch is finished once
+  local flag = ours and '1' or '0'
+  if how == 's' and not ours then
+    redis.call('DEL', KEYS[ki])
+  elseif how == 's' then
+    local done = move(KEYS[ki], KEYS[ki + 1])
+    if type(done) == 'table' then return done end
+    if not done then ours, flag = false, '2' end
+  elseif how == 'i' and ours then
+    local done = push(KEYS[ki], ARGV[base + 5], ARGV[base + 4])
+    if type(done) == 'table' then return done end
+  end
+  if ours then
+    if reason ~= '' then
+      local entry = redis.call('XRANGE', stream, id, id)
+      local copy = {}
+      if entry[1] then
+        local fields = entry[1][2]
+        for j = 1, math.min(#fields, 128), 2 do
+          if fields[j] ~= 'reason' then
+            table.insert(copy, fields[j])
+            table.insert(copy, fields[j + 1])
+          end
+        end
+      end
+      table.insert(copy, 'reason')
+      table.insert(copy, reason)
+      redis.call('XADD', dead, '*', unpack(copy))
+    end
+    acked[#acked + 1] = id
+  end
+  flags[i + 1] = flag
+end
+for first = 1, #acked, 1000 do
+  local last = math.min(first + 999, #acked)
+  redis.call('XACK', stream, group, unpack(acked, first, last))
+  redis.call('XDEL', stream, unpack(acked, first, last))
+end
+return table.concat(flags)
+"""
+
+#: Replies this long or longer are staged with a plain RPUSH (cheap for Redis) rather than
+#: handed to the script (whose arguments cost Redis's thread by the KiB); shorter ones cost the
+#: worker less inside the script than as two more commands.
+INLINE_MAX_BYTES = 1024
+
+# XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
+# even when the group exists (BUSYGROUP comes after the memory check): a worker started on a
+# full Redis would never get past start-up.
+_ENSURE_GROUP_LUA = """#!lua flags=allow-oom
+local made = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+if type(made) == 'table' and made.err then
+  if string.sub(made.err, 1, 9) == 'BUSYGROUP' then return 0 end
+  return made
+end
+return 1
+"""
+
+
+_PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
+# The script's flag per entry: finished here, not ours, ours but its staged reply was gone.
+_FLAGS: dict[int, bool | None] = {ord("1"): True, ord("0"): False, ord("2"): None}
+
+
+def _memory(info: Any) -> MemoryReading | None:
+    """A reading from INFO memory's answer; None when it was refused (an ACL without +info)."""
+    if isinstance(info, Exception):
+        return None
+    try:
+        return parse_info_memory(info)
+    except ValueError:
+        return None
+
+
+def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl: bytes) -> None:
+    """``RPUSH key reply`` and ``EXPIRE key ttl``; a small reply is packed with one format (a
+    third of the Python time of packing the two commands apart), a large one is not copied."""
+    if len(reply) < resp.BIG:
+        packer.add_packed(
+            _STAGE % (len(key), key, len(reply), reply, len(key), key, len(ttl), ttl), 2
+        )
+    else:
+        packer.add(b"RPUSH", key, reply)
+        packer.add(b"EXPIRE", key, ttl)
+
+
+_STAGE = (
+    b"*3\r\n$5\r\nRPUSH\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+    b"*3\r\n$6\r\nEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
+)
+
+
+def _id_order(entry_id: bytes) -> tuple[int, int]:
+    """A stream id as the pair Redis orders it by: (milliseconds, sequence)."""
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class RawEntry:
+    """One stream entry as read: its id, its fields (still bytes) and the shard it came from
+    (ids are only unique within one shard's stream)."""
+
+    entry_id: bytes
+    fields: dict[bytes, bytes]
+    shard: str = ""
+
+    @property
+    def id_ms(self) -> int:
+        """The entry's enqueue time in epoch ms (the first half of its id)."""
+        return int(self.entry_id.split(b"-", 1)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStats:
+    """The request stream as the group sees it, and Redis memory (None when INFO is refused)."""
+
+    backlog: int
+    pending: int
+    lag: int | None
+    dead: int
+    oldest_ms: int | None = None  # the oldest entry's enqueue time, epoch ms
+    memory: MemoryReading | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinishInFlight:
+    """A finish step sent and not yet answered (``RequestStream.finish_start``)."""
+
+    items: Sequence[Finish]
+    keys: list[bytes]
+    args: list[bytes]
+    in_flight: resp.InFlight
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """What to do with one entry: reply (encoded) and/or dead-letter it, then ack and delete."""
+
+    entry_id: bytes
+    rid: str | None = None
+    reply: bytes | None = None
+    reply_ttl_s: int = 3600
+    dead_reason: str | None = None
+    code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
+    shard: str = ""  # the shard whose stream holds the entry ("": the model's first)
+
+
+class RequestStream:
+    """The request stream of one shard of a model (``tag``: the model's name for its first
+    shard), seen by one consumer of the ``workers`` group. ``client`` is that shard's (on a
+    cluster, bound to the master of its slot: ``producer.redisio.topology``)."""
+
+    def __init__(self, client: redis.Redis, prefix: str, tag: str, consumer: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.tag = tag
+        self.key = request_stream(prefix, tag)
+        self.dead_key = dead_key(prefix, tag)
+        self.consumer = consumer
+        self._finish = client.register_script(_FINISH_LUA)
+        self._ensure_group = client.register_script(_ENSURE_GROUP_LUA)
+        # Unique to this process: a worker restarted under the same name must never push onto a
+        # staging key its previous life left behind.
+        token = uuid.uuid4().hex[:12]
+        self._staging = staging_key(prefix, tag, consumer, token).encode()
+        self._serial = itertools.count()
+        # Key prefixes for rids that admission has checked already (keys.reply_key would again).
+        self._reply = reply_key(prefix, tag, "R")[:-1].encode()
+        self._cancel = cancel_key(prefix, tag, "R")[:-1].encode()
+        self._head = [
+            self.key.encode(),
+            self.dead_key.encode(),
+            CONSUMER_GROUP.encode(),
+            consumer.encode(),
+        ]
+
+    def ensure_group(self) -> None:
+        """Create the group at 0 (so earlier requests are served) unless it exists; on a full
+        Redis too (a script flagged allow-oom)."""
+        if self._ensure_group(keys=[self.key], args=[CONSUMER_GROUP]) == 1:
+            log.info("created consumer group %s on %s", CONSUMER_GROUP, self.key)
+
+    def read(self, count: int, block_ms: int) -> list[RawEntry]:
+        """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first (0: not
+        at all; Redis reads BLOCK 0 as forever)."""
+        [reply] = resp.round_trip(self.client, self.read_command(count, block_ms))
+        return self.read_reply(reply)
+
+    def read_command(self, count: int, block_ms: int) -> resp.Packer:
+        """``read``'s XREADGROUP, packed."""
+        block = (b"BLOCK", b"%d" % block_ms) if block_ms else ()
+        packer = resp.Packer()
+        packer.add(
+            b"XREADGROUP",
+            b"GROUP",
+            CONSUMER_GROUP.encode(),
+            self.consumer.encode(),
+            b"COUNT",
+            b"%d" % count,
+            *block,
+            b"STREAMS",
+            self.key.encode(),
+            b">",
+        )
+        return packer
+
+    def read_reply(self, reply: Any) -> list[RawEntry]:
+        """The entries of a raw XREADGROUP reply (RESP2 or RESP3), or of its error reply."""
+        if isinstance(reply, redis.ResponseError):
+            return self.group_gone(reply)
+        if isinstance(reply, Exception):
+            raise reply
+        if not reply:
+            return []
+        # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
+        entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+        return [
+            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), self.tag)
+            for eid, flat in entries
+            if flat is not None
+        ]
+
+    def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
+        """A read's error: recreate the group if it is gone (NOGROUP), or the stream was deleted
+        under a blocked read (UNBLOCKED), and read nothing; raise any other."""
+        if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+            raise exc
+        log.warning(
+            "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
+            self.key,
+        )
+        self.ensure_group()
+        return []
+
+    def stats(self) -> StreamStats:
+        """Backlog, pending and lag of the group, the oldest entry, dead letters and Redis
+        memory: one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self.key)
+        pipe.xinfo_groups(self.key)
+        pipe.xlen(self.dead_key)
+        pipe.xrange(self.key, "-", "+", count=1)
+        pipe.info("memory")
+        backlog, groups, dead, oldest, info = pipe.execute(raise_on_error=False)
+        group = (
+            next(
+                (g for g in groups if g.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
+                None,
+            )
+            if isinstance(groups, list)
+            else None
+        )
+        backlog = int(backlog) if isinstance(backlog, int) else 0
+        lag = group.get("lag") if group else None
+        return StreamStats(
+            backlog=backlog,
+            pending=int(group["pending"]) if group else 0,
+            # Entries not yet read are still in the stream, so lag <= XLEN. Redis 7.0 loses the
+            # group's entries-read on an AOF reload and then reports a stale, larger lag.
+            lag=None if lag is None else min(int(lag), backlog),
+            dead=int(dead) if isinstance(dead, int) else 0,
+            oldest_ms=RawEntry(oldest[0][0], {}).id_ms
+            if isinstance(oldest, list) and oldest
+            else None,
+            memory=_memory(info),
+        )
+
+    def send_cancel_keys(self, rids: Sequence[str]) -> resp.InFlight:
+        """Send the MGET of ``rids``' cancel keys now; its answer is read from the returned
+        connection later (worker/redisio/cancels.py), which can also send a read behind it."""
+        packer = resp.Packer()
+        packer.add_packed(resp.command(b"MGET", *[self._cancel + rid.encode() for rid in rids]))
+        return resp.send(self.client, packer)
+
+    def finish(self, items: Sequence[Finish]) -> int:
+        """``finish_each``, counted: the entries finished here."""
+        return sum(self.finish_each(items))
+
+    def finish_each(self, items: Sequence[Finish]) -> list[bool]:
+        """Reply, dead-letter, ack and delete in one script: one round trip (two when Redis is
+        full and refused a staged reply). Returns, per item, whether it was finished here; the
+        others were not this consumer's to finish (claimed by another, flushed), so their
+        replies were not written and must not be counted as served."""
+        return self.finish_end(self.finish_start(items)) if items else []
+
+    def finish_start(self, items: Sequence[Finish]) -> FinishInFlight:
+        """The first half of ``finish_each``: send the step now, so that the finish steps of
+        several shards (a batch mixing them) are on the wire together."""
+        keys, args, staging = self._finish_command(items, stage=True)
+        staging.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
+        return FinishInFlight(items, keys, args, resp.send(self.client, staging))
+
+    def finish_end(self, sent: FinishInFlight) -> list[bool]:
+        """The second half: read the answer, and finish what the first try could not."""
+        items = sent.items
+        *staged, result = sent.in_flight.receive()
+        flags = self._script_result(result, staged, sent.keys, sent.args)
+        done = self._flags(flags, items)
+        again = [i for i, flag in enumerate(done) if flag is None]
+        if again:  # staged replies refused for memory (or evicted): inside the script this time
+            log.debug("%d staged replies were gone; writing them inside the script", len(again))
+            for i, flag in zip(again, self._finish_once([items[i] for i in again]), strict=True):
+                done[i] = bool(flag)
+        finished = [bool(flag) for flag in done]
+        if not all(finished):
+            log.warning(
+                "%d of %d entries were no longer pending on %s (claimed by another worker, "
+                "deleted, flushed, or finished by an earlier try whose answer was lost); this "
+                "try wrote no reply for them",
+                len(items) - sum(finished),
+                len(items),
+                self.consumer,
+            )
+        return finished
+
+    def _finish_once(self, items: Sequence[Finish], *, stage: bool = False) -> list[bool | None]:
+        """One run of the finish script; per item True (finished), False (not ours) or None
+        (its staged reply was gone). With ``stage``, long replies are staged first."""
+        keys, args, staging = self._finish_command(items, stage=stage)
+        return self._flags(self._run_finish(staging, keys, args), items)
+
+    def _flags(self, flags: bytes, items: Sequence[Finish]) -> list[bool | None]:
+        if len(flags) != len(items):
+            raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
+        return [_FLAGS[flag] for flag in flags]
+
+    def _finish_command(
+        self, items: Sequence[Finish], *, stage: bool
+    ) -> tuple[list[bytes], list[bytes], resp.Packer]:
+        """The script's keys and arguments, and the staging commands that go ahead of it."""
+        stream, dead, group, me = self._head
+        orders = [_id_order(item.entry_id) for item in items]
+        keys = [stream, dead]
+        args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
+        args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
+        staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
+        for item in items:
+            how, index, ttl, data = b"", b"0", b"%d" % item.reply_ttl_s, b""
+            if item.reply is not None and item.rid is not None:
+                index = b"%d" % (len(keys) + 1)  # a Lua index: KEYS[1] is keys[0]
+                if stage and len(item.reply) >= INLINE_MAX_BYTES:
+                    staged = b"%s.%d" % (self._staging, next(self._serial))
+                    _stage(staging, staged, item.reply, ttl)
+                    how = b"s"
+                    keys.append(staged)
+                else:
+                    how, data = b"i", item.reply
+                keys.append(self._reply + item.rid.encode())
+            args += [item.entry_id, index, (item.dead_reason or "").encode(), how, ttl, data]
+        return keys, args, staging
+
+    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
+        """Send the staging commands and the script in one round trip; raise what failed.
+
+        The script goes by EVALSHA behind the staging commands (redis-py's script helper would
+        add a round trip per batch to check that it is loaded); when Redis lost it (a restart,
+        SCRIPT FLUSH) it is loaded and run again on the replies already staged. A staging push
+        refused for memory is no error: the script reports its reply missing. Any other failed
+        staging command is raised after the script ran: the entries it held back stay pending,
+        and the writer's retry finishes them.
+        """
+        staging.add(b"EVALSHA", self._finish.sha.encode(), b"%d" % len(keys), *keys, *args)
+        *staged, result = resp.round_trip(self.client, staging)
+        return self._script_result(result, staged, keys, args)
+
+    def _script_result(
+        self, result: Any, staged: list[Any], keys: list[bytes], args: list[bytes]
+    ) -> bytes:
+        """The script's flags; it is loaded and run again when Redis lost it. Raises what
+        failed (a staging push refused for memory is no failure: its reply is reported gone)."""
+        if isinstance(result, redis.exceptions.NoScriptError):
+            result = self._finish(keys=keys, args=args)
+        if isinstance(result, Exception):
+            raise result
+        resp.raise_first_error([reply for reply in staged if not is_oom(reply)])
+        return result.encode() if isinstance(result, str) else bytes(result)
