@@ -10,18 +10,18 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+from eventually import eventually
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
 from tools import synthetic
-from worker.claims import Claims
-from worker.metrics import Metrics
-from worker.stream import RequestStream
+from worker.ops.metrics import Metrics
+from worker.redisio.claims import Claims
+from worker.redisio.stream import RequestStream
 
 STREAM = "redbatch:{demo}:requests"
 DEAD = "redbatch:{demo}:dead"
@@ -43,16 +43,6 @@ def _consumers(rconn: redis.Redis) -> set[str]:
     return {c["name"].decode() for c in rconn.xinfo_consumers(STREAM, GROUP)}
 
 
-def _eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    """Poll Redis state that has no event to wait on, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
-
-
 def _config(tmp_path: Path, redis_url: str, delivery: str, model: str = "demo", **kw) -> Path:
     return write_config(tmp_path, model, redis_url, extra=f"[delivery]\n{delivery}", **kw)
 
@@ -67,13 +57,13 @@ def test_entries_of_a_dead_consumer_are_claimed_and_each_runs_alone(
     metrics = Metrics()
     # When a live worker runs past claim_idle_ms
     with (
-        caplog.at_level(logging.INFO, logger="worker.reclaim"),
+        caplog.at_level(logging.INFO, logger="worker.intake.reclaim"),
         running_worker(config, name="live", metrics=metrics),
     ):
         replies = [wait_reply(rconn, rid) for rid in rids]
-        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+        eventually(lambda: stream_is_empty(rconn, "demo"))
         # Then the ghost, with nothing pending and idle, is removed from the group
-        assert _eventually(lambda: "ghost" not in _consumers(rconn))
+        eventually(lambda: "ghost" not in _consumers(rconn))
     assert all(r.ok for r in replies), [r.error for r in replies]
     assert {r.worker for r in replies} == {"live"}
     assert [r.batch_rows for r in replies] == [1] * 5  # redelivered: batches of one
@@ -99,7 +89,7 @@ def test_an_entry_delivered_max_deliveries_times_is_dead_lettered_and_answered_p
     with running_worker(config, name="live", metrics=metrics):
         poisoned = wait_reply(rconn, "pill")
         ok = wait_reply(rconn, healthy)
-        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+        eventually(lambda: stream_is_empty(rconn, "demo"))
     assert ok.ok
     assert poisoned.error is not None
     assert poisoned.error.code == "POISONED"
@@ -126,7 +116,7 @@ def test_a_restarted_worker_takes_its_own_pending_entries_first(
     # When w1 starts again, it answers them at once rather than after claim_idle_ms
     with running_worker(config, name="w1", metrics=metrics):
         replies = [wait_reply(rconn, rid, timeout_s=10) for rid in rids]
-        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+        eventually(lambda: stream_is_empty(rconn, "demo"))
     assert all(r.ok and r.batch_rows == 1 for r in replies)
     assert metrics.claims.labels(kind="own")._value.get() == 3
 
@@ -142,7 +132,7 @@ def test_an_entry_deleted_while_pending_is_dropped_from_the_group(
     metrics = Metrics()
     with running_worker(config, name="live", metrics=metrics):
         assert wait_reply(rconn, kept).ok
-        assert _eventually(lambda: stream_is_empty(rconn, "demo"))
+        eventually(lambda: stream_is_empty(rconn, "demo"))
     assert metrics.claims.labels(kind="deleted")._value.get() == 1
     assert not rconn.exists("redbatch:{demo}:reply:gone")
 
@@ -174,7 +164,7 @@ def test_a_batch_slower_than_claim_idle_ms_keeps_its_lease_and_runs_once(
     ):
         rids = [send(rconn, "slow", f"long-{i}", {"x": x}) for i in range(4)]
         replies = [wait_reply(rconn, rid, timeout_s=60) for rid in rids]
-        assert _eventually(lambda: stream_is_empty(rconn, "slow"))
+        eventually(lambda: stream_is_empty(rconn, "slow"))
     assert all(r.ok for r in replies)
     runs = [r.timings_ms["inference"] for r in replies]
     assert max(runs) > claim_idle_ms, runs  # the premise: a run outlasted claim_idle_ms
@@ -226,7 +216,7 @@ def test_consumers_left_by_hundreds_of_restarts_are_removed(
     metrics = Metrics()
     # When a worker runs for a little over its forget interval (2 x claim_idle_ms, at least 1 s)
     with running_worker(config, name="live", metrics=metrics):
-        assert _eventually(lambda: len(_consumers(rconn)) <= 1)
+        eventually(lambda: len(_consumers(rconn)) <= 1)
     assert metrics.consumers_removed._value.get() == 300
 
 
@@ -250,12 +240,12 @@ def test_a_hung_batch_lets_its_leases_lapse_and_another_worker_answers(
         with running_worker(config, name="rescuer"):
             # Then past max_run_s it reports itself unhealthy and stops renewing, so the other
             # worker claims the request and answers it
-            assert _eventually(lambda: rconn.exists(f"redbatch:{{demo}}:reply:{rid}") == 1)
+            eventually(lambda: rconn.exists(f"redbatch:{{demo}}:reply:{rid}") == 1)
             assert not hung.healthy()
             # and its ready gauge says what /readyz says (the dashboard counts ready workers)
             assert hung.metrics.registry.get_sample_value("redbatch_ready") == 0
             release.set()
-            assert _eventually(lambda: hung.metrics.reply_write.count >= 1)  # its late write
+            eventually(lambda: hung.metrics.reply_write.count >= 1)  # its late write
             assert hung.served["requests"] == 0  # which finished nothing: not counted as served
         assert hung.healthy()
         assert hung.metrics.registry.get_sample_value("redbatch_ready") == 1
@@ -285,13 +275,13 @@ def test_entries_pending_on_its_own_name_are_never_called_another_workers(
 ) -> None:
     # A read whose answer a Redis stall lost leaves entries pending on this worker's own name;
     # found in the sweep of other consumers' idle entries, the log must not blame a dead worker
-    from worker.leases import Leases
-    from worker.reclaim import Reclaimer
+    from worker.intake.leases import Leases
+    from worker.intake.reclaim import Reclaimer
 
     claims = Claims(RequestStream(rconn, "redbatch", "demo", "me"))
     reclaimer = Reclaimer(claims, Leases(), claim_idle_ms=1000, max_deliveries=3)
     reclaimer._own = False  # the sweep of every consumer's idle entries
-    caplog.set_level(logging.INFO, logger="worker.reclaim")
+    caplog.set_level(logging.INFO, logger="worker.intake.reclaim")
     reclaimer._announce("me")
     reclaimer._announce("dead-one")
     assert "adopting entries pending on this worker's name" in caplog.records[0].getMessage()
@@ -358,10 +348,10 @@ class _FirstTick(random.Random):
 def test_lease_renewal_says_redis_is_back_only_once_a_renewal_reached_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from worker.leases import LeaseKeeper, Leases
+    from worker.intake.leases import LeaseKeeper, Leases
 
     # Given a keeper (a turn every 10 ms) whose renewal found Redis down
-    caplog.set_level(logging.WARNING, logger="worker.leases")
+    caplog.set_level(logging.WARNING, logger="worker.intake.leases")
     claims, leases = _DownRedis(), Leases()
     leases.hold([b"1-0"])
     keeper = LeaseKeeper(claims, leases, 30, rng=_FirstTick())  # type: ignore[arg-type]
@@ -373,7 +363,7 @@ def test_lease_renewal_says_redis_is_back_only_once_a_renewal_reached_it(
         leases.release([b"1-0"])
         claims.swept.clear()
         assert claims.swept.wait(10)
-        lines = [r.getMessage() for r in caplog.records if r.name == "worker.leases"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "worker.intake.leases"]
         # Then it said Redis was down, and never that it was back
         assert any("cannot reach Redis" in line for line in lines), lines
         assert not any("reached Redis again" in line for line in lines), lines
@@ -387,5 +377,5 @@ def test_lease_renewal_says_redis_is_back_only_once_a_renewal_reached_it(
             claims.renewed.clear()
     finally:
         keeper.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "worker.leases"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.intake.leases"]
     assert sum("reached Redis again" in line for line in lines) == 1, lines

@@ -9,35 +9,27 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+from eventually import eventually
 from harness import PREFIX, running_worker, write_config
 
-from producer import keys
-from producer.codec import decode_reply, encode_request
-from producer.topology import Topology
+from producer.protocol import keys
+from producer.protocol.codec import decode_reply, encode_request
+from producer.redisio.topology import Topology
 from worker.config import load_config
 from worker.events import NO_EVENTS
-from worker.lanes import Lanes, LaneSettings
+from worker.intake.lanes import Lanes, LaneSettings
+from worker.redisio.stream import Finish
 from worker.service import prepare
-from worker.stream import Finish
 
 MODEL = "demo"
 TAGS = ["demo", "demo~b", "demo~c"]
 X = np.zeros((1, 16), np.float32)
-
-
-def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def _send(r: redis.Redis, tag: str, rid: str, **kw: object) -> None:
@@ -77,7 +69,7 @@ def test_every_listed_shard_is_served_and_batches_mix_them(tmp_path: Path, rconn
         pipe.execute()
         # When they are answered
         replies = [_reply(rconn, TAGS[i % 3], f"r{i}") for i in range(30)]
-        _until(lambda: all(_drained(rconn, t) for t in TAGS))
+        eventually(lambda: all(_drained(rconn, t) for t in TAGS))
     # Then each reply is in its own shard's slot, and some batch held more rows than one
     # shard's requests could have filled on their own
     assert all(r.ok for r in replies)
@@ -98,8 +90,8 @@ def test_cancels_and_dead_letters_go_to_the_requests_own_shard(tmp_path: Path, r
     with running_worker(config):
         cancelled = _reply(rconn, "demo~c", "same")
         served = _reply(rconn, "demo", "same")
-        _until(lambda: rconn.xlen(keys.dead_key(PREFIX, "demo~c")) == 1)
-        _until(lambda: all(_drained(rconn, t) for t in TAGS))
+        eventually(lambda: rconn.xlen(keys.dead_key(PREFIX, "demo~c")) == 1)
+        eventually(lambda: all(_drained(rconn, t) for t in TAGS))
     assert cancelled.error is not None
     assert cancelled.error.code == "CANCELLED"
     assert served.ok
@@ -134,7 +126,7 @@ def test_a_shard_added_or_retired_is_followed_without_a_restart(tmp_path: Path, 
             worker.registry.beat_soon()  # each beat syncs the lanes with the list
             return "demo~n" not in worker.lanes.tags()
 
-        _until(retired)
+        eventually(retired)
         assert not lane.reader.is_alive()
         assert ("demo~n",) not in worker.metrics.backlog._metrics  # its series went with it
         _send(rconn, "demo", "first-shard-still-served")

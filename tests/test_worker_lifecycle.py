@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
+from eventually import eventually
 from harness import (
     running_worker,
     send,
@@ -29,7 +29,7 @@ from harness import (
 
 from tools.localredis import free_port
 from worker.config import load_config
-from worker.metrics import Metrics
+from worker.ops.metrics import Metrics
 from worker.service import Worker, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,14 +313,6 @@ def test_a_free_name_is_not_warned_about(
     assert not [r for r in caplog.records if "already held the name" in r.getMessage()]
 
 
-def _until(check, timeout_s: float = 20.0) -> None:
-    """Poll Redis state that offers no event to wait on, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def _record(rconn: redis.Redis, key: str) -> dict:
     raw = rconn.get(key)
     return json.loads(raw) if raw is not None else {}
@@ -355,21 +347,21 @@ def test_a_draining_worker_shows_draining_until_it_exits(
         send(rconn, "demo", "first", {"features": x})
         assert first_running.wait(30)
         send(rconn, "demo", "second", {"features": x})
-        _until(lambda: rconn.xpending(stream, "workers")["pending"] == 2)  # read, held
+        eventually(lambda: rconn.xpending(stream, "workers")["pending"] == 2)  # read, held
         # When it is told to stop, and its drain runs the batch it held
         worker.request_stop()
         go.set()
         assert second_running.wait(30)
         # Then its record says draining, and the heartbeat goes on while it drains
-        _until(lambda: _record(rconn, key).get("state") == "draining")
+        eventually(lambda: _record(rconn, key).get("state") == "draining")
         beat = _record(rconn, key)["heartbeat_at"]
-        _until(lambda: _record(rconn, key).get("heartbeat_at", beat) > beat)
+        eventually(lambda: _record(rconn, key).get("heartbeat_at", beat) > beat)
         assert rconn.smembers("redbatch:{demo}:workers") == {b"drainer"}
         # and so do the stream gauges: a request sent once it reads no more stays, and is seen
         worker.reader.join(timeout=30)
         send(rconn, "demo", "after-stop", {"features": x})
         # "first" was deleted once answered
-        _until(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)
+        eventually(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)
         assert thread.is_alive()
         proceed.set()
         thread.join(timeout=30)
@@ -435,7 +427,7 @@ def test_reads_take_about_a_batch_of_rows_so_a_backlog_of_large_requests_stays_o
         for i in range(40):
             send(pipe, "demo", f"big-{i}", {"features": np.zeros((16, 16), np.float32)})
         pipe.execute()
-        _until(worker.queue.full)  # the reader has read all it will before the run ends
+        eventually(worker.queue.full)  # the reader has read all it will before the run ends
         held_entries = rconn.xpending(stream, "workers")["pending"]
         # Then the worker holds a few of them, one per read, not 16 per read
         assert held_entries <= 6

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from eventually import eventually
 from harness import running_worker, send, stream_is_empty, wait_reply, write_config
 
 from tools.localredis import LocalRedis
@@ -22,14 +22,6 @@ def aof_server() -> Iterator[LocalRedis]:
     """A private Redis that persists every write, so the batch in hand survives a restart."""
     with LocalRedis("--appendonly", "yes", "--appendfsync", "always") as server:
         yield server
-
-
-def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    """Poll state that offers no event to wait on, with a deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def _outage_lines(caplog: pytest.LogCaptureFixture) -> Counter[str]:
@@ -66,12 +58,12 @@ def test_a_batch_run_while_redis_is_down_is_answered_when_it_returns(
         # When Redis dies under it, and comes back after the writer has noticed
         aof_server.stop(kill=True)
         proceed.set()
-        _until(lambda: any("writing replies" in k for k in _outage_lines(caplog)))
+        eventually(lambda: any("writing replies" in k for k in _outage_lines(caplog)))
         aof_server.start()
         r = redis.Redis.from_url(aof_server.url, socket_timeout=30)
         # Then the reply written after the restart is the batch's, and nothing is left over
         reply = wait_reply(r, "through-outage", timeout_s=30)
-        _until(lambda: stream_is_empty(r, "demo"))
+        eventually(lambda: stream_is_empty(r, "demo"))
     assert reply.ok
     assert reply.batch_rows == 3
     lines = _outage_lines(caplog)
@@ -103,8 +95,8 @@ class _LosesFirstHeartbeat:
 
 
 def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_worker() -> None:
-    from worker.record import Registry
-    from worker.retry import OutageRetry
+    from worker.ops.record import Registry
+    from worker.redisio.retry import OutageRetry
 
     client = _LosesFirstHeartbeat()
     record = {"name": "w1", "model": {"name": "demo"}, "host": "h", "pid": 1}
@@ -120,7 +112,7 @@ def test_a_retried_first_heartbeat_does_not_take_its_own_record_for_another_work
 def test_a_write_refused_for_memory_is_logged_as_redis_full_not_unreachable(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from worker.retry import OutageRetry
+    from worker.redisio.retry import OutageRetry
 
     # A write refused twice: the second refusal starts an outage, which is logged once
     calls = iter([redis.exceptions.OutOfMemoryError("OOM command not allowed")] * 2 + [None])
@@ -131,8 +123,8 @@ def test_a_write_refused_for_memory_is_logged_as_redis_full_not_unreachable(
             raise refusal
         return "written"
 
-    caplog.set_level(logging.WARNING, logger="worker.retry")
+    caplog.set_level(logging.WARNING, logger="worker.redisio.retry")
     assert OutageRetry("writing replies", max_wait_s=0.01).call(twice_refused) == "written"
-    messages = [r.getMessage() for r in caplog.records if r.name == "worker.retry"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "worker.redisio.retry"]
     assert messages[0].startswith("Redis is full (maxmemory) during writing replies")
     assert not any("unreachable" in m for m in messages)
