@@ -1,12 +1,12 @@
 """The ``redbatch`` command line: run arrays through a model's workers, and show queue status.
 
-This module is argparse, the shared connection options and ``status``; each other command keeps
-its options and its work in a module of its own: ``producer.cli.run`` (``run``, whose job is
-``producer.jobs.job``'s), ``producer.ops.replay`` (``replay``), ``producer.cli.shards``
-(``shards``) and
-``producer.ops.watch`` (``status --watch``). Exit codes (``producer.cli.argtypes``): 0 every row
-succeeded, 1 some rows failed, 2 the command could not run as asked (bad option, missing file,
-Redis unreachable), 130 interrupted (Ctrl-C; ``run`` still writes the rows answered by then).
+This module is argparse, the shared connection options and the dispatch; each command keeps its
+options and its reports in a module of its own: ``producer.cli.run`` (``run``, whose job is
+``producer.jobs.job``'s), ``producer.cli.status`` (``status`` and ``status --watch``),
+``producer.cli.replay`` (``replay``) and ``producer.cli.shards`` (``shards``). Exit codes
+(``producer.cli.argtypes``): 0 every row succeeded, 1 some rows failed, 2 the command could not
+run as asked (bad option, missing file, Redis unreachable), 130 interrupted (Ctrl-C; ``run``
+still writes the rows answered by then).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A job's record of the input it has read and not yet finished with.
 
-``run_job`` hands map() the blocks of a ``sources.Source`` through ``Ledger.inputs()``, which
+``run_job`` hands map() the blocks of a ``blocks.Source`` through ``Ledger.inputs()``, which
 notes each block as map() reads it: the rows' keys, how far into the input each row ends (for
 the progress bar), and the records the reader skipped. As map() yields its chunks, in input
 order, the job asks for their keys and skipped records (``keys``, ``skipped_until``) and the

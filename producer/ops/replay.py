@@ -61,7 +61,7 @@ class Resent:
     rid: str
     entry_id: str | None  # None on a dry run
     reply_removed: bool = False
-    tag: str = ""  # the shard: its dead letter, and now its request stream
+    tag: str = ""  # the shard: its dead letter's, and the re-sent request's stream
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """``redbatch status`` as a table a person reads (``format_status``) and as plain JSON values
 (``status_to_json``), from what ``producer.ops.status`` gathered. Both lead with Redis memory
 against ``maxmemory``: past the producers' high watermark new work is refused (``RedisFull``), so
-operators must see it come. With one shard the report is as it always was; with more, the text
-adds a table of shards and a total line.
+operators must see it come. With one shard the text has no shard table; with more, it adds a
+table of shards and a total line.
 """
 
 from __future__ import annotations

@@ -303,8 +303,8 @@ _quote = _ShortRepr().repr
 # At most this many bytes, msgpack we unpack is not walked first (_check_declared): with no
 # container longer than the data, the unpacker can hold at most a container of that length per
 # nesting level, and a body this small nests at most a third of it deep (three-byte headers):
-# 2.8 MB for a hostile 1 KiB. Most replies and many bodies are this small, and the walk was a
-# quarter of decoding them.
+# 2.8 MB for a hostile 1 KiB. Most replies and many bodies are this small, and walking them
+# costs a quarter of decoding them.
 _SMALL = 1024
 
 
