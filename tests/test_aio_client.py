@@ -1,5 +1,5 @@
 """What only AsyncClient does: concurrent calls share their round trips
-(``producer.client.coalesce``).
+(``producer.client.coalesce``), under the same plans as ``Client``'s.
 
 Every other behaviour runs against both clients in the shared suite (``tests/shells.py``). Each
 test here is a plain function that runs its scenario with ``asyncio.run``; the fake worker
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import redis
 import redis.asyncio
 from fakes import FAKE_MODEL, MODEL, PREFIX, STREAM, FakeReplier, xs
 
-from producer.client import plans
+from producer.client import aio, plans
 from producer.client.aio import AsyncClient
 from producer.client.coalesce import Coalescer, ReplyHub
 from producer.protocol import codec, keys
@@ -51,10 +51,36 @@ def a_reply(rid: str) -> bytes:
     )
 
 
+async def eventually(
+    check: Callable[[], Awaitable[object]], what: str, timeout_s: float = 5
+) -> None:
+    """Return once ``await check()`` is true (Redis state, which offers no event); fail after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout_s:g} s"
+        await asyncio.sleep(0.005)
+
+
 async def blocked_clients(conn: redis.asyncio.Redis, at_least: int) -> None:
     """Return once Redis has ``at_least`` clients blocked (in a BLPOP)."""
-    while int((await conn.info("clients"))["blocked_clients"]) < at_least:
-        await asyncio.sleep(0.005)
+
+    async def blocked() -> bool:
+        return int((await conn.info("clients"))["blocked_clients"]) >= at_least
+
+    await eventually(blocked, f"{at_least} blocked client(s)")
+
+
+async def pop_until(hub: ReplyHub, key: bytes, timeout_s: float) -> Any:
+    """Pop ``key`` through ``hub`` as the wait plan does: again after an early or interrupted
+    answer, until its deadline (then WaitTimeout, naming the key)."""
+    until = time.monotonic() + timeout_s
+    while True:
+        item, _ = await hub.pop(key, "", until)
+        if item:
+            return item[1]
+        if time.monotonic() >= until:
+            raise WaitTimeout(f"late {key.decode()}")
 
 
 @contextlib.asynccontextmanager
@@ -201,13 +227,23 @@ def test_closing_before_any_round_trip_ran_ends_every_call(redis_url: str) -> No
     run(scenario)
 
 
-def test_a_submit_cancelled_before_its_turn_is_not_sent(redis_url: str, rconn: redis.Redis) -> None:
+def test_a_submit_cancelled_before_its_turn_is_not_sent(
+    redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def scenario() -> None:
+        gated = asyncio.Event()
+        real_sleep = aio._sleep
+
+        async def gate_sleep(seconds: float) -> None:
+            gated.set()
+            await real_sleep(seconds)
+
+        monkeypatch.setattr(aio, "_sleep", gate_sleep)
         for _ in range(3):
             rconn.xadd(STREAM, {"filler": "1"})  # the backlog is full: the first send waits
         async with AsyncClient(MODEL, redis_url, max_backlog=3, wait_for_backlog=True) as client:
             first = asyncio.create_task(client.submit({"x": xs(1)}, rid="first"))
-            await asyncio.sleep(0)  # its send is under way, in the backlog gate
+            await gated.wait()  # its send is under way, in the backlog gate
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(client.submit({"x": xs(1)}, rid="ghost"), 0.3)
             rconn.delete(STREAM)  # the backlog drains
@@ -228,9 +264,13 @@ def test_a_reply_popped_after_its_callers_gave_up_is_kept_for_the_next_wait(
             with pytest.raises(WaitTimeout):
                 await client.wait("k", timeout_s=0.3)
             # The reply comes while the first call's BLPOP still blocks, and is popped by it
-            await observer.rpush(keys.reply_key(PREFIX, MODEL, "k"), a_reply("k"))
-            while await observer.llen(keys.reply_key(PREFIX, MODEL, "k")):
-                await asyncio.sleep(0.005)
+            key = keys.reply_key(PREFIX, MODEL, "k")
+            await observer.rpush(key, a_reply("k"))
+
+            async def popped() -> bool:
+                return not await observer.llen(key)
+
+            await eventually(popped, "the reply popped")
             polled = await client.poll("k")
             assert polled is not None
             assert polled.ok
@@ -245,24 +285,27 @@ def test_a_key_given_up_and_awaited_again_is_watched_once() -> None:
     async def scenario() -> None:
         released = asyncio.get_running_loop().create_future()
         calls: list[list[bytes]] = []
+        first_on_the_wire = asyncio.Event()
 
-        async def blpop(_tag: str, keys_: list[bytes], until: float) -> Any:
+        async def blpop(_tag: str, keys_: list[bytes], until: float) -> tuple[Any, bool]:
             calls.append(list(keys_))
             if len(calls) == 1:
-                return await released
-            await asyncio.sleep(max(until - time.monotonic(), 0.001))
-            return None
+                first_on_the_wire.set()
+                return await released, False
+            await asyncio.sleep(max(until - time.monotonic(), 0.001))  # a BLPOP timing out
+            return None, False
 
         async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
             return [None] * len(keys_)
 
-        hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))
-        b = asyncio.create_task(hub.wait(b"b", 0.6, "b"))
-        k = asyncio.create_task(hub.wait(b"k", 10, "k"))
-        await asyncio.sleep(0.01)
+        hub = ReplyHub(blpop, lpop)
+        b = asyncio.create_task(pop_until(hub, b"b", 0.6))
+        k = asyncio.create_task(pop_until(hub, b"k", 10))
+        await first_on_the_wire.wait()
         k.cancel()
-        await asyncio.sleep(0)
-        again = asyncio.create_task(hub.wait(b"k", 0.3, "k"))
+        with pytest.raises(asyncio.CancelledError):
+            await k
+        again = asyncio.create_task(pop_until(hub, b"k", 0.3))
         released.set_result(None)
         with pytest.raises(WaitTimeout, match="late k"):
             await again
@@ -278,30 +321,37 @@ def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
     # gives up meanwhile. b, with time left, keeps waiting and gets its reply once Redis is back.
     async def scenario() -> None:
         down = True
+        rounds: list[float] = []  # each BLPOP's deadline
+        on_the_wire = asyncio.Event()
+        went_round = asyncio.Event()  # a BLPOP with a later deadline than the first's
 
-        async def blpop(_tag: str, keys_: list[bytes], until: float) -> Any:
+        async def blpop(_tag: str, keys_: list[bytes], until: float) -> tuple[Any, bool]:
+            rounds.append(until)
+            on_the_wire.set()
+            if until > rounds[0]:
+                went_round.set()
             while down and time.monotonic() < until:  # retrying until the deadline
                 await asyncio.sleep(0.01)
             if down:
                 raise RedisUnavailable("Redis stayed unavailable, past the waiting call's timeout")
             key = b"b" if b"b" in keys_ else keys_[0]
-            return [key, b"reply-" + key]
+            return [key, b"reply-" + key], False
 
         async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
-            raise RedisUnavailable("down")  # the sweep is best effort: never fails a call
+            raise RedisUnavailable("down")  # the sweep failed: its calls pop again
 
-        hub = ReplyHub(blpop, lpop, lambda rid, t: WaitTimeout(f"late {rid}"))
-        a = asyncio.create_task(hub.wait(b"a", 0.2, "a"))
-        b = asyncio.create_task(hub.wait(b"b", 5.0, "b"))
-        c = asyncio.create_task(hub.wait(b"c", 5.0, "c"))
-        await asyncio.sleep(0.05)
+        hub = ReplyHub(blpop, lpop)
+        a = asyncio.create_task(pop_until(hub, b"a", 0.2))
+        b = asyncio.create_task(pop_until(hub, b"b", 5.0))
+        c = asyncio.create_task(pop_until(hub, b"c", 5.0))
+        await on_the_wire.wait()  # the first BLPOP, for all three
         a.cancel()
-        await asyncio.sleep(0.3)  # past a's deadline: the BLPOP gave up and went round again
+        await went_round.wait()  # past a's deadline: the BLPOP gave up and went round again
         assert not b.done()
         assert not c.done()
         down = False
         assert await b == b"reply-b"
-        assert await c == b"reply-c"  # its sweep failed; the next BLPOP found it
+        assert await c == b"reply-c"  # its sweep failed; its next pop found it
 
     run(scenario)
 
@@ -341,19 +391,19 @@ def test_a_call_queued_behind_a_send_fails_at_its_own_deadline_unsent() -> None:
     # A send that takes long (a backlog wait, an outage) holds the calls queued behind it; one
     # whose deadline passes meanwhile fails then, with the client's error, and is never sent.
     async def scenario() -> None:
-        release = asyncio.Event()
+        release, on_the_wire = asyncio.Event(), asyncio.Event()
         sent: list[list[str]] = []
 
         async def send(items: list[str], until: float | None) -> None:
             sent.append(list(items))
+            on_the_wire.set()
             await release.wait()
 
         submits: Coalescer[str] = Coalescer(
             send, retry_s=30, unsent=lambda: BacklogFull(5, 1, waited=True)
         )
         first = asyncio.create_task(submits(["a"]))
-        while not sent:  # the first send is on the wire
-            await asyncio.sleep(0)
+        await on_the_wire.wait()
         started = time.monotonic()
         with pytest.raises(BacklogFull, match="timeout_s ran out"):
             await submits(["b"], started + 0.2)

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from producer.cli.main import main
-from producer.client.core import Chunk, Result
+from producer.client.results import Chunk, Result
 from producer.jobs.job import RunSummary, format_summary, run_job, write_errors, write_outputs
 from producer.protocol import codec, keys
 from producer.protocol.codec import ErrorInfo, ModelRef

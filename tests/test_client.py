@@ -26,7 +26,7 @@ from fakes import (
     xs,
 )
 
-from producer.client import core
+from producer.client import submission
 from producer.protocol import codec, keys
 from producer.protocol.errors import ConnectionFailed, InvalidInput, WaitTimeout
 from producer.redisio import resp
@@ -117,16 +117,16 @@ def test_a_batch_of_submits_reaches_a_waiting_worker_in_one_read(
 def test_big_batches_of_submits_go_in_several_capped_transactions(
     client: Any, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core, "_TXN_ENTRIES", 4)
-    monkeypatch.setattr(core, "_TXN_BYTES", 1000)
-    small = [core.Submission(f"s{i}", b"x" * 10) for i in range(9)]
-    big = [core.Submission(f"b{i}", b"x" * 600) for i in range(3)]
-    assert core.pack_xadds(STREAM, small).blocks == ((4, True), (4, True), (1, False))
-    assert core.pack_xadds(STREAM, big).blocks == ((2, True), (1, False))
+    monkeypatch.setattr(submission, "_TXN_ENTRIES", 4)
+    monkeypatch.setattr(submission, "_TXN_BYTES", 1000)
+    small = [submission.Submission(f"s{i}", b"x" * 10) for i in range(9)]
+    big = [submission.Submission(f"b{i}", b"x" * 600) for i in range(3)]
+    assert submission.pack_xadds(STREAM, small).blocks == ((4, True), (4, True), (1, False))
+    assert submission.pack_xadds(STREAM, big).blocks == ((2, True), (1, False))
     rids = client.submit_many([{"x": xs(1)} for _ in range(10)])
     assert [f[b"rid"] for _, f in rconn.xrange(STREAM)] == [rid.encode() for rid in rids]
-    xadds = core.pack_xadds(STREAM, small + big)
-    core.check_xadds(xadds, resp.round_trip(rconn, xadds.packer))
+    xadds = submission.pack_xadds(STREAM, small + big)
+    submission.check_xadds(xadds, resp.round_trip(rconn, xadds.packer))
     assert rconn.xlen(STREAM) == 10 + 12
 
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 from fakes import MODEL, STREAM, FakeReplier, xs
 
-from producer.client import core
+from producer.client import backlog
 from producer.client.aio import AsyncClient
 from producer.protocol.errors import BacklogFull
 
@@ -97,17 +97,17 @@ def test_an_async_infer_behind_a_waiting_submit_ends_at_its_timeout_unsent(
 
 
 def test_backlog_gate_backs_off_exponentially_up_to_a_cap() -> None:
-    gate = core.BacklogGate(max_backlog=10, wait=True)
+    gate = backlog.BacklogGate(max_backlog=10, wait=True)
     assert gate.delay_s(9, now=0) is None
     delays = [gate.delay_s(10, now=0) for _ in range(8)]
     assert delays == [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.2, 0.2]
     with pytest.raises(BacklogFull):
-        core.BacklogGate(max_backlog=10, wait=False).delay_s(11, now=0)
-    assert not core.BacklogGate(max_backlog=None, wait=False).active
+        backlog.BacklogGate(max_backlog=10, wait=False).delay_s(11, now=0)
+    assert not backlog.BacklogGate(max_backlog=None, wait=False).active
 
 
 def test_backlog_gate_waits_no_longer_than_its_deadline() -> None:
-    gate = core.BacklogGate(max_backlog=10, wait=True, until=100.0)
+    gate = backlog.BacklogGate(max_backlog=10, wait=True, until=100.0)
     assert gate.delay_s(10, now=99.0) == 0.005
     assert gate.delay_s(10, now=99.995) == pytest.approx(0.005)  # cut to end at the deadline
     assert gate.delay_s(9, now=100.5) is None  # room: go ahead, late or not

@@ -15,16 +15,18 @@ import redis.exceptions as rex
 from fakes import FAKE_MODEL, MODEL, PREFIX, xs
 
 import producer
-from producer.client import core, plans, steps, window
-from producer.client.base import Session
+from producer.client import driver, mapwindow, plans, steps, submission, waiting
+from producer.client.session import Session
+from producer.client.settings import MAX_SPAN_S, Settings, check_timeout_s, check_ttl_s
 from producer.protocol import codec
 from producer.protocol.codec import Reply
 from producer.protocol.errors import RedisFull, WaitTimeout
+from producer.redisio import connection
 from producer.redisio.memory import MemoryWatch
 from producer.redisio.retry import RetryPolicy
 from producer.redisio.shards import Shards
 
-SETTINGS = core.Settings.create(MODEL, PREFIX, None, False)
+SETTINGS = Settings.create(MODEL, PREFIX, None, False)
 
 
 def fake_reply(rid: str, rows: int) -> bytes:
@@ -33,8 +35,8 @@ def fake_reply(rid: str, rows: int) -> bytes:
     return codec.encode_reply(reply)
 
 
-def make_plan(rows: int, rows_per_request: int, concurrency: int) -> window.MapPlan:
-    return window.MapPlan(
+def make_plan(rows: int, rows_per_request: int, concurrency: int) -> mapwindow.MapPlan:
+    return mapwindow.MapPlan(
         SETTINGS,
         {"x": np.zeros((rows, 1), np.float32)},
         rows_per_request=rows_per_request,
@@ -44,13 +46,13 @@ def make_plan(rows: int, rows_per_request: int, concurrency: int) -> window.MapP
     )
 
 
-def send(plan: window.MapPlan) -> list[core.Submission]:
+def send(plan: mapwindow.MapPlan) -> list[submission.Submission]:
     subs = plan.take(now_s=0)
     plan.sent(subs, now=0)
     return subs
 
 
-def reply(plan: window.MapPlan, subs: list[core.Submission]) -> None:
+def reply(plan: mapwindow.MapPlan, subs: list[submission.Submission]) -> None:
     """Feed replies for ``subs`` through the plan's waiter, as a pipelined LPOP would."""
     reply_keys = [SETTINGS.reply_key(s.rid).encode() for s in subs]
     raws = [fake_reply(s.rid, 1) for s in subs]
@@ -92,7 +94,7 @@ def test_map_plan_holds_at_most_twice_concurrency_behind_a_slow_head() -> None:
 
 
 def test_reply_waiter_blocks_until_the_first_deadline_then_times_out() -> None:
-    waiter = window.ReplyWaiter(SETTINGS, timeout_s=5)
+    waiter = waiting.ReplyWaiter(SETTINGS, timeout_s=5)
     waiter.add("a", now=100)
     waiter.add("b", now=101)
     assert waiter.block_s(now=100, cap_s=2) == 2
@@ -104,18 +106,18 @@ def test_reply_waiter_blocks_until_the_first_deadline_then_times_out() -> None:
 
 
 def test_deadlines_and_ttls_up_to_the_longest_span_are_accepted() -> None:
-    sub = core.build_submission(
-        {"x": xs(1)}, deadline_s=core.MAX_SPAN_S, reply_ttl_s=core.MAX_SPAN_S, now_s=2e9
+    sub = submission.build_submission(
+        {"x": xs(1)}, deadline_s=MAX_SPAN_S, reply_ttl_s=MAX_SPAN_S, now_s=2e9
     )
     body = codec.decode_request(sub.body, max_bytes=1 << 20)
-    assert body.deadline_ms == (2e9 + core.MAX_SPAN_S) * 1000
-    assert body.reply_ttl_s == core.MAX_SPAN_S
+    assert body.deadline_ms == (2e9 + MAX_SPAN_S) * 1000
+    assert body.reply_ttl_s == MAX_SPAN_S
 
 
 def test_a_numpy_ttl_and_an_unlimited_timeout_are_taken() -> None:
-    assert core.check_ttl_s("ttl_s", np.int64(60)) == 60
-    assert type(core.check_ttl_s("ttl_s", np.int64(60))) is int  # as Redis's client wants it
-    assert core.check_timeout_s(math.inf) == math.inf  # wait with no limit, as before
+    assert check_ttl_s("ttl_s", np.int64(60)) == 60
+    assert type(check_ttl_s("ttl_s", np.int64(60))) is int  # as Redis's client wants it
+    assert check_timeout_s(math.inf) == math.inf  # wait with no limit, as before
 
 
 @pytest.mark.parametrize(
@@ -128,20 +130,23 @@ def test_a_numpy_ttl_and_an_unlimited_timeout_are_taken() -> None:
     ],
 )
 def test_redact_url_drops_passwords(url: str, shown: str) -> None:
-    assert core.redact_url(url) == shown
+    assert connection.redact_url(url) == shown
 
 
 def test_block_cap_stays_under_the_socket_timeout() -> None:
-    assert core.block_cap_s(None) == core.MAX_BLOCK_S
-    assert core.block_cap_s(5) == 2.0
-    assert core.block_cap_s(1) == 0.5
+    assert connection.block_cap_s(None) == connection.MAX_BLOCK_S
+    assert connection.block_cap_s(5) == 2.0
+    assert connection.block_cap_s(1) == 0.5
 
 
 def test_package_exports_exactly_its_public_names() -> None:
+    # dir(): AsyncClient is imported at first use, so it is not in vars() until then
     public = {
         name
-        for name, value in vars(producer).items()
-        if not name.startswith("_") and not inspect.ismodule(value) and name != "annotations"
+        for name in dir(producer)
+        if not name.startswith("_")
+        and not inspect.ismodule(getattr(producer, name))
+        and name != "annotations"
     }
     assert sorted(producer.__all__) == sorted(public)
 
@@ -166,7 +171,7 @@ def test_both_clients_have_the_same_public_methods_and_signatures() -> None:
 
 
 def session(*, max_backlog: int | None = None, wait: bool = False) -> Session:
-    settings = core.Settings.create(MODEL, PREFIX, max_backlog, wait)
+    settings = Settings.create(MODEL, PREFIX, max_backlog, wait)
     where = "redis://test"
     return Session(
         settings, where, 2.0, RetryPolicy(where, 0), True, MemoryWatch(where, 0.8), lambda r: None
@@ -177,10 +182,10 @@ def drive(plan: steps.Plan[Any], answer: Callable[[Any], Any], stop_after: int =
     """Run ``plan`` as a shell would, with ``answer(step)`` for each command's answer (it may
     raise); returns (its result, the steps it took, its outputs). After ``stop_after``
     outputs, the caller stops iterating, as closing the iterator does."""
-    stepper = steps.Stepper(plan)
+    stepper = driver.Stepper(plan)
     taken: list[Any] = []
     outputs: list[Any] = []
-    while (step := stepper.step()) is not steps.DONE:
+    while (step := stepper.step()) is not driver.DONE:
         if isinstance(step, steps.Step):
             taken.append(step)
             if isinstance(step, steps.Sleep):
@@ -220,7 +225,7 @@ def test_send_looks_again_after_each_backoff_until_the_backlog_has_room() -> Non
             return [next(backlogs)]  # one shard's
         return room(step)
 
-    sub = core.build_submission({"x": xs(1)}, now_s=0)
+    sub = submission.build_submission({"x": xs(1)}, now_s=0)
     _, taken, _ = drive(plans.send(session(max_backlog=3, wait=True), [sub]), answer)
     assert names(taken) == [
         "LRANGE", "XLEN", "sleep 0.005", "XLEN", "sleep 0.01", "XLEN", "INFO", "XADD"
@@ -237,7 +242,7 @@ def test_a_write_redis_refuses_for_memory_is_refused_or_waited_out(wait: bool) -
             raise RedisFull("redis://test", None, None, None, refused="OOM command not allowed")
         return room(step)
 
-    sub = core.build_submission({"x": xs(1)}, now_s=0)
+    sub = submission.build_submission({"x": xs(1)}, now_s=0)
     one = session(wait=wait)
     if not wait:
         with pytest.raises(RedisFull, match="OOM command not allowed"):
@@ -250,7 +255,7 @@ def test_a_write_redis_refuses_for_memory_is_refused_or_waited_out(wait: bool) -
 
 
 def test_a_pop_that_needed_a_retry_marks_the_wait_interrupted() -> None:
-    waiter = window.ReplyWaiter(SETTINGS, timeout_s=0)
+    waiter = waiting.ReplyWaiter(SETTINGS, timeout_s=0)
     waiter.add("a", now=0)
 
     def answer(step: Any) -> Any:

@@ -22,8 +22,9 @@ from fakes import (
 )
 from test_run_sources import EchoWorker
 
-from producer.client import core, window
+from producer.client import mapwindow
 from producer.client.maprows import Blocks, RowFeed
+from producer.client.settings import Settings
 from producer.protocol import codec, keys
 from producer.protocol.errors import InvalidInput, NoWorkerInfo
 
@@ -255,7 +256,7 @@ def test_map_of_an_iterator_takes_rows_per_request_from_the_live_workers(
 
 def test_map_request_bodies_are_the_rows_encoded_whatever_feeds_them() -> None:
     # Given the same float rows as an array, as blocks of other sizes, and as a row iterator
-    settings = core.Settings.create(MODEL, PREFIX, None, False)
+    settings = Settings.create(MODEL, PREFIX, None, False)
     x = np.random.default_rng(3).random((23, 5), dtype=np.float32)
     feeds = {
         "array": x,
@@ -265,7 +266,7 @@ def test_map_request_bodies_are_the_rows_encoded_whatever_feeds_them() -> None:
     # Then each request's body is the codec's encoding of its rows, byte for byte
     expected = [codec.encode_request({"x": x[i : i + 5]}) for i in range(0, 23, 5)]
     for feed in feeds.values():
-        plan = window.MapPlan(
+        plan = mapwindow.MapPlan(
             settings, {"x": feed}, rows_per_request=5, concurrency=8, outputs=None, timeout_s=5
         )
         assert [sub.body for sub in plan.take(now_s=0)] == expected

@@ -16,9 +16,12 @@ import redis
 import redis.exceptions as rex
 from fakes import MODEL, PREFIX, FakeReplier, answer, xs
 
-from producer.client import core, plans, steps, window
-from producer.client.base import Session, ShardSpread
+from producer.client import driver, mapwindow, plans, results, steps, submission, waiting
+from producer.client import routing as routing_module
 from producer.client.blocking import Client
+from producer.client.routing import Routing, ShardSpread
+from producer.client.session import Session
+from producer.client.settings import Settings
 from producer.protocol import keys
 from producer.protocol.errors import BacklogFull, RedisFull
 from producer.redisio import resp, shards
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 pytest_plugins = ["shells"]
 
 TAGS = (MODEL, f"{MODEL}~b", f"{MODEL}~c")
-SETTINGS = core.Settings.create(MODEL, PREFIX, None, False)
+SETTINGS = Settings.create(MODEL, PREFIX, None, False)
 
 
 def list_shards(conn: redis.Redis, tags: tuple[str, ...] = TAGS) -> None:
@@ -211,8 +214,8 @@ def test_the_backlog_limit_counts_every_shard(shell: Shell, redis_url: str) -> N
 # The pieces, without Redis
 
 
-def subs(n: int) -> list[core.Submission]:
-    return [core.Submission(f"r{i}", b"") for i in range(n)]
+def subs(n: int) -> list[submission.Submission]:
+    return [submission.Submission(f"r{i}", b"") for i in range(n)]
 
 
 def test_the_spread_round_robins_from_a_random_start_and_keeps_a_resent_shard() -> None:
@@ -223,7 +226,7 @@ def test_the_spread_round_robins_from_a_random_start_and_keeps_a_resent_shard() 
     assert one[3:] == one[:3]
     by_tag = spread.assign(subs(10))
     assert sorted(len(v) for v in by_tag.values()) == [3, 3, 4]  # evenly
-    resent = core.Submission("again", b"", TAGS[2])
+    resent = submission.Submission("again", b"", TAGS[2])
     assert spread.assign([resent]) == {TAGS[2]: [resent]}
     starts = {next(iter(ShardSpread(MODEL).assign(subs(1)))) for _ in range(50)}
     assert starts == {MODEL}  # one shard until the list is read
@@ -245,14 +248,14 @@ def test_the_spread_is_read_again_once_refresh_s_old(monkeypatch: pytest.MonkeyP
 
 
 def test_a_wait_over_several_shards_blocks_on_each_in_turn_briefly() -> None:
-    waiter = window.ReplyWaiter(SETTINGS, timeout_s=30)
+    waiter = waiting.ReplyWaiter(SETTINGS, timeout_s=30)
     for i, tag in enumerate([*TAGS, MODEL]):
         waiter.add(f"r{i}", now=0, tag=tag)
     turns = [waiter.blpop_keys() for _ in range(4)]
     assert [t for t, _, _ in turns] == [MODEL, TAGS[1], TAGS[2], MODEL]
     assert turns[0][1] == [SETTINGS.reply_key("r0").encode(), SETTINGS.reply_key("r3").encode()]
     assert all(shared for _, _, shared in turns)
-    assert waiter.block_s(now=0, cap_s=2, shared=True) == window.SHARD_TURN_S
+    assert waiter.block_s(now=0, cap_s=2, shared=True) == waiting.SHARD_TURN_S
     # One shard left: the BLPOP blocks until the first deadline (at most the cap)
     waiter.take_popped([SETTINGS.reply_key("r1", TAGS[1]).encode()], [fake_reply_for("r1")])
     waiter.take_popped([SETTINGS.reply_key("r2", TAGS[2]).encode()], [fake_reply_for("r2")])
@@ -261,7 +264,7 @@ def test_a_wait_over_several_shards_blocks_on_each_in_turn_briefly() -> None:
 
 
 def test_a_wait_timeout_names_the_late_requests_by_handle() -> None:
-    waiter = window.ReplyWaiter(SETTINGS, timeout_s=1)
+    waiter = waiting.ReplyWaiter(SETTINGS, timeout_s=1)
     waiter.add("r1", now=0, tag=TAGS[1])
     with pytest.raises(Exception, match=f"{TAGS[1]}/r1"):
         waiter.take_blpopped(None, now=2)
@@ -277,9 +280,9 @@ def part(tag: str, replies: int) -> steps.Part:
 def test_a_part_that_failed_is_sent_again_alone() -> None:
     # Given a batch over two shards, whose second part got an error reply
     batch = steps.Batch("XADD", None, [part(TAGS[0], 2), part(TAGS[1], 1)])  # type: ignore[arg-type]
-    steps.packed(batch.parts)
+    driver.packed(batch.parts)
     with pytest.raises(rex.BusyLoadingError, match="LOADING"):
-        steps.settle(batch.parts, [b"a", b"b", rex.BusyLoadingError("LOADING")])
+        driver.settle(batch.parts, [b"a", b"b", rex.BusyLoadingError("LOADING")])
     # Then the first is done with its answer, and a retry sends the second only
     assert [p.done for p in batch.parts] == [True, False]
     assert batch.parts[0].answer == [b"a", b"b"]
@@ -303,7 +306,7 @@ def test_routing_follows_moved_and_reads_the_map_again_after_other_trouble(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     topology = StubTopology()
-    routing = steps.Routing(topology, MODEL)
+    routing = Routing(topology, MODEL)
     assert routing.refresh_due()  # before the first command
     routing.refreshed()
     assert routing.client(None) == routing.client(MODEL) == f"client of {MODEL}"
@@ -315,7 +318,7 @@ def test_routing_follows_moved_and_reads_the_map_again_after_other_trouble(
 
     routing.failed(rex.ConnectionError("master gone"))  # a failover under way
     assert not routing.refresh_due()  # not twice within REFRESH_MIN_S
-    monkeypatch.setattr(steps, "REFRESH_MIN_S", 0.0)
+    monkeypatch.setattr(routing_module, "REFRESH_MIN_S", 0.0)
     assert routing.refresh_due()
     routing.refreshed()
     routing.failed(rex.TryAgainError("TRYAGAIN"))
@@ -369,13 +372,16 @@ def test_client_on_a_cluster_spreads_over_shards_on_three_masters(cluster: Any) 
 
 def fake_reply_for(rid: str) -> bytes:
     """A reply element for ``rid``, as a worker writes it."""
-    fields = {b"rid": rid.encode(), b"body": core.build_submission({"x": xs(1)}, now_s=0).body}
+    fields = {
+        b"rid": rid.encode(),
+        b"body": submission.build_submission({"x": xs(1)}, now_s=0).body,
+    }
     return answer(fields)[1]
 
 
 def test_a_refusal_on_one_shard_ends_map_at_the_first_request_taken_back() -> None:
     # Given a window of six requests, round-robin over three shards, whose second shard was full
-    plan = window.MapPlan(
+    plan = mapwindow.MapPlan(
         SETTINGS,
         {"x": np.zeros((6, 1), np.float32)},
         rows_per_request=1,
@@ -401,7 +407,7 @@ def test_map_awaits_what_a_shard_with_room_took_when_another_refuses_for_memory(
     # Given a map over three shards, as a scripted shell runs it: the first XADD part (one
     # shard's requests) goes in, another shard refuses for memory, and replies come for all
     # that went in
-    plan = window.MapPlan(
+    plan = mapwindow.MapPlan(
         SETTINGS,
         {"x": np.zeros((6, 1), np.float32)},
         rows_per_request=1,
@@ -413,13 +419,13 @@ def test_map_awaits_what_a_shard_with_room_took_when_another_refuses_for_memory(
     session = Session(
         SETTINGS, where, 2.0, RetryPolicy(where, 0), True, MemoryWatch(where, None), lambda r: None
     )
-    stepper = steps.Stepper(plans.run_map(session, plan))
-    chunks: list[core.Chunk] = []
-    sent_first: list[core.Submission] = []
+    stepper = driver.Stepper(plans.run_map(session, plan))
+    chunks: list[results.Chunk] = []
+    sent_first: list[submission.Submission] = []
 
     def run() -> None:
-        while (step := stepper.step()) is not steps.DONE:
-            if isinstance(step, core.Chunk):
+        while (step := stepper.step()) is not driver.DONE:
+            if isinstance(step, results.Chunk):
                 chunks.append(step)
             elif step.name == "LRANGE":
                 stepper.answer([Shards(MODEL, TAGS)])

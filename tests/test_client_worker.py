@@ -210,9 +210,6 @@ def test_a_retried_submit_sends_nothing_again(
     assert rconn.xinfo_stream("redbatch:{demo}:requests")["entries-added"] == 16
 
 
-# Client only: AsyncClient's infer waits on a BLPOP shared with other calls
-# (producer.client.coalesce), which does not hold the requests' bodies to send again.
-@pytest.mark.parametrize("shell", ["sync"], indirect=True)
 def test_infer_sends_again_a_request_whose_reply_was_lost_in_flight(
     shell: Shell, demo_config: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

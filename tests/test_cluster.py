@@ -35,7 +35,7 @@ from harness import PREFIX, running_worker, write_config
 from redis.crc import key_slot
 
 from producer.client.blocking import Client
-from producer.client.core import Chunk
+from producer.client.results import Chunk
 from producer.protocol.codec import Reply, decode_reply, encode_request
 from producer.protocol.keys import CONSUMER_GROUP, cancel_key, dead_key, reply_key, request_stream
 from producer.redisio.topology import Topology, tag_slot

@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from producer.cli.main import main
-from producer.client.core import Chunk, Result
 from producer.client.maprows import RowFeed
+from producer.client.results import Chunk, Result
 from producer.jobs import sinks
 from producer.jobs.blocks import Block, Skipped, Source, SourceOptions
 from producer.jobs.filewalk import iter_files

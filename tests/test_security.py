@@ -19,7 +19,7 @@ from harness import direct_run, running_worker, send, wait_reply, write_config
 
 from producer import AsyncClient, Client
 from producer.cli.main import main as redbatch_main
-from producer.client import core
+from producer.client import submission
 from producer.ops import shards as shardops
 from producer.ops.status import gather_status
 from producer.protocol.errors import ConnectionFailed
@@ -170,7 +170,7 @@ def test_a_producer_without_multi_still_adds_its_batches_once(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(core, "_WARNED", set())  # the warning is given once per process
+    monkeypatch.setattr(submission, "_WARNED", set())  # the warning is given once per process
     # Given a producer user from before transactions: the doc's rules less +multi +exec +discard
     rules = re.search(r"^user redbatch-producer on >\S+ (.*)$", ACL, flags=re.MULTILINE)
     assert rules is not None

@@ -1,1 +1,1 @@
-"""The library: ``Client`` and ``AsyncClient``, thin I/O shells over plans written once."""
+"""The library: ``Client`` and ``AsyncClient``, two drivers of one engine (``plans``)."""

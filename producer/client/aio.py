@@ -1,10 +1,11 @@
 """``AsyncClient``: the asyncio twin of ``Client``, a thin ``redis.asyncio`` shell that runs the
 same ``producer.client.plans`` with ``await``.
 
-Same methods, same behaviour, with ``await``: ``wait_many`` and ``map`` are async iterators.
-Like ``Client``, it pipelines submits and waits on many keys at once, which is what keeps its cost
-per request low. Calls made concurrently (``infer`` from many handlers) share their round trips
-as well (``producer.client.coalesce``): submits go together, and one BLPOP per shard waits for many
+Same methods, same plans, same behaviour, with ``await``: ``wait_many`` and ``map`` are async
+iterators. Like ``Client``, it pipelines submits and waits on many keys at once, which is what
+keeps its cost per request low. Calls made concurrently (``infer`` from many handlers) share their
+round trips as well: the driver hands the plans' ``Send`` and ``Pop`` steps to
+``producer.client.coalesce``, so submits go together, and one BLPOP per shard waits for many
 calls. On a cluster, a batch's round trips to different nodes run concurrently.
 
 Example::
@@ -26,11 +27,15 @@ import numpy as np
 import redis.asyncio
 from numpy.typing import ArrayLike
 
-from producer.client import core, plans, steps, window
-from producer.client.base import BaseClient, Flavour
+from producer.client import driver, plans, steps
 from producer.client.coalesce import Coalescer, ReplyHub
-from producer.client.core import Chunk, Result, Submission
-from producer.protocol.errors import RedbatchError, WaitTimeout
+from producer.client.mapwindow import MapPlan
+from producer.client.results import Chunk, Result
+from producer.client.settings import check_ttl_s
+from producer.client.shell import BaseClient, Flavour
+from producer.client.submission import Submission
+from producer.client.waiting import ReplyWaiter
+from producer.protocol.errors import RedbatchError
 from producer.redisio import resp
 from producer.redisio.memory import info_memory_async
 from producer.redisio.retry import REDIS_ERRORS
@@ -63,7 +68,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         self._submits: Coalescer[Submission] = Coalescer(
             self._send, retry_s=retry_s, unsent=self._unsent
         )
-        self._replies = ReplyHub(self._hub_blpop, self._hub_lpop, self._late)
+        self._replies = ReplyHub(self._shared_blpop, self._shared_lpop)
 
     # -- submitting ------------------------------------------------------------------------
 
@@ -80,7 +85,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         """Queue one request and return its handle (its rid on the model's first shard, else
         ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        await self._submits([sub])
+        await self._run(plans.submit([sub]))
         return sub.handle
 
     async def submit_many(
@@ -97,11 +102,12 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         transactions of up to 256 requests of one shard each; returns the handles."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
-            await self._submits(subs)
+            await self._run(plans.submit(subs))
         return [sub.handle for sub in subs]
 
     async def _send(self, subs: list[Submission], until: float | None) -> None:
-        """The coalescer's round trip; ``until`` is the first deadline among its calls."""
+        """The coalescer's round trip, the ``Send`` steps of many calls at once; ``until`` is
+        the first deadline among them."""
         await self._run(plans.send(self._session, subs, until))
 
     def _unsent(self) -> RedbatchError:
@@ -119,24 +125,13 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout.
         Concurrent waits share their round trips: one BLPOP watches many keys of a shard."""
         target = self._session.settings.target(handle)
-        return await self._wait(target, core.check_timeout_s(timeout_s), time.monotonic())
+        return await self._run(plans.wait(self._session, target, timeout_s, time.monotonic()))
 
-    async def _wait(self, target: tuple[str, str], timeout_s: float, since: float) -> Result:
-        """``wait`` for (tag, rid), with its ``timeout_s`` counted from ``since``
-        (monotonic)."""
-        tag, rid = target
-        key = self._session.settings.reply_key(rid, tag).encode()
-        raw = await self._replies.wait(key, timeout_s, core.handle_of(tag, rid), since, tag)
-        return core.parse_reply_or_fail(rid, raw, self.model, tag)
+    async def _shared_blpop(self, tag: str, keys: list[bytes], until: float) -> tuple[Any, bool]:
+        return await self._run(plans.shared_blpop(self._session, tag, keys, until))
 
-    async def _hub_blpop(self, tag: str, keys: list[bytes], until: float) -> Any:
-        return await self._run(plans.hub_blpop(self._session, tag, keys, until))
-
-    async def _hub_lpop(self, tag: str, keys: list[bytes]) -> list[Any]:
-        return await self._run(plans.hub_lpop(self._session, tag, keys))
-
-    def _late(self, rid: str, timeout_s: float) -> WaitTimeout:
-        return window.wait_timeout(self.model, timeout_s, [rid])
+    async def _shared_lpop(self, tag: str, keys: list[bytes]) -> list[Any]:
+        return await self._run(plans.shared_lpop(self._session, tag, keys))
 
     async def infer(
         self,
@@ -153,13 +148,12 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         whole call, submit included, ends within ``timeout_s``, as ``Client.infer``'s does."""
         started = time.monotonic()
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        await self._submits([sub], started + core.check_timeout_s(timeout_s))
-        return plans.outputs(await self._wait((sub.tag, sub.rid), timeout_s, started))
+        return await self._run(plans.infer(self._session, sub, timeout_s, started))
 
-    def _drain(self, waiter: window.ReplyWaiter) -> AsyncIterator[Result]:
+    def _drain(self, waiter: ReplyWaiter) -> AsyncIterator[Result]:
         return self._iterate(plans.drain(self._session, waiter))
 
-    def _map(self, plan: window.MapPlan) -> AsyncIterator[Chunk]:
+    def _map(self, plan: MapPlan) -> AsyncIterator[Chunk]:
         return self._iterate(plans.fit_and_run_map(self._session, plan))  # NoWorkerInfo lazily
 
     # -- control and status ----------------------------------------------------------------
@@ -168,7 +162,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         """Ask workers not to run ``handle`` (or rid): sets its cancel key, in its shard, for
         ``ttl_s`` seconds."""
         target = self._session.settings.target(handle)
-        await self._run(plans.cancel(self._session, [target], core.check_ttl_s("ttl_s", ttl_s)))
+        await self._run(plans.cancel(self._session, [target], check_ttl_s("ttl_s", ttl_s)))
 
     async def backlog(self) -> int:
         """Entries in the model's request streams (summed over its shards): queued plus in
@@ -183,16 +177,16 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
 
     async def _run(self, plan: steps.Plan[R]) -> R:
         """Run ``plan`` to its end and return what it returns."""
-        stepper = steps.Stepper(plan)
-        while (step := stepper.step()) is not steps.DONE:
+        stepper = driver.Stepper(plan)
+        while (step := stepper.step()) is not driver.DONE:
             await self._do(stepper, step)
         return stepper.result
 
     async def _iterate(self, plan: steps.Plan[None]) -> AsyncIterator[Any]:
         """Run a streaming plan, yielding its outputs; ``aclose()`` lets the plan clean up
-        (``steps.CallerStopped``)."""
-        stepper: steps.Stepper[None] = steps.Stepper(plan)
-        while (step := stepper.step()) is not steps.DONE:
+        (``driver.CallerStopped``)."""
+        stepper: driver.Stepper[None] = driver.Stepper(plan)
+        while (step := stepper.step()) is not driver.DONE:
             if isinstance(step, steps.Step):
                 await self._do(stepper, step)
             else:
@@ -201,16 +195,28 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
                 except BaseException as exc:  # GeneratorExit included
                     stepper.fail(exc)
 
-    async def _do(self, stepper: steps.Stepper[Any], cmd: steps.Step) -> None:
+    async def _do(self, stepper: driver.Stepper[Any], cmd: steps.Step) -> None:
         """Take one step, handing its answer or error back to the plan (a cancellation too, so
-        that its clean-up runs)."""
+        that its clean-up runs). ``Send`` and ``Pop`` share their round trips with concurrent
+        calls'."""
         try:
             if isinstance(cmd, steps.Sleep):
                 await _sleep(cmd.seconds)
+            elif isinstance(cmd, steps.Send):
+                await self._submits(cmd.subs, cmd.until)
+            elif isinstance(cmd, steps.Pop) and not self._replies.awaits(cmd.key):
+                stepper.answer(await self._pop(cmd))
             else:
                 stepper.answer(await cmd.retry.acall(self._once, cmd))
         except BaseException as exc:
             stepper.fail(exc)
+
+    async def _pop(self, cmd: steps.Pop) -> Any:
+        """``cmd`` served by a BLPOP shared with other calls; ``tries`` says whether that was
+        interrupted, as a retry of ``cmd`` itself would."""
+        item, interrupted = await self._replies.pop(cmd.key, cmd.tag or self.model, cmd.until)
+        cmd.tries = 2 if interrupted else 1
+        return item
 
     async def _once(self, cmd: steps.Call | steps.Batch) -> Any:
         """One try of ``cmd`` on its shard's node; its retry policy calls this again after a
@@ -223,7 +229,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
                 routing.refreshed()
             if isinstance(cmd, steps.Call):
                 return await cmd.fn(routing.client(cmd.tag))
-            groups = steps.pending(cmd, routing)
+            groups = driver.pending(cmd, routing)
             if len(groups) == 1:
                 await _round_trip(*groups[0])
             elif groups:
@@ -273,10 +279,10 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
 
 async def _round_trip(client: redis.asyncio.Redis, parts: list[steps.Part]) -> None:
     """The parts' commands in one round trip to ``client``'s node."""
-    packer = steps.packed(parts)
+    packer = driver.packed(parts)
     if packer is not None:
-        steps.settle(parts, await resp.round_trip_async(client, packer))
+        driver.settle(parts, await resp.round_trip_async(client, packer))
         return
     pipe = client.pipeline(transaction=False)
-    steps.queue(pipe, parts)
-    steps.settle(parts, await pipe.execute(raise_on_error=False))
+    driver.queue(pipe, parts)
+    driver.settle(parts, await pipe.execute(raise_on_error=False))

@@ -1,8 +1,8 @@
 """``Client``: the blocking client, a thin redis-py shell that runs ``producer.client.plans``.
 
 Every decision (what to send, how long to block, which chunk comes next) is made in the plans and
-the sans-I/O pieces they use (``core``, ``window``); this module only runs the Redis commands
-they yield. ``producer.client.aio.AsyncClient`` runs the same plans with ``await``.
+the sans-I/O pieces they use (``waiting``, ``mapwindow``, ``backlog``); this module only runs the
+steps they yield. ``producer.client.aio.AsyncClient`` runs the same plans with ``await``.
 
 Example::
 
@@ -24,9 +24,12 @@ import numpy as np
 import redis
 from numpy.typing import ArrayLike
 
-from producer.client import core, plans, steps, window
-from producer.client.base import DEFAULT_URL, BaseClient, Flavour
-from producer.client.core import Chunk, Result
+from producer.client import driver, plans, steps
+from producer.client.mapwindow import MapPlan
+from producer.client.results import Chunk, Result
+from producer.client.settings import check_ttl_s
+from producer.client.shell import DEFAULT_URL, BaseClient, Flavour
+from producer.client.waiting import ReplyWaiter
 from producer.redisio import resp
 from producer.redisio.memory import info_memory
 from producer.redisio.retry import REDIS_ERRORS
@@ -53,7 +56,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     Requests are spread over the model's shards (``P:{M}:shards``, read at the first submit and
     every 5 s): ``submit`` takes each shard in turn from a random one, ``submit_many`` and each
     refill of ``map`` split evenly. ``submit`` returns a handle: the rid on the model's first
-    shard (so one shard looks as before shards), ``T/R`` on another; ``poll``, ``wait``,
+    shard (so a model with one shard needs no tags), ``T/R`` on another; ``poll``, ``wait``,
     ``wait_many`` and ``cancel`` take a handle or a bare rid (the first shard).
 
     With ``max_backlog`` set, submits refuse with ``BacklogFull`` while the request streams hold
@@ -94,7 +97,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         """Queue one request and return its handle (its rid on the model's first shard, else
         ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        self._run(plans.send(self._session, [sub]))
+        self._run(plans.submit([sub]))
         return sub.handle
 
     def submit_many(
@@ -114,7 +117,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         first transactions queued."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
-            self._run(plans.send(self._session, subs))
+            self._run(plans.submit(subs))
         return [sub.handle for sub in subs]
 
     # -- replies ---------------------------------------------------------------------------
@@ -150,10 +153,10 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
         return self._run(plans.infer(self._session, sub, timeout_s, started))
 
-    def _drain(self, waiter: window.ReplyWaiter) -> Iterator[Result]:
+    def _drain(self, waiter: ReplyWaiter) -> Iterator[Result]:
         return self._iterate(plans.drain(self._session, waiter))
 
-    def _map(self, plan: window.MapPlan) -> Iterator[Chunk]:
+    def _map(self, plan: MapPlan) -> Iterator[Chunk]:
         self._run(plans.fit_rows(self._session, plan))  # NoWorkerInfo at the call
         return self._iterate(plans.run_map(self._session, plan))
 
@@ -163,7 +166,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         """Ask workers not to run ``handle`` (or rid): sets its cancel key, in its shard, for
         ``ttl_s`` seconds."""
         target = self._session.settings.target(handle)
-        self._run(plans.cancel(self._session, [target], core.check_ttl_s("ttl_s", ttl_s)))
+        self._run(plans.cancel(self._session, [target], check_ttl_s("ttl_s", ttl_s)))
 
     def backlog(self) -> int:
         """Entries in the model's request streams (summed over its shards): queued plus in
@@ -178,16 +181,16 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
 
     def _run(self, plan: steps.Plan[R]) -> R:
         """Run ``plan`` to its end and return what it returns."""
-        stepper = steps.Stepper(plan)
-        while (step := stepper.step()) is not steps.DONE:
+        stepper = driver.Stepper(plan)
+        while (step := stepper.step()) is not driver.DONE:
             self._do(stepper, step)
         return stepper.result
 
     def _iterate(self, plan: steps.Plan[None]) -> Iterator[Any]:
         """Run a streaming plan, yielding its outputs. Closing the iterator early stops the plan
-        (``steps.CallerStopped``), whose clean-up still runs its commands."""
-        stepper: steps.Stepper[None] = steps.Stepper(plan)
-        while (step := stepper.step()) is not steps.DONE:
+        (``driver.CallerStopped``), whose clean-up still runs its commands."""
+        stepper: driver.Stepper[None] = driver.Stepper(plan)
+        while (step := stepper.step()) is not driver.DONE:
             if isinstance(step, steps.Step):
                 self._do(stepper, step)
                 continue
@@ -196,11 +199,13 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
             except BaseException as exc:  # GeneratorExit included: the plan cleans up
                 stepper.fail(exc)
 
-    def _do(self, stepper: steps.Stepper[Any], cmd: steps.Step) -> None:
+    def _do(self, stepper: driver.Stepper[Any], cmd: steps.Step) -> None:
         """Take one step, handing its answer or error back to the plan."""
         try:
             if isinstance(cmd, steps.Sleep):
                 _sleep(cmd.seconds)
+            elif isinstance(cmd, steps.Send):
+                stepper.answer(self._run(plans.send(self._session, cmd.subs, cmd.until)))
             else:
                 stepper.answer(cmd.retry.call(self._once, cmd))
         except BaseException as exc:  # KeyboardInterrupt included: the plan cleans up
@@ -217,7 +222,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
                 routing.refreshed()
             if isinstance(cmd, steps.Call):
                 return cmd.fn(routing.client(cmd.tag))
-            groups = steps.pending(cmd, routing)
+            groups = driver.pending(cmd, routing)
             if len(groups) == 1:
                 _round_trip(*groups[0])
             elif groups:
@@ -235,7 +240,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         flights = []
         try:
             for client, parts in groups:
-                packer = steps.packed(parts)
+                packer = driver.packed(parts)
                 try:
                     if packer is None:
                         _round_trip(client, parts)
@@ -245,7 +250,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
                     errors.append(exc)
             for flight, parts in flights:
                 try:
-                    steps.settle(parts, flight.receive())
+                    driver.settle(parts, flight.receive())
                 except REDIS_ERRORS as exc:
                     errors.append(exc)
         finally:
@@ -279,10 +284,10 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
 
 def _round_trip(client: redis.Redis, parts: list[steps.Part]) -> None:
     """The parts' commands in one round trip to ``client``'s node."""
-    packer = steps.packed(parts)
+    packer = driver.packed(parts)
     if packer is not None:
-        steps.settle(parts, resp.round_trip(client, packer))
+        driver.settle(parts, resp.round_trip(client, packer))
         return
     pipe = client.pipeline(transaction=False)
-    steps.queue(pipe, parts)
-    steps.settle(parts, pipe.execute(raise_on_error=False))
+    driver.queue(pipe, parts)
+    driver.settle(parts, pipe.execute(raise_on_error=False))

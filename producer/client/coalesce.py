@@ -1,4 +1,6 @@
-"""Round trips shared by an ``AsyncClient``'s concurrent calls.
+"""Round trips shared by an ``AsyncClient``'s concurrent calls: the asyncio driver hands the
+``Send`` and ``Pop`` steps of the plans (``producer.client.steps``) to these, so every call runs
+the same plan as in ``Client`` and only the round trips are shared.
 
 A web back end calls ``infer`` from many handlers at once. With its own ``XADD`` and its own
 ``BLPOP`` per call, each call pays a round trip's Python and system-call cost twice, where
@@ -7,10 +9,10 @@ close to that (docs/design.md has the figures).
 
 - ``Coalescer``: submits made while one is on the wire go together in the next round trip. A
   caller cancelled before its turn is taken out; one cancelled while its round trip is on the
-  wire may still have been sent, as before. A round trip's retries and backlog wait end at the
+  wire may still have been sent. A round trip's retries and backlog wait end at the
   first deadline among its calls (an ``infer``'s ``timeout_s``); the calls whose time is up then
   fail, and the others go again in the next round trip, as with a shared ``BLPOP`` below.
-- ``ReplyHub``: one ``BLPOP`` waits for the replies of many calls, and when it returns, one
+- ``ReplyHub``: one ``BLPOP`` serves the ``Pop`` steps of many calls, and when it returns, one
   pipelined ``LPOP`` sweeps up the others that are ready (replies of one batch arrive together).
   A ``BLPOP`` watches one shard's keys (one slot: contract section 1), so each shard with
   waiting calls has its own watchers, and a reply on one shard never waits for another's.
@@ -21,8 +23,10 @@ close to that (docs/design.md has the figures).
   longer than the first of them). A ``BLPOP`` on the wire can still pop the reply of a call
   that was cancelled meanwhile: that reply is kept in memory (an hour, 4,096 at most), where a
   later ``wait`` or ``poll`` of the same request finds it, rather than lost. A second call that
-  waits on a request already awaited waits with a ``BLPOP`` of its own, as before: the two race
-  for the one reply.
+  waits on a request already awaited waits with a ``BLPOP`` of its own: the two race for the
+  one reply. A shared ``BLPOP`` that needed a retry, or a sweep that failed, may have lost a
+  reply it popped: each call it watched is told so (``interrupted``), and its plan sends its
+  request again, as ``Client``'s does after its own ``BLPOP`` needed a retry.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from producer.client.core import as_bytes
-from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisUnavailable, WaitTimeout
+from producer.client.results import as_bytes
+from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisUnavailable
 
 __all__ = ["Coalescer", "ReplyHub"]
 
@@ -45,8 +49,8 @@ T = TypeVar("T")
 # send(items, until): send items, giving up at the monotonic time ``until`` (None: no bound)
 Send = Callable[[list[T], float | None], Awaitable[None]]
 # blpop(tag, keys, until): BLPOP over keys of shard ``tag``, blocking until the monotonic time
-# ``until`` at most; lpop(tag, keys): LPOP of each
-Blpop = Callable[[str, list[bytes], float], Awaitable[Any]]
+# ``until`` at most, and whether it needed a retry; lpop(tag, keys): LPOP of each
+Blpop = Callable[[str, list[bytes], float], Awaitable[tuple[Any, bool]]]
 Lpop = Callable[[str, list[bytes]], Awaitable[Sequence[Any]]]
 
 _ORPHANS_KEPT = 4096
@@ -203,27 +207,25 @@ def _settle(batch: Sequence[_Queued[Any]], exc: BaseException | None) -> None:
 
 @dataclass(slots=True)
 class _Waiting:
-    """One awaited key: the future of its element, and its deadline."""
+    """One awaited key: the future of its ``Pop``'s answer, and its deadline."""
 
-    future: asyncio.Future[Any]
+    future: asyncio.Future[tuple[Any, bool]]
     deadline: float  # monotonic
-    timeout_s: float  # for the message
-    name: str  # the request, for the message
 
 
 class ReplyHub:
-    """Pops reply keys for many waiting calls with few ``BLPOP``s (see the module docstring).
+    """Serves many calls' ``Pop`` steps with few ``BLPOP``s (see the module docstring).
 
     ``blpop(tag, keys, until)`` and ``lpop(tag, keys)`` are the client's commands on shard
-    ``tag``, retries included; ``timed_out(name, timeout_s)`` makes the error a caller gets
-    when its deadline passes.
+    ``tag``, retries included; ``blpop`` also says whether it needed a retry. A ``pop`` answers
+    as the BLPOP of one call would: ``[key, element]``, or None once its deadline has passed,
+    or None early, with ``interrupted``, when a shared command that watched its key needed a
+    retry or failed (a reply it popped may have been lost with its connection): the plan then
+    sends its request again and pops once more.
     """
 
-    def __init__(
-        self, blpop: Blpop, lpop: Lpop, timed_out: Callable[[str, float], WaitTimeout]
-    ) -> None:
+    def __init__(self, blpop: Blpop, lpop: Lpop) -> None:
         self._blpop, self._lpop = blpop, lpop
-        self._timed_out = timed_out
         self._waiting: dict[bytes, _Waiting] = {}
         self._unwatched: dict[str, list[bytes]] = {}  # per shard: keys no BLPOP has taken yet
         self._starting: set[str] = set()  # shards whose new watcher is yet to take them
@@ -237,20 +239,20 @@ class ReplyHub:
         orphan = self._orphans.get(key)
         return None if orphan is None or orphan[1] < time.monotonic() else orphan[0]
 
-    async def wait(
-        self, key: bytes, timeout_s: float, name: str, since: float | None = None, tag: str = ""
-    ) -> Any:
-        """Pop the element at ``key`` of shard ``tag``, waiting up to ``timeout_s`` from
-        ``since`` (monotonic; None: now); WaitTimeout after that."""
+    def awaits(self, key: bytes) -> bool:
+        """True when a call waits on ``key`` already: a second one pops with a BLPOP of its
+        own, and the two race for the one reply, as two BLPOPs would."""
+        return key in self._waiting and self.peek(key) is None
+
+    async def pop(self, key: bytes, tag: str, until: float) -> tuple[Any, bool]:
+        """The element at ``key`` of shard ``tag`` as a BLPOP answers (``[key, element]``), or
+        None once ``until`` (monotonic) has passed; and whether the pop was interrupted."""
         if self._closed:
             raise _closed()
         if self.peek(key) is not None:
-            return self._orphans.pop(key)[0]
-        deadline = (time.monotonic() if since is None else since) + timeout_s
-        if key in self._waiting:  # another call waits on it: wait alone, as two BLPOPs would
-            return await self._wait_alone(tag, key, deadline, timeout_s, name)
+            return [key, self._orphans.pop(key)[0]], False
         future = asyncio.get_running_loop().create_future()
-        waiting = self._waiting[key] = _Waiting(future, deadline, timeout_s, name)
+        waiting = self._waiting[key] = _Waiting(future, until)
         self._unwatched.setdefault(tag, []).append(key)
         if tag not in self._starting:
             self._starting.add(tag)
@@ -263,16 +265,6 @@ class ReplyHub:
             if self._waiting.get(key) is waiting:
                 del self._waiting[key]  # answered, timed out, or given up by its caller
 
-    async def _wait_alone(
-        self, tag: str, key: bytes, until: float, timeout_s: float, name: str
-    ) -> Any:
-        while True:
-            item = await self._blpop(tag, [key], until)
-            if item:
-                return item[1]
-            if time.monotonic() >= until:
-                raise self._timed_out(name, timeout_s)
-
     async def _watch(self, tag: str) -> None:
         """Watch shard ``tag``'s unwatched keys, and its newcomers whenever a BLPOP returns,
         until none wait."""
@@ -284,13 +276,16 @@ class ReplyHub:
                     return
                 until = min(self._waiting[k].deadline for k in keys)
                 try:
-                    item = await self._blpop(tag, keys, until)
+                    item, retried = await self._blpop(tag, keys, until)
                 except RedisUnavailable as exc:  # an outage outlasted the first deadline
                     keys = self._fail_expired(keys, until, exc)
                     continue
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
+                if retried:  # the answer of a try that failed may have held a reply
+                    self._interrupt(self._live(keys))
+                elif item:
                     await self._sweep(tag, self._live(keys))
                 keys = self._expire(self._live(keys))
         except asyncio.CancelledError:
@@ -309,21 +304,26 @@ class ReplyHub:
         return [key for key in keys if key in waiting and not waiting[key].future.done()]
 
     def _expire(self, keys: list[bytes]) -> list[bytes]:
-        """Fail the keys whose deadline has passed; return the others."""
+        """Answer None to the keys whose deadline has passed; return the others."""
         now = time.monotonic()
         left = []
         for key in keys:
             waiting = self._waiting[key]
             if waiting.deadline <= now:
-                waiting.future.set_exception(self._timed_out(waiting.name, waiting.timeout_s))
+                waiting.future.set_result((None, False))
             else:
                 left.append(key)
         return left
 
+    def _interrupt(self, keys: list[bytes]) -> None:
+        """Answer None, interrupted, to ``keys``: their calls send again and pop anew."""
+        for key in keys:
+            self._waiting[key].future.set_result((None, True))
+
     def _settle(self, key: bytes, raw: Any) -> None:
         waiting = self._waiting.get(key)
         if waiting is not None and not waiting.future.done():
-            waiting.future.set_result(raw)
+            waiting.future.set_result(([key, raw], False))
             return
         # Its callers gave up while the BLPOP or LPOP that popped it was on the wire.
         self._orphans[key] = (raw, time.monotonic() + _ORPHAN_TTL_S)
@@ -331,13 +331,15 @@ class ReplyHub:
             self._orphans.popitem(last=False)
 
     async def _sweep(self, tag: str, keys: list[bytes]) -> None:
-        """After a BLPOP's answer, one LPOP of the other keys: best effort, since the next
-        BLPOP (whose retries end at a deadline) finds whatever this one missed."""
+        """After a BLPOP's answer, one LPOP of the other keys (one try: the next BLPOP finds
+        whatever this one missed). One that failed may have popped replies it lost: its keys
+        are interrupted."""
         if not keys:
             return
         try:
             popped = await self._lpop(tag, keys)
         except RedisUnavailable:
+            self._interrupt(self._live(keys))
             return
         for key, raw in zip(keys, popped, strict=True):
             if raw is not None:

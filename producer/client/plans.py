@@ -1,15 +1,15 @@
 """Each client call's logic, written once: plans that say which Redis commands to run, and when.
 
-A plan is a generator. It yields a step (``producer.client.steps``: ``Call``, one redis-py command;
-``Batch``, many commands in a round trip per node; ``Sleep``) and gets back the step's answer,
-or has its error raised where it yielded. ``Client`` takes each step with blocking calls and
-``AsyncClient`` with ``await``; that, the coalescing of concurrent calls
-(``producer.client.coalesce``)
-and the connections' lifetime is all the shells do. A plan that streams (``drain``,
-``run_map``) also yields its Results or Chunks, which the shell hands to its caller.
+A plan is a generator. It yields a step (``producer.client.steps``: ``Call``, one redis-py
+command; ``Batch``, many commands in a round trip per node; ``Sleep``; ``Send`` and ``Pop``, a
+submit and one call's BLPOP) and gets back the step's answer, or has its error raised where it
+yielded. ``Client`` takes each step with blocking calls and ``AsyncClient`` with ``await``; the
+asyncio shell also shares the ``Send`` and ``Pop`` steps of concurrent calls
+(``producer.client.coalesce``). Every call runs the same plan in both shells, so both behave the
+same, sending again after an outage included. A plan that streams (``drain``, ``run_map``) also
+yields its Results or Chunks, which the shell hands to its caller.
 
-Why generators, when ``window.MapPlan`` and ``core.BacklogGate`` are state machines: the state
-that outlives a step already lives in such objects (``ReplyWaiter``, ``MapPlan``,
+Why generators: the state that outlives a step lives in objects (``ReplyWaiter``, ``MapPlan``,
 ``BacklogGate``, ``MemoryWatch``); what is left is sequencing: wait for room, send, pop, send
 again after an interruption, and cancel on the way out, with loops, ``try``/``finally`` and
 errors that change the course (Redis refusing a submit for memory). As explicit states that
@@ -18,14 +18,13 @@ construct that both a blocking and an asyncio driver can suspend at each command
 generator step per Redis command, never per request; hot-path commands stay packed by hand.
 
 Shards (contract section 1): every command names the shard tag whose node runs it. Submits
-read the model's shard list first (``base.ShardSpread``: lazily, then every
-``shards.REFRESH_S``) and spread their requests over it, each shard's in transactions of
-its own (one per 256 requests: a transaction never spans two slots); the backlog is the sum of
-``XLEN`` over the shards served.
-A wait pops each shard's keys with a pipelined ``LPOP`` and blocks on one shard's keys at a
-time (``ReplyWaiter``). On a single Redis a batch's parts for all shards share one round trip;
-on a cluster the blocking shell sends every node's part before reading any answer, and the
-asyncio shell sends them concurrently.
+read the model's shard list first (``ShardSpread``: lazily, then every ``shards.REFRESH_S``)
+and spread their requests over it, each shard's in transactions of its own (one per 256
+requests: a transaction never spans two slots); the backlog is the sum of ``XLEN`` over the
+shards served. A wait pops each shard's keys with a pipelined ``LPOP`` and blocks on one
+shard's keys at a time (``ReplyWaiter``). On a single Redis a batch's parts for all shards share
+one round trip; on a cluster the blocking shell sends every node's part before reading any
+answer, and the asyncio shell sends them concurrently.
 """
 
 from __future__ import annotations
@@ -39,11 +38,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from producer.client import commands, core, window
-from producer.client.base import Session
-from producer.client.core import Result, Submission
-from producer.client.steps import Batch, Call, Plan, Sleep
-from producer.client.window import Target
+from producer.client import steps
+from producer.client.backlog import BacklogGate
+from producer.client.mapwindow import MapPlan
+from producer.client.results import Result, parse_reply
+from producer.client.session import Session
+from producer.client.settings import INFER_LIMIT, check_timeout_s
+from producer.client.steps import Batch, Call, Plan, Send, Sleep
+from producer.client.submission import Submission, build_submission, build_submissions
+from producer.client.waiting import ReplyWaiter, Target
 from producer.client.workers import WorkerRoster, check_rows_per_request, row_limit
 from producer.protocol.errors import (
     BacklogFull,
@@ -63,8 +66,6 @@ __all__ = [
     "drain",
     "fit_and_run_map",
     "fit_rows",
-    "hub_blpop",
-    "hub_lpop",
     "infer",
     "outputs",
     "poll",
@@ -73,6 +74,9 @@ __all__ = [
     "resend",
     "run_map",
     "send",
+    "shared_blpop",
+    "shared_lpop",
+    "submit",
     "unsent",
     "wait",
     "wait_round",
@@ -89,7 +93,7 @@ def _shards(session: Session, retry: RetryPolicy) -> Plan[Shards]:
     """The model's shards: read at first use, then again once ``shards.REFRESH_S`` old (the
     callers check ``spread.stale`` first: no generator on the hot path)."""
     spread = session.spread
-    (found,) = yield Batch("LRANGE", retry, [commands.shard_list(session)])
+    (found,) = yield Batch("LRANGE", retry, [steps.shard_list(session)])
     spread.seen(found, time.monotonic())
     return spread.shards
 
@@ -107,7 +111,7 @@ def request(
     reply_ttl_s: int | None,
 ) -> Submission:
     """One request, its ``deadline_s`` counted from now."""
-    return core.build_submission(
+    return build_submission(
         inputs,
         outputs=outputs,
         deadline_s=deadline_s,
@@ -126,7 +130,7 @@ def requests(
     reply_ttl_s: int | None,
 ) -> list[Submission]:
     """Many requests sharing their options, each with a new rid."""
-    return core.build_submissions(
+    return build_submissions(
         many,
         outputs=outputs,
         deadline_s=deadline_s,
@@ -153,17 +157,17 @@ def send(
     writes: replication is asynchronous), so a caller awaiting earlier requests sends them
     again (``resend``)."""
     settings = session.settings
-    gate = core.BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
+    gate = BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
     xadd: Batch | None = None
     try:
         if session.spread.stale(time.monotonic()):
-            yield from _shards(session, session.retry.until(until, core.INFER_LIMIT))
+            yield from _shards(session, session.retry.until(until, INFER_LIMIT))
         while True:
             while (delay_s := (yield from _no_room_s(session, gate, until))) is not None:
                 yield Sleep(delay_s)
-            retry = session.retry.until(until, core.INFER_LIMIT)
+            retry = session.retry.until(until, INFER_LIMIT)
             if xadd is None:
-                xadd = commands.xadd(session, session.spread.assign(subs), retry)
+                xadd = steps.xadd(session, session.spread.assign(subs), retry)
             else:  # after a refusal for memory: the parts not yet in Redis, on a fresh budget
                 xadd.retry = retry
             tried = xadd.tries
@@ -181,7 +185,7 @@ def send(
             accepted.extend(sub for part in xadd.parts if part.done for sub in part.items)
 
 
-def _no_room_s(session: Session, gate: core.BacklogGate, until: float | None) -> Plan[float | None]:
+def _no_room_s(session: Session, gate: BacklogGate, until: float | None) -> Plan[float | None]:
     """None when the backlog and Redis memory leave room; else how long to sleep before looking
     again (or the gate raises BacklogFull or RedisFull). Notes what holds the send up."""
     if gate.active:
@@ -193,7 +197,7 @@ def _no_room_s(session: Session, gate: core.BacklogGate, until: float | None) ->
     memory = session.memory
     if memory.stale(time.monotonic()):
         # Each shard's node (on a cluster each master has its own memory), the fullest counts
-        retry = session.retry.until(until, core.INFER_LIMIT)
+        retry = session.retry.until(until, INFER_LIMIT)
         readings = []
         for tag in session.spread.shards.send:
             info = yield Call("INFO", session.info_memory, retry, tag)
@@ -213,8 +217,8 @@ def _backlog(session: Session, until: float | None) -> Plan[int]:
     """The model's backlog: the sum of ``XLEN`` over the shards it has (listed and retiring),
     checked against ``max_backlog`` as one figure, as ``redbatch status`` and the scalers
     see it."""
-    retry = session.retry.until(until, core.INFER_LIMIT)
-    return sum((yield commands.xlen(session, session.spread.shards.serve, retry)))
+    retry = session.retry.until(until, INFER_LIMIT)
+    return sum((yield steps.xlen(session, session.spread.shards.serve, retry)))
 
 
 def unsent(session: Session) -> RedbatchError:
@@ -227,12 +231,11 @@ def unsent(session: Session) -> RedbatchError:
         return session.full_seen.waited_out()
     if session.retry.outage.active:
         return RedisUnavailable(
-            f"Could not talk to Redis at {session.where} within {core.INFER_LIMIT}, while "
+            f"Could not talk to Redis at {session.where} within {INFER_LIMIT}, while "
             "an earlier submit was retrying; the request was not sent."
         )
     return WaitTimeout(
-        f"{core.INFER_LIMIT} ran out while an earlier submit was being sent; the request "
-        "was not sent."
+        f"{INFER_LIMIT} ran out while an earlier submit was being sent; the request was not sent."
     )
 
 
@@ -244,14 +247,14 @@ def resend(session: Session, subs: Sequence[Submission], retry: RetryPolicy) -> 
     reply is still there. No backlog gate: these are counted in it, or were lost."""
     if subs:
         log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
-        yield commands.xadd(session, session.spread.assign(subs), retry)
+        yield steps.xadd(session, session.spread.assign(subs), retry)
 
 
 # ---------------------------------------------------------------------------------------------
 # Waiting for replies
 
 
-def _retry_for(session: Session, waiter: window.ReplyWaiter) -> RetryPolicy:
+def _retry_for(session: Session, waiter: ReplyWaiter) -> RetryPolicy:
     """For ``wait`` and ``wait_many``, retries end at the first deadline (RedisUnavailable then,
     not later). map() keeps the client's: its late requests fail one by one and the others carry
     on, so a short outage near one deadline must not end them all."""
@@ -261,7 +264,7 @@ def _retry_for(session: Session, waiter: window.ReplyWaiter) -> RetryPolicy:
     return session.retry.within(waiter.time_left(time.monotonic()), limit)
 
 
-def _pop(waiter: window.ReplyWaiter, pop: Call | Batch) -> Plan[Any]:
+def _pop(waiter: ReplyWaiter, pop: Call | Batch) -> Plan[Any]:
     """A consuming pop (LPOP, BLPOP). One that needed a retry may have taken a reply whose answer
     was lost with its connection: ``waiter.interrupted`` then says so, and the plan sends again
     the requests it has the bodies of."""
@@ -271,19 +274,19 @@ def _pop(waiter: window.ReplyWaiter, pop: Call | Batch) -> Plan[Any]:
         waiter.interrupted = waiter.interrupted or pop.tries > 1
 
 
-def wait_round(session: Session, waiter: window.ReplyWaiter) -> Plan[list[Result]]:
+def wait_round(session: Session, waiter: ReplyWaiter) -> Plan[list[Result]]:
     """One pipelined LPOP over every awaited key (per shard); if none was ready, one BLPOP
     over one shard's keys."""
     by_tag = waiter.by_shard()
-    answers = yield from _pop(waiter, commands.lpop(session, by_tag, _retry_for(session, waiter)))
-    results = waiter.take_popped(*commands.popped(by_tag, answers))
+    answers = yield from _pop(waiter, steps.lpop(session, by_tag, _retry_for(session, waiter)))
+    results = waiter.take_popped(*steps.popped(by_tag, answers))
     if results:
         return results
-    item = yield from _pop(waiter, commands.blpop(session, waiter, _retry_for(session, waiter)))
+    item = yield from _pop(waiter, steps.blpop(session, waiter, _retry_for(session, waiter)))
     return waiter.take_blpopped(item, time.monotonic())
 
 
-def drain(session: Session, waiter: window.ReplyWaiter) -> Plan[None]:
+def drain(session: Session, waiter: ReplyWaiter) -> Plan[None]:
     """``wait_many``: yields each Result as it arrives."""
     while waiter.pending:
         results = yield from wait_round(session, waiter)
@@ -297,14 +300,15 @@ def wait(
     since: float,
     sent: Submission | None = None,
 ) -> Plan[Result]:
-    """The blocking client's ``wait`` for ``target`` (tag, rid), its ``timeout_s`` counted from
-    ``since`` (monotonic). ``sent``, the request itself (``infer``), is sent again after an
+    """``wait`` for ``target`` (tag, rid), its ``timeout_s`` counted from ``since``
+    (monotonic). ``sent``, the request itself (``infer``), is sent again after an
     interruption."""
-    waiter = window.ReplyWaiter(session.settings, timeout_s)
+    waiter = ReplyWaiter(session.settings, timeout_s)
     tag, rid = target
     waiter.add(rid, since, tag)
     while True:
-        item = yield from _pop(waiter, commands.blpop(session, waiter, _retry_for(session, waiter)))
+        pop = steps.pop_reply(session, waiter, _retry_for(session, waiter))
+        item = yield from _pop(waiter, pop)
         results = waiter.take_blpopped(item, time.monotonic())
         if results:
             return results[0]
@@ -313,11 +317,17 @@ def wait(
             yield from resend(session, [sent], _retry_for(session, waiter))
 
 
+def submit(subs: Sequence[Submission], until: float | None = None) -> Plan[None]:
+    """``submit`` and ``submit_many``: one ``Send`` (see ``send``)."""
+    yield Send(subs, until)
+
+
 def infer(
     session: Session, sub: Submission, timeout_s: float, started: float
 ) -> Plan[dict[str, np.ndarray]]:
-    """The blocking client's ``infer``: the whole call ends within ``timeout_s`` of ``started``."""
-    yield from send(session, [sub], started + core.check_timeout_s(timeout_s))
+    """``infer``: submit, then ``wait``; the whole call ends within ``timeout_s`` of
+    ``started``."""
+    yield Send([sub], started + check_timeout_s(timeout_s))
     return outputs((yield from wait(session, (sub.tag, sub.rid), timeout_s, started, sent=sub)))
 
 
@@ -327,26 +337,26 @@ def outputs(result: Result) -> dict[str, np.ndarray]:
     return result.outputs or {}
 
 
-def hub_blpop(session: Session, tag: str, keys_: list[bytes], until: float) -> Plan[Any]:
-    """``coalesce.ReplyHub``'s BLPOP over keys of shard ``tag``: its retries end at ``until``,
-    the first waiting call's deadline (RedisUnavailable then, which fails the calls whose time
-    is up), not later."""
+def shared_blpop(
+    session: Session, tag: str, keys_: list[bytes], until: float
+) -> Plan[tuple[Any, bool]]:
+    """A BLPOP over keys of shard ``tag`` that serves many calls' ``Pop`` steps
+    (``coalesce.ReplyHub``): its retries end at ``until``, the first waiting call's deadline
+    (RedisUnavailable then, which fails the calls whose time is up), not later. Returns the
+    answer, and whether it needed a retry (a reply it popped may have been lost)."""
     retry = session.retry.within(until - time.monotonic(), "the waiting call's timeout")
     cap_s = session.block_cap_s
-    return (
-        yield Call(
-            "BLPOP",
-            lambda r: r.blpop(keys_, block_s(until, time.monotonic(), cap_s)),
-            retry,
-            tag,
-        )
+    call = Call(
+        "BLPOP", lambda r: r.blpop(keys_, block_s(until, time.monotonic(), cap_s)), retry, tag
     )
+    item = yield call
+    return item, call.tries > 1
 
 
-def hub_lpop(session: Session, tag: str, keys_: list[bytes]) -> Plan[list[Any]]:
-    """The hub's sweep of shard ``tag`` after a BLPOP answer: one try, as the next BLPOP covers
-    a miss."""
-    (popped,) = yield commands.lpop(session, {tag: keys_}, session.retry.once())
+def shared_lpop(session: Session, tag: str, keys_: list[bytes]) -> Plan[list[Any]]:
+    """The sweep of shard ``tag`` after a shared BLPOP's answer: one try, as the next BLPOP
+    covers a miss."""
+    (popped,) = yield steps.lpop(session, {tag: keys_}, session.retry.once())
     return list(popped)
 
 
@@ -360,14 +370,14 @@ def poll(
     raw = None if kept is None else kept(key.encode())
     if raw is None:
         raw = yield Call("LINDEX", lambda r: r.lindex(key, 0), session.retry, tag)
-    return None if raw is None else core.parse_reply(rid, raw, tag)
+    return None if raw is None else parse_reply(rid, raw, tag)
 
 
 # ---------------------------------------------------------------------------------------------
 # map
 
 
-def fit_rows(session: Session, plan: window.MapPlan) -> Plan[None]:
+def fit_rows(session: Session, plan: MapPlan) -> Plan[None]:
     """Give ``plan`` the live workers' row limit, or check the caller's against it."""
     if plan.needs_row_limit:
         plan.use_row_limit(row_limit((yield from workers(session)), session.settings))
@@ -375,7 +385,7 @@ def fit_rows(session: Session, plan: window.MapPlan) -> Plan[None]:
         check_rows_per_request(plan.rows_per_request, (yield from workers(session)))
 
 
-def run_map(session: Session, plan: window.MapPlan) -> Plan[None]:
+def run_map(session: Session, plan: MapPlan) -> Plan[None]:
     """map(): yields its Chunks in input order; see ``BaseClient.map``. Each refill of the
     window is one send: its requests split evenly over the shards, one transaction each."""
     waiter = plan.waiter
@@ -414,7 +424,7 @@ def run_map(session: Session, plan: window.MapPlan) -> Plan[None]:
                 yield from cancel(session, unanswered, retry=session.retry.once())
 
 
-def fit_and_run_map(session: Session, plan: window.MapPlan) -> Plan[None]:
+def fit_and_run_map(session: Session, plan: MapPlan) -> Plan[None]:
     """``run_map`` that first looks the workers up (``fit_rows``): AsyncClient's map(), which
     raises NoWorkerInfo on first use rather than at the call."""
     yield from fit_rows(session, plan)
@@ -437,7 +447,7 @@ def cancel(
         by_tag: dict[str, list[str]] = {}
         for tag, rid in targets:
             by_tag.setdefault(tag, []).append(session.settings.cancel_key(rid, tag))
-        parts = [commands.cancel_part(tag, ks, ttl_s) for tag, ks in by_tag.items()]
+        parts = [steps.cancel_part(tag, ks, ttl_s) for tag, ks in by_tag.items()]
         yield Batch("SET", retry or session.retry, parts)
 
 

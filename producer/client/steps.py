@@ -1,49 +1,56 @@
-"""What a plan (``producer.client.plans``) asks of the shell that runs it, and the ``Stepper`` that
-drives a plan for either shell.
+"""What a plan (``producer.client.plans``) asks of the shell that runs it, and the Redis
+commands behind each step.
 
 A plan yields steps: ``Call`` (one redis-py command), ``Batch`` (many commands, one round trip
-per node) or ``Sleep``. The shell takes each step, blocking (``Client``) or awaiting
-(``AsyncClient``), through the step's retry policy, and hands the ``Stepper`` the answer or
-the error, which the plan gets back where it yielded.
+per node), ``Sleep``, and two that concurrent calls of the asyncio shell share: ``Send`` (a
+submit, coalesced with others) and ``Pop`` (one call's BLPOP, served by a BLPOP that watches
+many calls' keys). The blocking shell runs ``Send`` as the ``plans.send`` plan and ``Pop`` as
+the ``Call`` it is, so both shells run the same plans, and a plan cannot tell them apart.
 
-Every command names its shard tag (contract section 1): ``Routing`` turns the tag into the
-redis-py client of the node serving it (``producer.redisio.topology``), and a ``Batch`` is made of
-one ``Part`` per shard, so that no transaction or multi-key command spans two slots. The shell
-groups a batch's parts by node at each try: on a single Redis every part goes in one round
-trip, as before shards; on a cluster each node gets its own. A part that succeeded is not sent
-again when another part's node failed and the batch is retried.
+Every command names its shard tag (contract section 1): a ``Batch`` is made of one ``Part`` per
+shard, so that no transaction or multi-key command spans two slots. Each builder below gives
+both forms of its commands: packed RESP bytes (``producer.redisio.resp``, the hot path on an
+ordinary connection pool) and redis-py pipeline calls (any other client).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-import redis.exceptions as rex
-
+from producer.client.session import Session
+from producer.client.submission import Submission, check_xadds, pack_xadds
+from producer.client.waiting import ReplyWaiter
+from producer.protocol import keys
 from producer.redisio import resp
+from producer.redisio.connection import block_s
 from producer.redisio.retry import RetryPolicy
-from producer.redisio.topology import is_redirect
+from producer.redisio.shards import parse_shards
 
 __all__ = [
-    "DONE",
-    "REFRESH_MIN_S",
     "Batch",
     "Call",
-    "CallerStopped",
     "Part",
     "Plan",
-    "Routing",
+    "Pop",
+    "Send",
     "Sleep",
     "Step",
-    "Stepper",
-    "packed",
-    "pending",
-    "queue",
-    "settle",
+    "blpop",
+    "cancel_part",
+    "lpop",
+    "lpop_part",
+    "pack_lpops",
+    "pop_reply",
+    "popped",
+    "shard_list",
+    "xadd",
+    "xadd_part",
+    "xlen",
+    "xlen_part",
 ]
 
 R = TypeVar("R")
@@ -63,6 +70,26 @@ class Call:
     retry: RetryPolicy
     tag: str | None = None
     tries: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class Pop(Call):
+    """One call's BLPOP of its reply at ``key``, blocking until ``until`` (monotonic) at most.
+    The asyncio shell may serve it with a BLPOP shared with other calls; then ``tries`` is 2
+    when that BLPOP, or the sweep after it, needed a retry, and the answer may be None before
+    ``until`` (a plan that loops on its pops does not mind)."""
+
+    key: bytes = b""
+    until: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Submit ``subs`` as ``plans.send`` does, giving up at ``until`` (monotonic; None: the
+    client's retries only). The asyncio shell sends it with concurrent calls' submits."""
+
+    subs: Sequence[Submission]
+    until: float | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -103,185 +130,124 @@ class Sleep:
     seconds: float
 
 
-#: What a shell runs: the commands a plan yields.
-Step = Call | Batch | Sleep
+#: What a shell runs: the steps a plan yields.
+Step = Call | Batch | Sleep | Send
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing steps to nodes
+# The commands
 
-#: The least time between two reads of the slot map after errors: a failover takes seconds, and
-#: a read per retry would only load the nodes left.
-REFRESH_MIN_S = 1.0
-
-
-class Routing:
-    """Which redis-py client runs a step, and when the shell reads the slot map again.
-
-    The map is read before the first command (one round trip for the client's life on a single
-    Redis; tried again with the command while no node answers), then only after trouble: a
-    ``MOVED`` repoints its slot at once (``follow``); an ``ASK``, ``TRYAGAIN``,
-    ``CLUSTERDOWN``, a ``MOVED`` seen by a client whose map says single Redis, or a lost
-    connection on a cluster (a dead master: its replica is promoted) asks for a fresh map
-    before the retry, at most every ``REFRESH_MIN_S``.
-    """
-
-    __slots__ = ("_clients", "_due", "_mapped", "_refreshed_at", "model", "topology")
-
-    def __init__(self, topology: Any, model: str) -> None:
-        self.topology = topology
-        self.model = model
-        self._clients: dict[str, Any] = {}  # the topology's, without its lock
-        self._mapped = False
-        self._due = True
-        self._refreshed_at = -math.inf
-
-    def refresh_due(self) -> bool:
-        """True when the shell should read the slot map before its next command."""
-        if not self._due:
-            return False
-        return not self._mapped or time.monotonic() - self._refreshed_at >= REFRESH_MIN_S
-
-    def refreshed(self) -> None:
-        """Note a read of the slot map."""
-        self._mapped, self._due = True, False
-        self._refreshed_at = time.monotonic()
-
-    def client(self, tag: str | None) -> Any:
-        """The client of shard ``tag`` (None: the model's first): the same object for the
-        tag's life, repointed by the topology when its slot moves."""
-        tag = tag or self.model
-        found = self._clients.get(tag)
-        if found is None:
-            found = self._clients[tag] = self.topology.client(tag)
-        return found
-
-    def failed(self, exc: BaseException) -> None:
-        """Note a try's error: follow a ``MOVED``, or ask for a fresh map."""
-        if isinstance(exc, rex.MovedError):
-            self.topology.follow(exc)
-            self._due = self._due or not self.topology.cluster
-        elif is_redirect(exc):
-            self._due = True
-        elif isinstance(exc, rex.ConnectionError | rex.TimeoutError):
-            self._due = self._due or self.topology.cluster
+#: ``P:{T}:requests``, built (and checked) once per shard rather than once per send.
+_stream = functools.lru_cache(maxsize=4096)(keys.request_stream)
 
 
-def pending(batch: Batch, routing: Routing) -> list[tuple[Any, list[Part]]]:
-    """The parts of ``batch`` not yet answered, grouped by the node serving them (a client of
-    that node, then its parts): one round trip each."""
-    parts = batch.parts
-    if len(parts) == 1:
-        return [] if parts[0].done else [(routing.client(parts[0].tag), parts)]
-    groups: dict[int, tuple[Any, list[Part]]] = {}
-    for part in parts:
-        if part.done:
-            continue
-        client = routing.client(part.tag)
-        group = groups.get(id(client.connection_pool))
-        if group is None:
-            groups[id(client.connection_pool)] = (client, [part])
-        else:
-            group[1].append(part)
-    return list(groups.values())
+def xadd(session: Session, by_tag: Mapping[str, list[Submission]], retry: RetryPolicy) -> Batch:
+    return Batch("XADD", retry, [xadd_part(session, tag, subs) for tag, subs in by_tag.items()])
 
 
-def packed(parts: list[Part]) -> resp.Packer | None:
-    """The parts' commands as one packer (None when one of them is not packed: the shell
-    queues them on a pipeline with ``queue``)."""
-    for part in parts:
-        if part.packer is None:
-            return None
-        part.count = part.packer.count
-    return parts[0].packer if len(parts) == 1 else _Joined(parts)
+def xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
+    stream = _stream(session.settings.prefix, tag)
+
+    def queue(pipe: Any) -> None:
+        for sub in subs:
+            pipe.xadd(stream, sub.fields())
+
+    if not session.packed:
+        return Part(tag, queue, items=subs)
+    xadds = pack_xadds(stream, subs)
+    return Part(tag, queue, xadds.packer, lambda got: check_xadds(xadds, got), subs)
 
 
-def queue(pipe: Any, parts: list[Part]) -> None:
-    """Queue the parts' commands on a redis-py pipeline, counting each part's."""
-    for part in parts:
-        before = len(pipe.command_stack)
-        part.queue(pipe)
-        part.count = len(pipe.command_stack) - before
+def lpop(session: Session, by_tag: Mapping[str, list[bytes]], retry: RetryPolicy) -> Batch:
+    return Batch("LPOP", retry, [lpop_part(session, tag, ks) for tag, ks in by_tag.items()])
 
 
-def settle(parts: list[Part], replies: list[Any]) -> None:
-    """Hand each part its replies; then raise the first part's error, if any. The others are
-    answered first, so that a retry does not send them again."""
-    if len(parts) == 1:  # the common case: one shard, or one per node
-        parts[0].answer = parts[0].check(replies)
-        parts[0].done = True
-        return
-    at, error = 0, None
-    for part in parts:
-        mine, at = replies[at : at + part.count], at + part.count
-        try:
-            part.answer = part.check(mine)
-        except rex.RedisError as exc:
-            error = error or exc
-            continue
-        part.done = True
-    if error is not None:
-        raise error
+def lpop_part(session: Session, tag: str, keys_: list[bytes]) -> Part:
+    def queue(pipe: Any) -> None:
+        for key in keys_:
+            pipe.lpop(key)
+
+    return Part(tag, queue, pack_lpops(keys_) if session.packed else None, items=keys_)
 
 
-class _Joined(resp.Packer):
-    """Several parts' packers as one round trip, their chunks sent as they are (uncopied)."""
-
-    def __init__(self, parts: list[Part]) -> None:
-        super().__init__()
-        self._packers = [part.packer for part in parts if part.packer is not None]
-        self.count = sum(packer.count for packer in self._packers)
-
-    def chunks(self) -> list[bytes]:
-        return [chunk for packer in self._packers for chunk in packer.chunks()]
+def pack_lpops(keys_: Sequence[bytes]) -> resp.Packer:
+    """``LPOP key`` for each key, for one round trip."""
+    packer = resp.Packer()
+    packed = [b"*2\r\n$4\r\nLPOP\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys_]
+    packer.add_packed(b"".join(packed), len(keys_))
+    return packer
 
 
-# ---------------------------------------------------------------------------------------------
-# Driving a plan
+def popped(by_tag: Mapping[str, list[bytes]], answers: list[Any]) -> tuple[list[bytes], list[Any]]:
+    """The keys of an LPOP batch and their replies, each in one list, in the same order."""
+    if len(answers) == 1:
+        return next(iter(by_tag.values())), answers[0]
+    return [k for ks in by_tag.values() for k in ks], [raw for got in answers for raw in got]
 
 
-class CallerStopped(BaseException):
-    """Raised in a streaming plan whose caller stopped iterating (closed the iterator).
+def blpop(session: Session, waiter: ReplyWaiter, retry: RetryPolicy) -> Call:
+    """A BLPOP over one shard's awaited keys (shards take turns)."""
+    # The block is worked out per try, so a retry after an outage blocks only what is left.
+    cap_s = session.block_cap_s
+    tag, keys_, shared = waiter.blpop_keys()
+    return Call(
+        "BLPOP",
+        lambda r: r.blpop(keys_, waiter.block_s(time.monotonic(), cap_s, shared)),
+        retry,
+        tag,
+    )
 
-    Not GeneratorExit: thrown into a plan that delegates (``yield from``), that would close the
-    sub-plan, which may then not ask for its clean-up commands (map cancelling what is in
-    flight). A BaseException, so that no ``except Exception`` in a plan swallows it.
-    """
+
+def pop_reply(session: Session, waiter: ReplyWaiter, retry: RetryPolicy) -> Pop:
+    """The BLPOP of a waiter that awaits one reply, as a ``Pop`` the asyncio shell may share."""
+    cap_s, until = session.block_cap_s, waiter.deadline
+    tag, keys_, _ = waiter.blpop_keys()
+    return Pop(
+        "BLPOP",
+        lambda r: r.blpop(keys_, block_s(until, time.monotonic(), cap_s)),
+        retry,
+        tag,
+        key=keys_[0],
+        until=until,
+    )
 
 
-#: What ``Stepper.step`` returns once the plan has returned.
-DONE: Any = object()
+def xlen(session: Session, tags: Sequence[str], retry: RetryPolicy) -> Batch:
+    return Batch("XLEN", retry, [xlen_part(session, tag) for tag in tags])
 
 
-class Stepper(Generic[R]):
-    """Drives one plan for a shell: ``step()`` is the plan's next step, or ``DONE`` once it has
-    returned (its value then in ``result``). Before the next ``step()``, the shell hands back
-    the step's answer (``answer``) or error (``fail``: raised in the plan where it yielded, so
-    its ``finally`` clean-up runs, and may ask for commands of its own). A GeneratorExit (the
-    shell's iterator closed) reaches the plan as ``CallerStopped``, and comes back out of
-    ``step()`` as GeneratorExit once the plan has cleaned up."""
+def xlen_part(session: Session, tag: str) -> Part:
+    stream = _stream(session.settings.prefix, tag)
+    packer = None
+    if session.packed:
+        packer = resp.Packer()
+        packer.add(b"XLEN", stream.encode())
+    return Part(tag, lambda pipe: pipe.xlen(stream), packer, lambda got: int(_one(got)))
 
-    __slots__ = ("_answer", "_error", "_plan", "result")
 
-    def __init__(self, plan: Plan[R]) -> None:
-        self._plan = plan
-        self._answer: Any = None
-        self._error: BaseException | None = None
-        self.result: R
+def _one(replies: list[Any]) -> Any:
+    return resp.raise_first_error(replies)[0]
 
-    def step(self) -> Any:
-        answer, error = self._answer, self._error
-        self._answer = self._error = None
-        try:
-            return self._plan.send(answer) if error is None else self._plan.throw(error)
-        except StopIteration as done:
-            self.result = done.value
-            return DONE
-        except CallerStopped:
-            raise GeneratorExit from None
 
-    def answer(self, value: Any) -> None:
-        self._answer = value
+def shard_list(session: Session) -> Part:
+    model, prefix = session.settings.model, session.settings.prefix
+    listed, retiring = keys.shards_key(prefix, model), keys.retiring_key(prefix, model)
 
-    def fail(self, error: BaseException) -> None:
-        self._error = CallerStopped() if isinstance(error, GeneratorExit) else error
+    def queue(pipe: Any) -> None:
+        pipe.lrange(listed, 0, -1)
+        pipe.smembers(retiring)
+
+    packer = None
+    if session.packed:
+        packer = resp.Packer()
+        packer.add(b"LRANGE", listed.encode(), b"0", b"-1")
+        packer.add(b"SMEMBERS", retiring.encode())
+    return Part(model, queue, packer, lambda got: parse_shards(model, *resp.raise_first_error(got)))
+
+
+def cancel_part(tag: str, keys_: list[str], ttl_s: int) -> Part:
+    def queue(pipe: Any) -> None:
+        for key in keys_:
+            pipe.set(key, b"1", ex=ttl_s)
+
+    return Part(tag, queue, items=keys_)

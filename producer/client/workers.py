@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer.client.core import Settings, as_bytes
+from producer.client.results import as_bytes
+from producer.client.settings import Settings
 from producer.protocol import keys
 from producer.protocol.errors import NoWorkerInfo
 

@@ -6,7 +6,7 @@ feeds the rows through ``Client.map`` and hands the replies, in input order, to 
 ``producer.jobs.summary`` counts and reports. The input is arrays, or a ``blocks.Source`` read
 block by block as map() sends (``producer.jobs.ledger`` keeps the keys of the rows in flight); the
 outputs go to a ``sinks.Sink`` (arrays in memory by default, an .npz or a .parquet), the
-failures to the errors file (``jobfiles.ErrorsFile``) as they come. Nothing the job holds grows
+failures to the errors file (``files.ErrorsFile``) as they come. Nothing the job holds grows
 with the input but a few counters: a run over an input far larger than memory runs in a
 bounded window.
 """
@@ -20,8 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from producer.client import maprows
-from producer.client.core import Chunk
-from producer.client.window import WAIT_TIMEOUT
+from producer.client.results import WAIT_TIMEOUT, Chunk
 from producer.jobs.blocks import Block, Source
 from producer.jobs.files import FailedRequest, load_inputs, write_errors, write_outputs
 from producer.jobs.ledger import Ledger

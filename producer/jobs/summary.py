@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from producer.client.window import WAIT_TIMEOUT
+from producer.client.results import WAIT_TIMEOUT
 from producer.jobs.files import FailedRequest
 
 __all__ = ["MAX_LATENCIES", "RunSummary", "format_summary", "one_line"]

@@ -25,7 +25,7 @@ import onnxruntime as ort
 import redis
 
 from producer import Client, RedbatchError, RedisFull, WaitTimeout
-from producer.client.core import Result as Reply
+from producer.client.results import Result as Reply
 from producer.protocol.keys import reply_key
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK
 

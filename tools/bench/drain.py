@@ -12,7 +12,7 @@ import time
 
 import redis
 
-from producer.client import core
+from producer.client import results, submission
 from producer.protocol import keys
 from tools.bench.errors import BenchError
 from tools.bench.load import LoadSpec, batch_rows_summary
@@ -101,7 +101,7 @@ def _enqueue(conn: redis.Redis, spec: LoadSpec, n: int) -> float:
         pipe = conn.pipeline(transaction=False)
         for i in range(first, min(first + 1000, n)):
             body = sender.bodies[i % len(sender.bodies)]
-            pipe.xadd(sender.stream, core.Submission(_drain_rid(i), body).fields())
+            pipe.xadd(sender.stream, submission.Submission(_drain_rid(i), body).fields())
         pipe.execute()
     return time.monotonic() - started
 
@@ -132,7 +132,7 @@ def _collect(conn: redis.Redis, spec: LoadSpec, n: int) -> ProducerTally:
             if raw is None:
                 tally.lost += 1
                 continue
-            result = core.parse_reply(rid, raw)
+            result = results.parse_reply(rid, raw)
             tally.codes[result.error.code if result.error else "OK"] += 1
             if result.ok and result.batch_rows is not None:
                 tally.batch_rows.append(int(result.batch_rows))

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.client import core
+from producer.client import submission
 from tools.bench.load import percentiles
 from tools.bench.wire import input_rows
 from worker.config import PipelineConfig
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = load_handler(config, args.source_dir.resolve())
     raw = raw_request(handler)
     if args.body_out:
-        args.body_out.write_bytes(core.build_submission(raw, now_s=0.0).body)
+        args.body_out.write_bytes(submission.build_submission(raw, now_s=0.0).body)
     if args.body_only:
         print(json.dumps({"handler": config.handler, "body_out": str(args.body_out)}))
         return 0

@@ -29,10 +29,11 @@ import msgpack
 import numpy as np
 import redis
 
-from producer.client import core
+from producer.client import steps, submission
+from producer.client.results import as_bytes
 from producer.protocol import keys
 from producer.protocol.errors import WaitTimeout
-from producer.redisio import resp
+from producer.redisio import connection, resp
 
 __all__ = [
     "BODIES",
@@ -135,13 +136,13 @@ class Sender:
         self.stream = self.streams[self.tags[0]]
         count = max(1, min(BODIES, _BODIES_BYTES // max(row_bytes(inputs), 1)))
         self.bodies = list(bodies) or [
-            core.build_submission(input_rows(inputs, 1, seed + i), now_s=0.0).body
+            submission.build_submission(input_rows(inputs, 1, seed + i), now_s=0.0).body
             for i in range(count)
         ]
         self._tag = uuid.uuid4().hex[:12]
         self._next = 0
         self._turn = seed % len(self.tags)
-        self._queued: dict[str, list[core.Submission]] = {tag: [] for tag in self.tags}
+        self._queued: dict[str, list[submission.Submission]] = {tag: [] for tag in self.tags}
 
     def rids(self, n: int) -> list[Sent]:
         """Queue ``n`` requests for the next ``send()``; returns their shard tags and rids."""
@@ -153,7 +154,7 @@ class Sender:
             self._next += 1
             tag = tags[self._turn]
             self._turn = self._turn + 1 if self._turn + 1 < shards else 0
-            self._queued[tag].append(core.Submission(rid, body))
+            self._queued[tag].append(submission.Submission(rid, body))
             sent.append((tag, rid))
         return sent
 
@@ -164,18 +165,18 @@ class Sender:
             [tag] = self.tags
             subs, self._queued[tag] = self._queued[tag], []
             if subs:
-                xadds = core.pack_xadds(self.stream, subs)
-                core.check_xadds(xadds, resp.round_trip(self.conn, xadds.packer))
+                xadds = submission.pack_xadds(self.stream, subs)
+                submission.check_xadds(xadds, resp.round_trip(self.conn, xadds.packer))
             return
         flights = []
         for tag, subs in self._queued.items():
             if subs:
-                xadds = core.pack_xadds(self.streams[tag], subs)
+                xadds = submission.pack_xadds(self.streams[tag], subs)
                 flights.append((xadds, resp.send(self.shards[tag], xadds.packer)))
                 self._queued[tag] = []
         try:
             for xadds, flight in flights:
-                core.check_xadds(xadds, flight.receive())
+                submission.check_xadds(xadds, flight.receive())
         finally:
             for _, flight in flights:
                 flight.abandon()  # only those an error left unread: their connection goes
@@ -239,16 +240,16 @@ class Replies:
         if left_s <= 0:
             raise WaitTimeout(f"no reply within {self.timeout_s:g} s")
         keys_ = list(itertools.islice(self._awaited, _MAX_WAIT_KEYS))
-        block_s = max(round(min(left_s, core.MAX_BLOCK_S), 3), 0.001)
+        block_s = max(round(min(left_s, connection.MAX_BLOCK_S), 3), 0.001)
         item = self.conn.blpop(keys_, block_s)
         if item is None:
             return
-        self._record(tag, [(core.as_bytes(item[0]), core.as_bytes(item[1]))], time.monotonic())
+        self._record(tag, [(as_bytes(item[0]), as_bytes(item[1]))], time.monotonic())
         if take_new is not None:
             take_new()
         if self._awaited:
             keys_ = list(itertools.islice(self._awaited, _MAX_WAIT_KEYS))
-            packed = core.pack_lpops(keys_)
+            packed = steps.pack_lpops(keys_)
             raws = resp.raise_first_error(resp.round_trip(self.conn, packed))
             now = time.monotonic()
             popped = [(k, r) for k, r in zip(keys_, raws, strict=True) if r is not None]
@@ -273,7 +274,7 @@ class Replies:
         block_s = max(round(min(left_s, _SHARD_BLOCK_S), 3), 0.001)
         item = self.shards[tag].blpop(keys_, block_s)
         if item is not None:
-            popped = [(core.as_bytes(item[0]), core.as_bytes(item[1]))]
+            popped = [(as_bytes(item[0]), as_bytes(item[1]))]
             self._record(tag, popped, time.monotonic())
         if take_new is not None:
             take_new()
@@ -285,7 +286,7 @@ class Replies:
         for tag, awaited in self._by_tag.items():
             if awaited:
                 keys_ = list(itertools.islice(awaited, _MAX_WAIT_KEYS))
-                flights.append((tag, keys_, resp.send(self.shards[tag], core.pack_lpops(keys_))))
+                flights.append((tag, keys_, resp.send(self.shards[tag], steps.pack_lpops(keys_))))
         try:
             for tag, keys_, flight in flights:
                 raws = resp.raise_first_error(flight.receive())
@@ -331,7 +332,7 @@ class Outcome(NamedTuple):
 def outcome(raw: bytes) -> Outcome:
     """A reply's code, batch rows and worker timings (protocol section 3).
 
-    Not ``core.parse_reply``: that decodes every output tensor, which the load does not need.
+    Not ``results.parse_reply``: that decodes every output tensor, which the load does not need.
     """
     try:
         doc = msgpack.unpackb(raw, raw=False)

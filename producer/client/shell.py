@@ -1,32 +1,29 @@
-"""What ``Client`` and ``AsyncClient`` share outside their I/O: the constructor, and the state
-(``Session``) that ``producer.client.plans`` works on.
+"""What ``Client`` and ``AsyncClient`` share outside their I/O: the constructor, which sets up
+the ``Session`` the plans work on, and the methods that do no I/O when called.
 
-``BaseClient`` checks the settings and sets up the connection once for both shells; each shell
-names its redis-py flavour (``Flavour``: blocking or asyncio). Its other methods are the ones
-that do no I/O when called (``map`` and ``wait_many`` check their arguments, then hand back an
-iterator the shell drives), so they are written once as well. It is generic in the redis-py
-client it takes and the iterators it returns, so that type checkers see each shell's own types.
-
-``ShardSpread`` is the session's view of the model's shards (contract section 1): which tags
-it sends to, when to read the list again, and which tag takes each new request.
+Each shell names its redis-py flavour (``Flavour``: blocking or asyncio). ``map`` and
+``wait_many`` check their arguments, then hand back an iterator the shell drives, so they are
+written once as well. ``BaseClient`` is generic in the redis-py client it takes and the
+iterators it returns, so that type checkers see each shell's own types.
 """
 
 from __future__ import annotations
 
-import logging
-import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from numpy.typing import ArrayLike
 
-from producer.client import core, steps, window
-from producer.protocol.errors import RedisFull
+from producer.client.mapwindow import MapPlan
+from producer.client.routing import Routing
+from producer.client.session import Session
+from producer.client.settings import Settings
+from producer.client.waiting import ReplyWaiter
 from producer.protocol.keys import DEFAULT_PREFIX
-from producer.redisio import resp, shards
+from producer.redisio import resp
 from producer.redisio.connection import (
     block_cap_s,
     check_connection_kwargs,
@@ -35,12 +32,9 @@ from producer.redisio.connection import (
 )
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryWatch, check_watermark
 from producer.redisio.retry import DEFAULT_RETRY_S, RetryPolicy
-from producer.redisio.shards import Shards
 from producer.redisio.topology import seed_client
 
-__all__ = ["DEFAULT_URL", "BaseClient", "Flavour", "Session", "ShardSpread"]
-
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_URL", "BaseClient", "Flavour"]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -59,77 +53,6 @@ class Flavour:
     tls_class: type
     info_memory: Callable[[Any], Any]
     topology_class: Any
-
-
-class ShardSpread:
-    """The shards a client sends to, and which one takes each new request.
-
-    The list (``P:{M}:shards``) is read at the first submit and again when it is older than
-    ``producer.redisio.shards.REFRESH_S`` (read at each use, so tests can shorten it). The rule: the
-    k-th request this client sends goes to ``send[(start + k) % len(send)]``, with ``start``
-    random per client. So ``submit`` round-robins, ``submit_many`` and each refill of ``map``
-    split evenly (shard sizes differ by one at most), and many clients that each submit one
-    request at a time do not all start on the same shard.
-    """
-
-    __slots__ = ("_next", "_read_at", "shards")
-
-    def __init__(self, model: str) -> None:
-        self.shards = Shards.single(model)
-        self._read_at: float | None = None  # monotonic; None: never read
-        self._next = random.randrange(1 << 16)
-
-    def stale(self, now: float) -> bool:
-        """True when the list should be read before the next send."""
-        return self._read_at is None or now - self._read_at >= shards.REFRESH_S
-
-    def seen(self, found: Shards, now: float) -> None:
-        """Take a fresh reading of the list."""
-        if found.send != self.shards.send:
-            log.info("model %s: sending to shards %s", found.model, ", ".join(found.send))
-        self.shards, self._read_at = found, now
-
-    def assign(self, subs: Sequence[core.Submission]) -> dict[str, list[core.Submission]]:
-        """Give each submission without a shard the next one (one sent again keeps its own);
-        returns them by shard, each in the order given."""
-        send = self.shards.send
-        n, at = len(send), self._next
-        by_tag: dict[str, list[core.Submission]] = {}
-        for sub in subs:
-            if not sub.tag:
-                sub.tag = send[at % n]
-                at += 1
-            group = by_tag.get(sub.tag)
-            if group is None:
-                by_tag[sub.tag] = [sub]
-            else:
-                group.append(sub)
-        self._next = at % n
-        return by_tag
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    """A client's checked settings and the policies its plans apply, shared by all its calls.
-
-    ``backlog_seen`` and ``full_seen`` say what holds up the send under way (the backlog, Redis
-    memory): the asyncio shell names it to a call whose time ran out behind that send.
-    ``spread`` holds the model's shards.
-    """
-
-    settings: core.Settings
-    where: str  # the Redis, as errors and logs name it: no password
-    block_cap_s: float
-    retry: RetryPolicy
-    packed: bool  # submits and reply sweeps are packed by hand (``producer.redisio.resp``)
-    memory: MemoryWatch
-    info_memory: Callable[[Any], Any]
-    backlog_seen: int | None = None
-    full_seen: RedisFull | None = None
-    spread: ShardSpread = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.spread = ShardSpread(self.settings.model)
 
 
 class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
@@ -154,7 +77,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         retry_s: float = DEFAULT_RETRY_S,
         memory_high_watermark: float | None = DEFAULT_HIGH_WATERMARK,
     ) -> None:
-        settings = core.Settings.create(model, prefix, max_backlog, wait_for_backlog)
+        settings = Settings.create(model, prefix, max_backlog, wait_for_backlog)
         check_watermark(memory_high_watermark)
         flavour = self._flavour
         redis: Any = redis_client
@@ -180,7 +103,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
             flavour.info_memory,
         )
         self._topology = flavour.topology_class(seed)
-        self._routing = steps.Routing(self._topology, model)
+        self._routing = Routing(self._topology, model)
         self._opened()
 
     def _opened(self) -> None:
@@ -196,7 +119,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         Takes what ``submit`` returned (or bare rids: the model's first shard); each Result's
         ``handle`` says which it answers."""
         settings = self._session.settings
-        waiter = window.ReplyWaiter(settings, timeout_s)
+        waiter = ReplyWaiter(settings, timeout_s)
         now = time.monotonic()
         for handle in handles:
             tag, rid = settings.target(handle)
@@ -238,7 +161,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         taken some, which are answered but not yielded; with ``wait_for_backlog``, map waits
         for room instead).
         """
-        plan = window.MapPlan(
+        plan = MapPlan(
             self._session.settings,
             arrays,
             rows_per_request=rows_per_request,
@@ -250,11 +173,11 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         return self._map(plan)
 
     @abstractmethod
-    def _drain(self, waiter: window.ReplyWaiter) -> ResultsT:
+    def _drain(self, waiter: ReplyWaiter) -> ResultsT:
         """The replies ``waiter`` awaits, as they arrive."""
 
     @abstractmethod
-    def _map(self, plan: window.MapPlan) -> ChunksT:
+    def _map(self, plan: MapPlan) -> ChunksT:
         """``plan``'s chunks, in input order."""
 
     def __repr__(self) -> str:
