@@ -109,12 +109,75 @@ def test_a_plain_install_is_the_producer_and_the_worker_extra_brings_the_runtime
 
     assert not names(project["dependencies"]) & runtimes
     extras = project["optional-dependencies"]
-    assert names(extras["worker"]) == runtimes  # one of the two, by platform marker
+    assert names(extras["worker"]) - {"prometheus-client"} == runtimes  # one, by platform marker
     for extra in ("demo", "dev"):
         assert any(
             r.startswith("redbatch[") and "worker" in r.split("[")[1].rstrip("]").split(",")
             for r in extras[extra]
         ), extra
+
+
+def test_the_cli_packages_are_an_extra_that_the_tool_extras_pull_in() -> None:
+    # The library needs neither the progress bar nor the metrics parser: only the CLI does
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    cli_only = {"tqdm", "prometheus-client"}
+    assert not {r.split(">")[0].split("[")[0] for r in project["dependencies"]} & cli_only
+    extras = project["optional-dependencies"]
+    assert {r.split(">")[0] for r in extras["cli"]} == cli_only
+    assert any(r.startswith("prometheus-client") for r in extras["worker"])  # its /metrics
+    for extra in ("demo", "dev", "examples"):
+        assert any(
+            r.startswith("redbatch[") and "cli" in r.split("[")[1].rstrip("]").split(",")
+            for r in extras[extra]
+        ), extra
+
+
+def test_the_blocking_client_loads_neither_the_asyncio_shell_nor_the_cli_packages() -> None:
+    # A fresh interpreter, as a script that only wants Client starts
+    code = (
+        "import json, sys\n"
+        "import redis\n"
+        "with_redis = 'redis.asyncio' in sys.modules\n"
+        "import producer\n"
+        "from producer import Client\n"
+        "print(json.dumps({'with_redis': with_redis, 'modules': sorted(sys.modules)}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    loaded = set(report["modules"])
+    unwanted = {"producer.client.aio", "producer.client.coalesce", "tqdm", "prometheus_client"}
+    if not report["with_redis"]:  # redis-py 8 imports redis.asyncio in its own __init__
+        unwanted.add("redis.asyncio")
+    assert not loaded & unwanted
+    assert "producer.client.blocking" in loaded
+
+
+def test_async_client_is_imported_at_first_use() -> None:
+    code = (
+        "import sys\n"
+        "import producer\n"
+        "assert 'producer.client.aio' not in sys.modules\n"
+        "from producer import AsyncClient\n"
+        "from producer.client.aio import AsyncClient as Defined\n"
+        "assert AsyncClient is Defined and 'AsyncClient' in dir(producer)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_worker_without_onnxruntime_says_what_to_install(tmp_path: Path) -> None:
