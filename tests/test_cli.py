@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -862,3 +863,22 @@ def test_status_refused_a_command_names_the_redis_url(
         r"redbatch: error: Redis at redis://127\.0\.0\.1:\d+/0 rejected a command: WRONGTYPE", err
     )
     assert "redbatch status (" not in err
+
+
+def test_a_command_without_the_cli_extra_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Given an install without redbatch[cli]: tqdm cannot be found
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tqdm" else real_find_spec(name, *a),
+    )
+    np.save(tmp_path / "x.npy", np.zeros((2, 16), np.float32))
+    # When redbatch run starts, then it exits 2 with one line naming the extra
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    args = ["run", "--model", "demo", "--input", str(tmp_path / "x.npy"), "--output", "y.npz"]
+    status = main(["--redis-url", nowhere, *args])
+    assert status == 2
+    assert "pip install 'redbatch[cli]'" in capsys.readouterr().err

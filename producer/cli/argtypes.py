@@ -4,6 +4,7 @@ the usage error, the exit statuses and the way an error is printed."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from importlib import metadata
 
@@ -25,11 +26,22 @@ __all__ = [
     "positive_int",
     "prefix",
     "print_error",
+    "require_cli_extra",
     "watermark",
 ]
 
 #: Every row succeeded; some rows failed; the command could not run as asked; Ctrl-C.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def require_cli_extra(module: str, command: str) -> None:
+    """Refuse, in one line, a command whose module comes with ``redbatch[cli]`` when the package
+    was installed without it (``pip install redbatch`` is the library alone)."""
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(
+            f"{command} needs {module}, which comes with the CLI extra: "
+            "pip install 'redbatch[cli]'"
+        )
 
 
 def package_version() -> str:

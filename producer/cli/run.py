@@ -207,6 +207,7 @@ def _output_names(text: str) -> list[str]:
 
 def run_command(args: argparse.Namespace) -> int:
     """``redbatch run``: returns the exit status."""
+    argtypes.require_cli_extra("tqdm", "redbatch run")
     with _sigterm_as_ctrl_c():
         return _run(args)
 

@@ -108,6 +108,8 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``redbatch status --watch``: redraw until Ctrl-C or ``--iterations``; returns 0."""
     if getattr(args, "json", False):
         raise UsageError("--watch draws a live view; leave out --json (or drop --watch).")
+    if args.metrics_url:
+        argtypes.require_cli_extra("prometheus_client", "--metrics-url")
     stream = sys.stdout if out is None else out
     where = redact_url(args.redis_url)
     clear = stream.isatty()
