@@ -1,7 +1,7 @@
 """Cancel checks answered while the batch runs, and the read sent behind each check.
 
 The reading thread hands a read over before its cancel check's answer is in
-(worker/redisio/cancels.py):
+(worker/redisio/cancels.py, worker/redisio/readahead.py):
 a request whose answer comes before its batch starts is left out of the run; one whose answer
 comes during the run is answered CANCELLED after it. Both cases are forced here by holding the
 answer back until a chosen moment, on a real worker and a real Redis.
@@ -36,6 +36,7 @@ from worker.items import Admitted
 from worker.ops.metrics import Metrics
 from worker.redisio import cancels as cancels_module
 from worker.redisio.cancels import CancelCheck
+from worker.redisio.readahead import CheckThenRead
 from worker.redisio.stream import RequestStream
 from worker.service import Worker, prepare
 
@@ -323,19 +324,20 @@ def test_the_read_behind_a_check_returns_what_read_would(redis_url: str, protoco
     conn.set(keys.cancel_key(PREFIX, MODEL, "r1"), 1, ex=60)
     sent = [send(conn, MODEL, f"r{i}", _inputs()) for i in range(3)]
 
-    query = cancels_module.ask(stream, ["r0", "r1"])
-    query.read_behind(2, 0)
-    assert query.receive() == {"r1"}
-    assert query.read_owed
-    entries = query.entries()
-    assert not query.read_owed
+    ahead = CheckThenRead(stream, ["r0", "r1"])
+    ahead.read_next(2, 0)
+    assert ahead.cancelled() == {"r1"}
+    assert ahead.read_owed
+    entries = ahead.entries()
+    assert entries is not None
+    assert not ahead.read_owed
     assert [e.fields[b"rid"] for e in entries] == [rid.encode() for rid in sent[:2]]
     assert set(entries[0].fields) == {b"rid", b"body"}
     # the same as a plain read gives: the third entry, then nothing
     assert [e.fields[b"rid"] for e in stream.read(5, 0)] == [b"r2"]
-    blocked = cancels_module.ask(stream, ["r2"])
-    blocked.read_behind(5, 50)
-    assert blocked.receive() == set()
+    blocked = CheckThenRead(stream, ["r2"])
+    blocked.read_next(5, 50)
+    assert blocked.cancelled() == set()
     assert blocked.entries() == []
     conn.close()
 
@@ -344,10 +346,10 @@ def test_the_read_behind_a_check_recreates_a_lost_group(redis_url: str) -> None:
     conn = redis.Redis.from_url(redis_url)
     stream = _stream(conn)
     conn.delete(keys.request_stream(PREFIX, MODEL))  # the group goes with the stream
-    query = cancels_module.ask(stream, ["r0"])
-    query.read_behind(5, 0)
-    assert query.receive() == set()
-    assert query.entries() == []
+    ahead = CheckThenRead(stream, ["r0"])
+    ahead.read_next(5, 0)
+    assert ahead.cancelled() == set()
+    assert ahead.entries() == []
     groups = conn.xinfo_groups(keys.request_stream(PREFIX, MODEL))
     assert [g["name"] for g in groups] == [keys.CONSUMER_GROUP.encode()]
     conn.close()

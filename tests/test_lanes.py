@@ -21,9 +21,12 @@ from harness import PREFIX, running_worker, write_config
 from producer.protocol import keys
 from producer.protocol.codec import decode_reply, encode_request
 from producer.redisio.topology import Topology
+from worker.answer.finisher import Finisher
 from worker.config import load_config
 from worker.events import NO_EVENTS
-from worker.intake.lanes import Lanes, LaneSettings
+from worker.intake.lanes import Lanes
+from worker.intake.settings import IntakeSettings
+from worker.intake.shardmap import ShardMap
 from worker.redisio.stream import Finish
 from worker.service import prepare
 
@@ -136,11 +139,12 @@ def test_a_shard_added_or_retired_is_followed_without_a_restart(tmp_path: Path, 
 def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
     tmp_path: Path, rconn
 ) -> None:
-    # Given lanes on two shards (not started: finish steps only), an entry read on each
+    # Given lanes on two shards (not started: finish steps only), an entry read on each, and
+    # the writer's finisher over them
     url = rconn.connection_pool.connection_kwargs
     config = load_config(write_config(tmp_path, MODEL, f"redis://{url['host']}:{url['port']}/0"))
     prepared = prepare(config, "me")
-    settings = LaneSettings(
+    settings = IntakeSettings(
         prefix=PREFIX,
         consumer="me",
         schema=prepared.intake_schema,
@@ -153,20 +157,21 @@ def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
         stop=threading.Event(),
         events=NO_EVENTS,
         burst=False,
-        is_stuck=lambda: False,
     )
-    lanes = Lanes(Topology(rconn), MODEL, settings)
+    shards = ShardMap(MODEL)
+    lanes = Lanes(Topology(rconn), MODEL, settings, shards)
+    finisher = Finisher(shards)
     lanes.first.stream.ensure_group()  # the worker does this at start; sync for the others
     lanes.sync(["demo", "demo~b"])
     finishes = []
     for tag in ("demo", "demo~b"):
         _send(rconn, tag, f"in-{tag}")
-        [entry] = lanes.stream(tag).read(8, 0)
+        [entry] = shards.stream(tag).read(8, 0)
         finishes.append(Finish(entry.entry_id, f"in-{tag}", b"reply", shard=tag))
     # When the second shard's step fails once (its master failing over), then is retried
     sends: Counter[str] = Counter()
     for tag in ("demo", "demo~b"):
-        stream = lanes.stream(tag)
+        stream = shards.stream(tag)
         start = stream.finish_start
 
         def counted(items, tag=tag, start=start, stream=stream):  # type: ignore[no-untyped-def]
@@ -177,8 +182,8 @@ def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
 
         stream.finish_start = counted  # type: ignore[method-assign]
     with pytest.raises(redis.ConnectionError):
-        lanes.finish_each(finishes)
-    done = lanes.finish_each(finishes)
+        finisher.finish_each(finishes)
+    done = finisher.finish_each(finishes)
     # Then the retry sent only the failed shard, and both count as finished here
     assert done == [True, True]
     assert sends == {"demo": 1, "demo~b": 2}

@@ -12,9 +12,12 @@ import pytest
 import redis
 from harness import send, serve_in_thread, wait_reply, write_config
 
+from worker.answer.finisher import Finisher
 from worker.answer.writer import Batch, ReplyWriter
 from worker.config import load_config
 from worker.errors import WorkerError
+from worker.intake.leases import Leases
+from worker.intake.shardmap import ShardMap
 from worker.redisio.stream import Finish, RequestStream
 from worker.service import Worker, prepare
 
@@ -30,7 +33,8 @@ def _read_batch(rconn: redis.Redis, stream: RequestStream, rid: str) -> Batch:
 
 
 class _Recorder:
-    """on_written for a ReplyWriter: notes each batch's writing thread; can hold the first."""
+    """The record a ReplyWriter counts each written batch in: notes each batch's writing thread;
+    can hold the first."""
 
     def __init__(self, hold_first: bool = False) -> None:
         self.threads: list[str] = []
@@ -39,7 +43,7 @@ class _Recorder:
         if not hold_first:
             self.release.set()
 
-    def __call__(self, batch: Batch, seconds: float) -> None:
+    def update(self, **changes: object) -> None:
         self.threads.append(threading.current_thread().name)
         self.first_written.set()
         assert self.release.wait(10)
@@ -52,9 +56,15 @@ def stream(rconn: redis.Redis) -> RequestStream:
     return stream
 
 
+def _finisher(stream: RequestStream) -> Finisher:
+    shards = ShardMap(stream.tag)
+    shards.add(stream.tag, stream, Leases())
+    return Finisher(shards)
+
+
 def _writer(stream: RequestStream, recorder: _Recorder) -> tuple[ReplyWriter, threading.Event]:
     stopped = threading.Event()
-    writer = ReplyWriter(stream, threading.Event(), recorder, stopped)
+    writer = ReplyWriter(_finisher(stream), threading.Event(), stopped, record=recorder)
     writer.start()
     return writer, stopped
 
@@ -141,7 +151,7 @@ class _Watched:
         self.handed_over: list[int] = []
         self.threads: list[str] = []
         self.second_read, self.first_written = threading.Event(), threading.Event()
-        put, written = worker.queue.put, worker.writer.on_written
+        put, written = worker.queue.put, worker.writer._written
         done = worker.writer._queue.task_done
 
         def put_and_count(items, *args, **kwargs) -> None:
@@ -159,7 +169,7 @@ class _Watched:
             self.first_written.set()
 
         worker.queue.put = put_and_count  # type: ignore[method-assign]
-        worker.writer.on_written = note_thread
+        worker.writer._written = note_thread  # type: ignore[method-assign]
         worker.writer._queue.task_done = done_and_note  # type: ignore[method-assign]
 
 
@@ -327,7 +337,7 @@ def test_giving_up_on_redis_when_told_is_one_line_not_a_traceback(
     # A second stop signal during an outage sets give_up: the writer stops retrying, as asked,
     # and says so in one line (a traceback of the Redis error would read as a crash).
     give_up = threading.Event()
-    writer = ReplyWriter(stream, give_up, _Recorder(), threading.Event())
+    writer = ReplyWriter(_finisher(stream), give_up, threading.Event(), record=_Recorder())
     tries = []
 
     def down(finishes):

@@ -3,10 +3,14 @@
 The worker's path is five stages, each a module: ``read`` (the reading thread: stream reads,
 reclaims, the hand-over), ``admit`` (an entry into an item: ``worker.items``), ``batcher`` (the
 window), ``run`` (a sub-batch on the model) and ``answer`` (outcomes into replies and finish
-steps), then the reply ``writer``. ``run()`` reads as the table of contents; this module wires
-the stages and owns the lifecycle. Shutdown has one path: a signal sets ``stop``, the reading
-thread stops reading, and everything already read is batched, run and answered before the
-worker exits.
+steps), then the reply ``writer``, which finishes each batch in Redis. A request flows one way
+through them; the one edge back is the writer releasing the leases of what it finished, as an
+ack (``worker.answer.finisher``). What the stages share is handed down from here: the
+``ShardMap`` (each shard's stream and leases, entered by the lanes, looked up by the answerer
+and the writer) and the ``Stuck`` flag (marked by the answerer, read by the lease keepers).
+``run()`` reads as the table of contents; this module wires the stages and owns the lifecycle.
+Shutdown has one path: a signal sets ``stop``, the reading thread stops reading, and everything
+already read is batched, run and answered before the worker exits.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ from producer.redisio.shards import read_shards
 from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
+from worker.answer.finisher import Finisher
 from worker.answer.replies import ReplyEncoder
-from worker.answer.writer import Batch, ReplyWriter
+from worker.answer.writer import ReplyWriter
 from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
-from worker.intake.lanes import Lanes, LaneSettings
-from worker.intake.leases import LeaseKeeper, Leases
+from worker.intake.lanes import Lanes
+from worker.intake.leases import LeaseKeeper, Leases, Stuck
 from worker.intake.read import Reader
+from worker.intake.settings import IntakeSettings
+from worker.intake.shardmap import ShardMap
 from worker.items import Item
 from worker.model.schema import Schema
 from worker.model.session import OnnxModel, check_sha256, read_model_file
@@ -155,10 +162,12 @@ class Worker:
             cfg.batching.max_wait_ms,
             adaptive=cfg.batching.adaptive_wait,
         )
+        self.stuck = Stuck(cfg.delivery.max_run_s)
+        self.shards = ShardMap(cfg.model.name)
         self.lanes = Lanes(
             self.topology,
             cfg.model.name,
-            LaneSettings(
+            IntakeSettings(
                 prefix=cfg.redis.prefix,
                 consumer=self.name,
                 schema=prepared.intake_schema,
@@ -171,32 +180,38 @@ class Worker:
                 stop=self.stop,
                 events=self.events,
                 burst=burst,
-                is_stuck=self.stuck,
+                stuck=self.stuck,
                 on_retry=self.topology.follow,
             ),
+            self.shards,
         )
         self.answers = Answerer(
             self.model,
             self.schema,
-            self.lanes.stream,
+            self.shards.stream,
             ReplyEncoder(self.model_ref, self.name),
             cfg.delivery.reply_ttl_s,
             self.events,
             self.pipeline,
+            stuck=self.stuck,
         )
         self.writer = ReplyWriter(
-            self.lanes,
+            Finisher(self.shards),
             self.hard_stop,
-            self._written,
             self.stop,
             events=self.events,
             on_retry=self.topology.follow,
+            record=self.registry,
         )
-        self.served = {"requests": 0, "batches": 0}
         self._memory_alarm = MemoryAlarm()
         self.metrics.describe(prepared.record)
 
-    # The first shard's parts, as they were before shards: one shard is the common case.
+    @property
+    def served(self) -> dict[str, int]:
+        """The requests finished here and the batches that finished any (``ReplyWriter``)."""
+        return self.writer.served
+
+    # The first shard's parts: one shard is the common case, and tests reach them here.
     @property
     def stream(self) -> RequestStream:
         return self.lanes.first.stream
@@ -271,17 +286,11 @@ class Worker:
         if failed is not None:
             raise failed  # the heartbeat logs it once per outage
 
-    def stuck(self) -> bool:
-        """True while one batch has been running longer than ``delivery.max_run_s``."""
-        limit = self.config.delivery.max_run_s
-        started = self.answers.running_since
-        return bool(limit) and started is not None and time.monotonic() - started > limit
-
     def healthy(self) -> bool:
-        """For /healthz: alive unless a batch hangs, or as many hook calls hang as the pipeline
-        has threads (then a restart is the cure)."""
+        """For /healthz: alive unless a batch has run past ``delivery.max_run_s``, or as many
+        hook calls hang as the pipeline has threads (then a restart is the cure)."""
         hooks_ok = self.pipeline is None or self.pipeline.pool.healthy
-        return hooks_ok and not self.stuck()
+        return hooks_ok and not self.stuck.is_set()
 
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held. Second call: give up on Redis."""
@@ -431,24 +440,6 @@ class Worker:
         A longer run means the model is the bottleneck, and no batch may wait on a write."""
         ran_s = sum(seconds for _, seconds in runs)
         return ran_s < self.writer.typical_s and self.queue.empty() and not self.batcher.holding
-
-    def _written(self, batch: Batch, write_s: float) -> None:
-        """Called once a batch is in Redis, on the thread that wrote it (one at a time)."""
-        self.lanes.release(batch.finishes)
-        # Counted as served: the entries finished here, not those another consumer holds now
-        # (a hung batch's, claimed meanwhile) or that a flush took; the others get their reply
-        # from whoever finishes them.
-        codes = [f.code for f, done in zip(batch.finishes, batch.finished, strict=True) if done]
-        self.events.batch_done(
-            codes=codes,
-            queued_s=batch.queued_s,
-            decode_s=batch.decode_s,
-            runs=batch.runs,
-            write_s=write_s,
-        )
-        self.served["requests"] += len(codes)
-        self.served["batches"] += 1 if codes else 0
-        self.registry.update(served=dict(self.served))
 
 
 def _fuller(a: MemoryReading | None, b: MemoryReading | None) -> MemoryReading | None:

@@ -22,6 +22,7 @@ from worker.answer.run import run_batch
 from worker.answer.writer import Batch
 from worker.errors import Rejected
 from worker.events import Events
+from worker.intake.leases import Stuck
 from worker.items import Admitted, DeadLetter, Item, Outcome, Refused
 from worker.model.schema import Schema
 from worker.model.session import OnnxModel
@@ -47,16 +48,17 @@ class Answerer:
         reply_ttl_s: int,
         events: Events,
         pipeline: Pipeline | None = None,
+        stuck: Stuck | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
         self.schema = schema
-        self.streams = streams  # a shard's stream, for the cancel recheck
+        self.streams = streams  # a shard's stream, for the cancel recheck (``ShardMap.stream``)
         self.encoder = encoder
         self.reply_ttl_s = reply_ttl_s
         self.events = events
         self.buffers = FeedBuffers(max(schema.max_batch_size, schema.fixed_batch or 0))
-        self.running_since: float | None = None  # monotonic start of the run in progress
+        self.stuck = Stuck() if stuck is None else stuck  # marks each run, for the lease keepers
 
     def answer(self, batch: Sequence[Item]) -> Batch:
         """The batch's finish steps, with what metrics want to know once it is written."""
@@ -108,7 +110,7 @@ class Answerer:
         self, items: list[Admitted], started_ms: float, runs: list[tuple[int, float]]
     ) -> list[Finish]:
         check = cancels.RunCheck(self.streams, items)
-        self.running_since = time.monotonic()
+        self.stuck.run_started()
         try:
             outcomes = run_batch(
                 self.model,
@@ -121,7 +123,7 @@ class Answerer:
                 events=self.events,
             )
         finally:
-            self.running_since = None
+            self.stuck.run_ended()
             check.run_ended()
         return self._finish_run(outcomes, started_ms, check)
 
@@ -166,14 +168,7 @@ class Answerer:
                 inference_ms=round(inference_ms, 3),
             )
             finishes += [
-                Finish(
-                    item.entry.entry_id,
-                    item.rid,
-                    reply,
-                    self._ttl(item.reply_ttl_s),
-                    code="OK",
-                    shard=item.entry.shard,
-                )
+                self._finish(item, reply, "OK", item.reply_ttl_s)
                 for item, reply in zip(items, replies, strict=True)
             ]
         return finishes
@@ -212,16 +207,7 @@ class Answerer:
                 timings_ms=timings,
                 meta_raw=item.meta_raw,
             )
-            finishes.append(
-                Finish(
-                    item.entry.entry_id,
-                    item.rid,
-                    reply,
-                    self._ttl(item.reply_ttl_s),
-                    code="OK",
-                    shard=item.entry.shard,
-                )
-            )
+            finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
         return finishes
 
     # -- replies without outputs ---------------------------------------------------------------
@@ -243,14 +229,7 @@ class Answerer:
         reply = self._error_reply(
             item.rid, item.entry, item.meta_raw, error, started_ms, inference_ms
         )
-        return Finish(
-            item.entry.entry_id,
-            item.rid,
-            reply,
-            self._ttl(item.reply_ttl_s),
-            code=error.code,
-            shard=item.entry.shard,
-        )
+        return self._finish(item, reply, error.code, item.reply_ttl_s)
 
     def _dead_letter(self, item: DeadLetter, error: Rejected | None, started_ms: float) -> Finish:
         log.warning(
@@ -264,22 +243,29 @@ class Answerer:
             },
         )
         if item.rid is None:  # no reply key can be named: the dead-letter stream is its answer
-            return Finish(
-                item.entry.entry_id,
-                dead_reason=item.reason,
-                code="DEAD_LETTER",
-                shard=item.entry.shard,
-            )
+            return self._finish(item, None, "DEAD_LETTER", dead_reason=item.reason)
         assert error is not None
         reply = self._error_reply(item.rid, item.entry, None, error, started_ms, 0.0)
+        return self._finish(item, reply, error.code, dead_reason=item.reason)
+
+    def _finish(
+        self,
+        item: Item,
+        reply: bytes | None,
+        code: str,
+        requested_ttl_s: int | None = None,
+        dead_reason: str | None = None,
+    ) -> Finish:
+        """The one place a finish step is built: ``item``'s entry answered with ``reply`` (None:
+        no reply key to write) in its own shard, dead-lettered too with a ``dead_reason``."""
         return Finish(
             item.entry.entry_id,
             item.rid,
             reply,
-            self._ttl(None),
-            dead_reason=item.reason,
-            code=error.code,
-            shard=item.entry.shard,
+            self._ttl(requested_ttl_s),
+            dead_reason,
+            code,
+            item.entry.shard,
         )
 
     def _error_reply(

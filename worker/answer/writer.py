@@ -7,6 +7,9 @@ batches, so a slow Redis slows the worker down rather than letting answers pile 
 When no batch waits to run, there is nothing to overlap with, and handing the write to this
 thread only adds a wake-up and a turn of the GIL to the batch's path: with a small model, most
 of the path. The caller then writes the batch itself (``submit(batch, here=True)``).
+
+A written batch is the end of the worker's path: its leases are released (``Finisher``), the
+metrics told (``Events.batch_done``) and what was served counted in the worker's record.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis
 
+from worker.answer.finisher import Finisher
 from worker.errors import WorkerError
 from worker.events import NO_EVENTS, Events
 from worker.redisio.retry import OutageRetry
@@ -34,10 +38,10 @@ log = logging.getLogger(__name__)
 _TYPICAL_WEIGHT = 0.25  # weight of the newest write in ``typical_s``
 
 
-class Finisher(Protocol):
-    """Where finish steps go: one shard's ``RequestStream``, or every shard's (``Lanes``)."""
+class Record(Protocol):
+    """Where the count of what was served goes: the worker's record (worker/ops/record.py)."""
 
-    def finish_each(self, items: Sequence[Finish]) -> list[bool]: ...
+    def update(self, **changes: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -56,26 +60,26 @@ class Batch:
 class ReplyWriter(threading.Thread):
     """Takes finished batches and writes them, retrying through Redis outages.
 
-    ``on_written(batch, seconds)`` is told of each batch once it is in Redis, on the thread that
+    Each batch, once in Redis, is counted in ``served`` (and the ``record``) on the thread that
     wrote it; a write that fails for good sets ``stop``, and the batches not written stay
     pending. ``give_up`` (a second stop signal) ends the retries of an outage.
     """
 
     def __init__(
         self,
-        stream: Finisher,
+        finisher: Finisher,
         give_up: threading.Event,
-        on_written: Callable[[Batch, float], None],
         stop: threading.Event,
         depth: int = 2,
         events: Events = NO_EVENTS,
         on_retry: Callable[[BaseException], object] | None = None,
+        record: Record | None = None,
     ) -> None:
         super().__init__(name="redbatch-writer", daemon=True)
-        self.stream = stream
-        self.on_written = on_written
+        self.finisher = finisher
         self.stop = stop
         self.events = events
+        self.record = record
         self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=depth)
         self._outage = OutageRetry(
             "writing replies", give_up=give_up, events=events, on_retry=on_retry
@@ -84,6 +88,10 @@ class ReplyWriter(threading.Thread):
         # Moving average of a write's seconds, over writes that needed no retry (an outage
         # says nothing about how long writes take); 0 until the first.
         self.typical_s = 0.0
+        # The entries finished here and the batches that finished any: not those another
+        # consumer holds now (a hung batch's, claimed meanwhile), which get their reply from
+        # whoever finishes them
+        self.served = {"requests": 0, "batches": 0}
 
     def submit(self, batch: Batch, *, here: bool = False) -> None:
         """Queue a batch for writing; blocks while two batches already wait. With ``here`` and
@@ -142,13 +150,29 @@ class ReplyWriter(threading.Thread):
         self.events.point("before_finish")
         self._outage.interrupted = False
         batch.finished = self._outage.call(
-            functools.partial(self.stream.finish_each, batch.finishes)
+            functools.partial(self.finisher.finish_each, batch.finishes)
         )
         elapsed = time.perf_counter() - started
         if not self._outage.interrupted:
             self.typical_s += _TYPICAL_WEIGHT * (elapsed - self.typical_s)
         self.events.point("after_finish")
-        self.on_written(batch, elapsed)
+        self._written(batch, elapsed)
+
+    def _written(self, batch: Batch, write_s: float) -> None:
+        """A batch is in Redis: release its leases, tell the metrics, count what it served."""
+        self.finisher.release(batch.finishes)
+        codes = [f.code for f, done in zip(batch.finishes, batch.finished, strict=True) if done]
+        self.events.batch_done(
+            codes=codes,
+            queued_s=batch.queued_s,
+            decode_s=batch.decode_s,
+            runs=batch.runs,
+            write_s=write_s,
+        )
+        self.served["requests"] += len(codes)
+        self.served["batches"] += 1 if codes else 0
+        if self.record is not None:
+            self.record.update(served=dict(self.served))
 
     def _failed(self, exc: BaseException) -> None:
         self.failure = exc

@@ -4,63 +4,42 @@ A worker serves every shard of its model (contract section 4). Entry ids, pendin
 consumers are per stream, so everything that names an entry stays per shard: a lane is one
 shard's ``RequestStream``, its ``Leases``, the ``LeaseKeeper`` that renews them, and the
 ``Reader`` that reads, admits and hands entries over. Every lane hands over to the same queue,
-so one batch may mix shards' requests; each finish step and cancel check then goes to the shard
-its entry came from (``Finish.shard``, ``RawEntry.shard``), one script per shard.
+so one batch may mix shards' requests; the lanes enter each shard's stream and leases in the
+``ShardMap``, where the later stages find the shard an entry came from (``RawEntry.shard``,
+``Finish.shard``) for its cancel recheck, its finish step and the release of its lease.
 
 With one shard (any single Redis, and every model until ``redbatch shards`` adds one) there is
-one lane, and the worker's path is what it was. The shard list is read again on every heartbeat:
-a shard added gets a lane at once; a lane whose shard was retired (drained, then dropped from
-``P:{M}:retiring``) stops reading, and closes once what it holds is answered.
+one lane. The shard list is read again on every heartbeat: a shard added gets a lane at once; a
+lane whose shard was retired (drained, then dropped from ``P:{M}:retiring``) stops reading, and
+closes once what it holds is answered.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import redis
 
 from producer.redisio.topology import Topology
-from worker.errors import WorkerError
-from worker.events import Events
 from worker.intake.leases import LeaseKeeper, Leases
-from worker.intake.read import Handoff, Reader
+from worker.intake.read import Reader
 from worker.intake.reclaim import Reclaimer
-from worker.model.schema import Schema
+from worker.intake.settings import IntakeSettings
+from worker.intake.shardmap import ShardMap
 from worker.redisio.claims import Claims
-from worker.redisio.stream import Finish, FinishInFlight, RequestStream
+from worker.redisio.stream import RequestStream
 
-__all__ = ["Lane", "LaneSettings", "Lanes"]
+__all__ = ["Lane", "Lanes"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class LaneSettings:
-    """What every lane is built with: the worker's settings and its shared parts."""
-
-    prefix: str
-    consumer: str
-    schema: Schema
-    max_request_bytes: int
-    max_element_bytes: int | None
-    read_count: int
-    claim_idle_ms: int
-    max_deliveries: int
-    out: Handoff
-    stop: threading.Event
-    events: Events
-    burst: bool
-    is_stuck: Callable[[], bool]
-    on_retry: Callable[[BaseException], object] | None = None
 
 
 class Lane:
     """One shard as this worker serves it."""
 
-    def __init__(self, tag: str, stream: RequestStream, settings: LaneSettings) -> None:
+    def __init__(self, tag: str, stream: RequestStream, settings: IntakeSettings) -> None:
         self.tag = tag
         self.stream = stream
         self.leases = Leases()
@@ -72,29 +51,16 @@ class Lane:
             settings.claim_idle_ms,
             settings.events,
             stop=settings.stop,
-            is_stuck=settings.is_stuck,
+            stuck=settings.stuck,
         )
-        self.reader = Reader(
-            stream,
-            settings.schema,
-            settings.max_request_bytes,
-            settings.out,
-            settings.stop,
-            read_count=settings.read_count,
-            leases=self.leases,
-            reclaimer=Reclaimer(
-                self.claims,
-                self.leases,
-                settings.claim_idle_ms,
-                settings.max_deliveries,
-                settings.events,
-            ),
-            events=settings.events,
-            burst=settings.burst,
-            max_element_bytes=settings.max_element_bytes,
-            retired=self.retired,
-            on_retry=settings.on_retry,
+        reclaimer = Reclaimer(
+            self.claims,
+            self.leases,
+            settings.claim_idle_ms,
+            settings.max_deliveries,
+            settings.events,
         )
+        self.reader = Reader(stream, self.leases, settings, reclaimer, self.retired)
         self.started = False
 
     def start(self) -> None:
@@ -119,16 +85,16 @@ class Lane:
 class Lanes:
     """The worker's lanes by shard tag; the first is the model's own shard, always there."""
 
-    def __init__(self, topology: Topology, model: str, settings: LaneSettings) -> None:
+    def __init__(
+        self, topology: Topology, model: str, settings: IntakeSettings, shards: ShardMap
+    ) -> None:
         self.topology = topology
         self.model = model
         self.settings = settings
+        self.shards = shards  # where each lane enters its stream and leases
         self._lanes: dict[str, Lane] = {}
         self._lock = threading.Lock()
         self.running = False  # lanes added once running start at once
-        # A mixed batch's finish that failed on some shard: (its finishes, flags of the shards
-        # that did finish), for the writer's retry (``finish_each``)
-        self._partial: tuple[Sequence[Finish], dict[str, list[bool]]] | None = None
         self.first = self._make(model)
 
     def _make(self, tag: str, join: bool = False) -> Lane:
@@ -145,6 +111,7 @@ class Lanes:
                 raise
         with self._lock:
             self._lanes[tag] = lane
+        self.shards.add(tag, stream, lane.leases)
         return lane
 
     def __iter__(self):  # type: ignore[no-untyped-def]
@@ -157,14 +124,6 @@ class Lanes:
 
     def tags(self) -> list[str]:
         return [lane.tag for lane in self]
-
-    def stream(self, tag: str) -> RequestStream:
-        """The stream of shard ``tag`` ("" is the model's first shard)."""
-        with self._lock:
-            lane = self._lanes.get(tag or self.model)
-        if lane is None:  # a lane closes only once what it read is answered (``Lane.done``)
-            raise WorkerError(f"no lane serves shard {tag!r}")
-        return lane.stream
 
     def start(self) -> None:
         """Start every lane made so far (the first, and any ``sync`` added before start)."""
@@ -204,62 +163,9 @@ class Lanes:
         for lane in self:
             if lane.tag != self.model and lane.done:
                 lane.keeper.close()
+                self.shards.drop(lane.tag)
                 with self._lock:
                     self._lanes.pop(lane.tag, None)
-
-    def finish_each(self, finishes: Sequence[Finish]) -> list[bool]:
-        """Each shard's finishes in one script on that shard, all sent before any answer is
-        read (one round trip's time, whatever the shards); per finish, whether it was
-        finished here (``RequestStream.finish_each``), in the order given.
-
-        When one shard fails (its master failing over), the others' answers are still read
-        (their steps ran) and kept, then the error is raised: the writer retries the batch, and
-        the retry sends only the shards still to finish, so the others are neither run again
-        nor miscounted as not finished here.
-        """
-        by_shard: dict[str, list[int]] = {}
-        for i, finish in enumerate(finishes):
-            by_shard.setdefault(finish.shard or self.model, []).append(i)
-        if len(by_shard) == 1:
-            [tag] = by_shard
-            return self.stream(tag).finish_each(finishes)
-        kept = self._partial[1] if self._partial and self._partial[0] is finishes else {}
-        self._partial = None
-        sent: list[tuple[str, RequestStream, FinishInFlight]] = []
-        failure: BaseException | None = None
-        for tag, indexes in by_shard.items():
-            if tag in kept:
-                continue
-            stream = self.stream(tag)
-            try:
-                sent.append((tag, stream, stream.finish_start([finishes[i] for i in indexes])))
-            except Exception as exc:
-                failure = failure or exc
-        for tag, stream, in_flight in sent:
-            try:
-                kept[tag] = stream.finish_end(in_flight)
-            except Exception as exc:
-                failure = failure or exc
-        if failure is not None:
-            self._partial = (finishes, kept)  # the writer's retry passes the same list
-            raise failure
-        done = [False] * len(finishes)
-        for tag, indexes in by_shard.items():
-            for i, flag in zip(indexes, kept[tag], strict=True):
-                done[i] = flag
-        return done
-
-    def release(self, finishes: Iterable[Finish]) -> None:
-        """Release the leases of written entries, each in its own shard's lane."""
-        by_shard: dict[str, list[bytes]] = {}
-        for finish in finishes:
-            by_shard.setdefault(finish.shard or self.model, []).append(finish.entry_id)
-        with self._lock:
-            lanes = dict(self._lanes)
-        for tag, ids in by_shard.items():
-            lane = lanes.get(tag)
-            if lane is not None:
-                lane.leases.release(ids)
 
     def idle(self) -> bool:
         """Burst mode: every lane's last read was empty and nothing waits elsewhere."""

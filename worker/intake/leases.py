@@ -4,6 +4,9 @@ An entry's idle time starts when it is read, so a batch that waits in the window
 than ``claim_idle_ms`` would be claimed by another worker and run twice. The keeper renews every
 held entry every ``claim_idle_ms / 3`` from its own thread; ``session.run`` releases the GIL, so
 a long run does not delay it. The same thread removes consumers left behind by crashed workers.
+
+A batch that hangs must not hold its entries for good: the answerer marks each run on a shared
+``Stuck`` flag, and past ``delivery.max_run_s`` the keepers read it set and let the leases lapse.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Iterable
 
 from worker.events import NO_EVENTS, Events
 from worker.redisio.claims import Claims
 from worker.redisio.retry import is_transient
 
-__all__ = ["LeaseKeeper", "Leases"]
+__all__ = ["LeaseKeeper", "Leases", "Stuck"]
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +72,32 @@ class Leases:
             return self._changed.wait_for(lambda: self._redelivered == 0, timeout_s)
 
 
+class Stuck:
+    """Set while the run in progress has run longer than ``max_run_s`` (0: never set), like a
+    ``threading.Event`` that sets itself: the answerer marks each run's start and end, the lease
+    keepers and ``/healthz`` ask ``is_set()``."""
+
+    def __init__(self, max_run_s: float = 0.0) -> None:
+        self.max_run_s = max_run_s
+        self._since: float | None = None  # monotonic start of the run in progress
+
+    def run_started(self) -> None:
+        self._since = time.monotonic()
+
+    def run_ended(self) -> None:
+        self._since = None
+
+    def is_set(self) -> bool:
+        since = self._since
+        return (
+            bool(self.max_run_s) and since is not None and time.monotonic() - since > self.max_run_s
+        )
+
+
 class LeaseKeeper(threading.Thread):
     """Renews held entries and forgets idle, empty consumers until ``close()``.
 
-    A failure no retry can fix sets ``stop``. ``is_stuck()`` says when a batch has hung: its
+    A failure no retry can fix sets ``stop``. While ``stuck`` is set a batch has hung: its
     leases then lapse. An outage is logged once when the keeper cannot reach Redis, and once
     when a call of its own reached Redis again (a turn with nothing held sends none).
     """
@@ -83,7 +109,7 @@ class LeaseKeeper(threading.Thread):
         claim_idle_ms: int,
         events: Events = NO_EVENTS,
         stop: threading.Event | None = None,
-        is_stuck: Callable[[], bool] = lambda: False,
+        stuck: Stuck | None = None,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(name="redbatch-leases", daemon=True)
@@ -93,7 +119,7 @@ class LeaseKeeper(threading.Thread):
         self.forget_idle_ms = max(2 * claim_idle_ms, _MIN_FORGET_IDLE_MS)
         self.events = events
         self.stop = stop
-        self.is_stuck = is_stuck
+        self.stuck = Stuck() if stuck is None else stuck
         self._stuck_logged = False
         self.failure: BaseException | None = None
         self._rng = rng or random.Random()
@@ -146,7 +172,7 @@ class LeaseKeeper(threading.Thread):
 
     def _hung(self) -> bool:
         """A hung batch must not hold its entries forever: let the leases lapse."""
-        if not self.is_stuck():
+        if not self.stuck.is_set():
             self._stuck_logged = False
             return False
         if not self._stuck_logged:

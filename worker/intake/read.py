@@ -3,9 +3,9 @@
 It runs on its own thread so that reading and admitting overlap with inference, and it blocks
 on Redis (which wakes at once when data arrives) rather than polling. Its queue is bounded, so
 the worker holds a few batches of entries at most whatever the backlog. Each read's cancel check
-goes out with the hand-over, and the next read behind it (``worker.redisio.cancels.ReadCheck``).
-Between reads it asks the reclaimer for entries other workers left behind, and hands each over
-alone.
+goes out with the hand-over, and the next read behind it on the same connection
+(``worker.redisio.readahead``): one round trip a read. Between reads it asks the reclaimer for
+entries other workers left behind, and hands each over alone.
 
 ``idle`` tells a burst worker that the stream is drained: a read came back empty and, with
 ``burst``, no entry is pending on another consumer either. Those are answered by their holder
@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Protocol
 
-from worker.events import NO_EVENTS, Events
 from worker.intake.admit import admit, poisoned
 from worker.intake.layouts import Layouts
 from worker.intake.leases import Leases
 from worker.intake.reclaim import Reclaimer
+from worker.intake.settings import IntakeSettings
 from worker.items import Admitted, Item
-from worker.model.schema import Schema
 from worker.redisio import cancels
 from worker.redisio.cancels import CancelCheck
+from worker.redisio.readahead import CheckThenRead
 from worker.redisio.retry import OutageRetry
 from worker.redisio.stream import RawEntry, RequestStream
 
@@ -40,56 +38,39 @@ log = logging.getLogger("worker.intake")
 _RECLAIM_WAIT_S = 0.1  # while redelivering: how long to wait for the entry in flight per turn
 
 
-class Handoff(Protocol):
-    """Where reads go: the batcher's queue, or the preprocessing stage (worker/pipeline/prep.py)."""
-
-    def put(self, items: list[Item]) -> None: ...
-
-
 class Reader(threading.Thread):
     """Stream -> admit -> bounded queue (a list per read), until ``stop``."""
 
     def __init__(
         self,
         stream: RequestStream,
-        schema: Schema,
-        max_request_bytes: int,
-        out: Handoff,
-        stop: threading.Event,
-        read_count: int,
         leases: Leases,
+        settings: IntakeSettings,
         reclaimer: Reclaimer | None = None,
-        block_ms: int = 500,
-        events: Events = NO_EVENTS,
-        burst: bool = False,
-        max_element_bytes: int | None = None,
         retired: threading.Event | None = None,
-        on_retry: Callable[[BaseException], object] | None = None,
     ) -> None:
         super().__init__(name="redbatch-intake", daemon=True)
         self.stream = stream
-        self.schema = schema
-        self.max_request_bytes = max_request_bytes
-        self.max_element_bytes = max_element_bytes
-        self.out = out
-        self.stop = stop
+        self.leases = leases
+        self.settings = settings
+        self.reclaimer = reclaimer
+        self.out = settings.out
+        self.stop = settings.stop
+        self.events = settings.events
         # Entries per read, fitted to the requests' rows after each read (the first one, with
         # nothing to go by, takes max_batch_size)
-        self.read_count = read_count
-        self.max_read_count = read_count
-        self.leases = leases
-        self.reclaimer = reclaimer
-        self.block_ms = block_ms
-        self.events = events
+        self.read_count = settings.read_count
         # Bodies are matched byte for byte only where inputs keep rows on axis 0 (model/axes.py)
-        self.layouts = Layouts() if schema.axes.trivial else None
-        self.burst = burst
+        self.layouts = Layouts() if settings.schema.axes.trivial else None
         self.idle = threading.Event()  # set when the stream is drained (module docstring)
         self.failure: BaseException | None = None
         # Set when this reader's shard is retired: it stops reading, as on ``stop``.
         self.retired = retired or threading.Event()
         self._outage = OutageRetry(
-            "reading requests", give_up=stop, events=events, on_retry=on_retry
+            "reading requests",
+            give_up=settings.stop,
+            events=settings.events,
+            on_retry=settings.on_retry,
         )
 
     def run(self) -> None:
@@ -100,7 +81,7 @@ class Reader(threading.Thread):
                 if self._redeliver():  # read_ahead, if any, waits for the next turn
                     continue
                 reclaiming = self.reclaimer is not None and self.reclaimer.busy
-                block_ms = 0 if reclaiming else self.block_ms
+                block_ms = 0 if reclaiming else self.settings.block_ms
                 entries = self._read(block_ms) if read_ahead is None else read_ahead
                 read_ahead = None
                 if not entries:
@@ -133,12 +114,13 @@ class Reader(threading.Thread):
         rows = sum(item.rows for item in items)
         if rows:
             sized = sum(1 for item in items if item.rows)
-            self.read_count = max(1, min(self.max_read_count, self.max_read_count * sized // rows))
+            most = self.settings.read_count
+            self.read_count = max(1, min(most, most * sized // rows))
 
     def _left_elsewhere(self) -> bool:
         """In burst mode, after an empty read: whether entries are still pending on other
         consumers (one ``XPENDING``); always False otherwise, or once stopping."""
-        if not self.burst or self.reclaimer is None or self.stop.is_set():
+        if not self.settings.burst or self.reclaimer is None or self.stop.is_set():
             return False
         try:
             return self._outage.call(self.reclaimer.left_elsewhere)
@@ -178,14 +160,15 @@ class Reader(threading.Thread):
         return True
 
     def _admit(self, entry: RawEntry, check: CancelCheck, deliveries: int = 1) -> Item:
+        s = self.settings
         return admit(
             entry,
-            self.schema,
-            self.max_request_bytes,
+            s.schema,
+            s.max_request_bytes,
             deliveries,
             self.layouts,
             check,
-            self.max_element_bytes,
+            s.max_element_bytes,
         )
 
     def _hand_over(
@@ -201,17 +184,18 @@ class Reader(threading.Thread):
         if not rids:  # nothing that may run: no check to ask
             self.out.put(items)
             return None
-        asking = cancels.ReadCheck(self.stream, check, rids)  # on the wire during the put
+        asking = cancels.ReadCheck(check, rids)
+        ahead = CheckThenRead(self.stream, rids)  # the MGET on the wire during the put
         try:
             # Entries already read are ours: hand every one over, even while stopping.
             self.out.put(items)
             if read_next is not None and not self._stopping():
-                asking.read_behind(*read_next)
-            asking.settle(self._cancelled)
+                ahead.read_next(*read_next)
+            asking.settle(ahead.cancelled(), self._cancelled)
         finally:
             asking.close()  # always answered, so that no batch waits for it for good
-        entries = asking.entries_behind()
-        if asking.lost:  # a read may have gone out and its reply been lost: let reclaim look
+        entries = ahead.entries()
+        if ahead.lost:  # a read may have gone out and its reply been lost: let reclaim look
             self._outage.interrupted = True
         if entries is not None:
             self.leases.hold(e.entry_id for e in entries)  # held at once, as _read holds its own

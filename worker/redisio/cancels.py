@@ -3,8 +3,9 @@
 A request is cancelled when its cancel key exists. The keys are asked for in two places:
 
 - **At read time** (``ReadCheck``, on the reading thread): one ``MGET`` of a read's cancel
-  keys, sent before the read is handed over to the batcher, the next ``XREADGROUP`` sent behind
-  it on the same connection, and the answer taken after the hand-over. So the batch never
+  keys, sent before the read is handed over to the batcher, the stream's next ``XREADGROUP``
+  sent behind it on the same connection (``worker.redisio.readahead``), and the answer taken
+  after the hand-over. So the batch never
   waits for that round trip, and a read costs one round trip, not two. The MGET reaches Redis
   one network delay after it is sent, so the keys it sees existed when the batch was formed,
   as the contract has it, give or take that delay. Only when that round trip fails is it
@@ -33,9 +34,8 @@ from typing import Protocol
 import redis
 
 from producer.redisio import resp
-from producer.redisio.retry import is_transient
 from worker.errors import Rejected
-from worker.redisio.stream import RawEntry, RequestStream
+from worker.redisio.stream import RequestStream
 
 __all__ = [
     "RECHECK_AFTER_S",
@@ -120,44 +120,23 @@ def already(item: Checked) -> Rejected | None:
 
 
 class CancelQuery:
-    """A cancel check on the wire (its MGET sent, its answer not yet read), and maybe the next
-    read behind it."""
+    """A cancel check on the wire: its MGET sent, its answer not yet read."""
 
     def __init__(
         self, stream: RequestStream, rids: Sequence[str], in_flight: resp.InFlight
     ) -> None:
         self.stream = stream
         self.rids = rids
-        self._in_flight = in_flight
-        self._answered = False
-
-    def read_behind(self, count: int, block_ms: int) -> None:
-        """Send ``RequestStream.read``'s XREADGROUP on the check's connection, behind it: one
-        round trip for both. ``entries()`` takes its reply."""
-        self._in_flight.send(self.stream.read_command(count, block_ms))
+        self.connection = in_flight  # the stream may send its next read behind the check
 
     def receive(self) -> set[str]:
         """The request ids whose cancel key existed."""
-        self._answered = True
-        [values] = resp.raise_first_error(self._in_flight.receive(1))
+        [values] = resp.raise_first_error(self.connection.receive(1))
         return {rid for rid, value in zip(self.rids, values, strict=True) if value is not None}
-
-    def entries(self) -> list[RawEntry]:
-        """The read sent behind the check, as ``RequestStream.read`` returns it; after
-        ``receive()``, whose reply comes first."""
-        if not self._answered:
-            raise RuntimeError("receive() the check's answer before the read behind it")
-        [reply] = self._in_flight.receive(1)
-        return self.stream.read_reply(reply)
-
-    @property
-    def read_owed(self) -> bool:
-        """True while the read sent behind the check is still to be taken."""
-        return self._in_flight.owed > 0
 
     def abandon(self) -> None:
         """Drop the connection with whatever it still owes."""
-        self._in_flight.abandon()
+        self.connection.abandon()
 
 
 def ask(stream: RequestStream, rids: Sequence[str]) -> CancelQuery:
@@ -174,67 +153,29 @@ def cancelled(stream: RequestStream, rids: Sequence[str]) -> set[str]:
 
 
 class ReadCheck:
-    """One read's check from the reading thread: asked before the hand-over, answered after it.
+    """One read's check on the reading thread: asked before the hand-over, answered after it.
 
-    ``lost`` is set when a call on the check's connection failed after an XREADGROUP may have
-    gone out on it: entries may then be pending here unheld, and the reader lets reclaim look.
+    The MGET goes out with the stream's next read behind it (``worker.redisio.readahead``); this
+    only turns its answer into the check's, asking again when it was lost.
     """
 
-    def __init__(self, stream: RequestStream, check: CancelCheck, rids: list[str]) -> None:
+    def __init__(self, check: CancelCheck, rids: list[str]) -> None:
         self.check = check
         self.rids = rids
-        self.lost = False
         self._cancelled: set[str] = set()
+        self._before_hand_over = False
         check.asked_at = time.monotonic()
-        try:
-            self._query: CancelQuery | None = ask(stream, rids)
-        except Exception:
-            self._query = None  # asked again in ``settle``, through the reader's retries
 
-    def read_behind(self, count: int, block_ms: int) -> None:
-        """Send the next read behind the check; if that fails the check is lost with it and
-        ``settle`` asks again (the reader then reads as usual)."""
-        if self._query is None:
-            return
-        try:
-            self._query.read_behind(count, block_ms)
-        except Exception:
-            self._query = None
-            self.lost = True
-
-    def settle(self, ask_again: Callable[[list[str]], set[str]]) -> None:
-        """Take the answer; when the MGET was not sent or its answer was lost (the query is
-        dropped, with the read behind it), ``ask_again(rids)`` asks after the hand-over."""
-        answer = None
-        if self._query is not None:
-            try:
-                answer = self._query.receive()
-            except Exception:
-                self._query.abandon()
-                self.lost = True
-        if answer is None:
-            self._query = None
-            answer = ask_again(self.rids)
-        self._cancelled = answer
+    def settle(self, answer: set[str] | None, ask_again: Callable[[list[str]], set[str]]) -> None:
+        """Take the answer of the MGET sent before the hand-over; when it was not sent or its
+        answer was lost (None), ``ask_again(rids)`` asks after the hand-over."""
+        self._before_hand_over = answer is not None
+        self._cancelled = ask_again(self.rids) if answer is None else answer
 
     def close(self) -> None:
         """Answer the check, with nothing cancelled unless ``settle`` got an answer: always
         called, so that no batch waits for it for good."""
-        self.check.answer(self._cancelled, asked_before_hand_over=self._query is not None)
-
-    def entries_behind(self) -> list[RawEntry] | None:
-        """The entries of the read sent behind the check; None when there is none to take
-        (the reader then reads as usual). A transient failure sets ``lost``."""
-        query = self._query
-        if query is None or not query.read_owed:
-            return None
-        try:
-            return query.entries()
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            self.lost = True
-            return None
+        self.check.answer(self._cancelled, asked_before_hand_over=self._before_hand_over)
 
 
 # -- around a run ----------------------------------------------------------------------------

@@ -379,7 +379,8 @@ class RequestStream:
 
     def send_cancel_keys(self, rids: Sequence[str]) -> resp.InFlight:
         """Send the MGET of ``rids``' cancel keys now; its answer is read from the returned
-        connection later (worker/redisio/cancels.py), which can also send a read behind it."""
+        connection later (worker/redisio/cancels.py), and the next read may be sent behind it
+        (worker/redisio/readahead.py)."""
         packer = resp.Packer()
         packer.add_packed(resp.command(b"MGET", *[self._cancel + rid.encode() for rid in rids]))
         return resp.send(self.client, packer)
