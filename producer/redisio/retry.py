@@ -30,16 +30,23 @@ rather than ending in ``WaitTimeout``. A copy of a request whose reply was read 
 is answered too, and that reply expires unread. A plain ``wait`` has no body to send again, so
 its wait still ends in ``WaitTimeout`` then.
 
-``RetryPolicy.call`` and ``RetryPolicy.acall`` are the blocking and asyncio shells over the same
-policy (``_options``) and the same error translation (``_error``).
+One engine serves the client and the worker: ``Retrier`` holds the backoff, the classifier of
+transient errors and an ``Outage`` (one line when an outage starts, one when it ends, with its
+length), and stops retrying at a deadline (the client's ``retry_s``) or when an event is set (a
+worker's shutdown); ``Retrier.call`` and ``Retrier.acall`` are its blocking and asyncio shells.
+``RetryPolicy`` is the client's use of it, adding the deadline's bounds and the translation of
+redis-py's errors into the client's; ``worker.redisio.retry.OutageRetry`` is the worker's.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import redis.exceptions as rex
@@ -49,9 +56,13 @@ from tenacity import (
     Retrying,
     retry_if_exception,
     stop_after_delay,
+    stop_any,
+    stop_never,
+    stop_when_event_set,
     wait_exponential,
     wait_random,
 )
+from tenacity.stop import stop_base
 
 from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisFull, RedisUnavailable
 
@@ -62,6 +73,7 @@ __all__ = [
     "MAX_WAIT_S",
     "REDIS_ERRORS",
     "Outage",
+    "Retrier",
     "RetryPolicy",
     "describe_redis_error",
     "is_oom",
@@ -138,29 +150,30 @@ def _error_code(exc: BaseException) -> str:
 
 
 class Outage:
-    """Whether Redis is known to be down, so an outage is logged once at each end.
+    """Whether Redis is known to be down, so that each outage is told once at each end.
 
-    One per client, shared by its threads or tasks; the lock makes "first to notice" exact.
+    ``down(exc)`` is called when a failed retry starts an outage, ``up(down_s)`` when a call that
+    succeeds ends one. One per client, shared by its threads or tasks (the lock makes "first to
+    notice" exact); one per task in a worker.
     """
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(
+        self,
+        down: Callable[[BaseException | None], object],
+        up: Callable[[float], object],
+    ) -> None:
+        self._down = down
+        self._up = up
         self._lock = threading.Lock()
         self._since: float | None = None  # monotonic start of the current outage
 
-    def began(self, exc: BaseException | None, retry_s: float) -> None:
-        """Note a failed retry; logs only when it starts an outage."""
+    def began(self, exc: BaseException | None) -> None:
+        """Note a failed retry; tells only when it starts an outage."""
         with self._lock:
             if self._since is not None:
                 return
             self._since = time.monotonic()
-        log.warning(
-            "Redis at %s unavailable (%s); retrying for up to %g s",
-            self.where,
-            _describe(exc),
-            retry_s,
-            extra={"redis": self.where, "event": "redis_down"},
-        )
+        self._down(exc)
 
     @property
     def active(self) -> bool:
@@ -168,19 +181,104 @@ class Outage:
         return self._since is not None
 
     def ended(self) -> None:
-        """Note a command that succeeded; logs only when it ends an outage."""
+        """Note a command that succeeded; tells only when it ends an outage."""
         if self._since is None:  # the hot path: no lock while Redis is up
             return
         with self._lock:
             if self._since is None:
                 return
             down_s, self._since = time.monotonic() - self._since, None
-        log.warning(
-            "Redis at %s available again after %.1f s",
-            self.where,
-            down_s,
-            extra={"redis": self.where, "event": "redis_up", "down_s": down_s},
+        self._up(down_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Retrier:
+    """Runs Redis calls, retrying them through transient errors with capped, jittered backoff.
+
+    The first retry is immediate, then waits grow from ``FIRST_WAIT_S`` to ``max_wait_s``, plus
+    up to ``JITTER_S`` (no more than ``max_wait_s``). Retrying stops after ``budget_s`` seconds
+    (0: never retry), or when ``give_up`` is set, or never when neither is given; the last
+    error is then raised as it came. ``retried`` says which errors are retried;
+    ``on_retry(exc)`` hears of each one before its retry (a cluster redirect to follow).
+    """
+
+    outage: Outage
+    _: KW_ONLY
+    budget_s: float | None = None
+    give_up: threading.Event | None = None
+    max_wait_s: float = MAX_WAIT_S
+    retried: Callable[[BaseException], bool] = is_transient
+    on_retry: Callable[[BaseException], object] | None = None
+
+    def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)``, retried through the errors ``retried`` accepts."""
+        try:
+            result = fn(*args, **kwargs)  # the hot path skips tenacity's per-call cost
+        except Exception as exc:
+            if not self._retries(exc):
+                raise
+            self._tell(exc)
+            result = Retrying(**self._options())(fn, *args, **kwargs)
+        self.outage.ended()
+        return result
+
+    async def acall(self, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """The asyncio twin of ``call``: awaits ``fn(*args, **kwargs)``."""
+
+        async def attempt() -> T:
+            # Tenacity awaits only ``async def`` functions; redis-py's commands are plain
+            # methods that return a coroutine, which it would hand back unawaited.
+            return await fn(*args, **kwargs)
+
+        try:
+            result = await attempt()
+        except Exception as exc:
+            if not self._retries(exc):
+                raise
+            self._tell(exc)
+            result = await AsyncRetrying(**self._options())(attempt)
+        self.outage.ended()
+        return result
+
+    def _retries(self, exc: BaseException) -> bool:
+        return self.budget_s != 0 and self.retried(exc)
+
+    def _options(self) -> dict[str, Any]:
+        """Tenacity's settings, shared by the blocking and asyncio shells."""
+        jitter_s = min(JITTER_S, self.max_wait_s)
+        backoff = wait_exponential(multiplier=FIRST_WAIT_S, max=self.max_wait_s) + wait_random(
+            0, jitter_s
         )
+        wait: Callable[[RetryCallState], float] = backoff
+        stops: list[stop_base] = []
+        if self.budget_s is not None:
+            wait = _within(backoff, self.budget_s)
+            stops.append(stop_after_delay(self.budget_s))
+        if self.give_up is not None:
+            stops.append(stop_when_event_set(self.give_up))
+        return {
+            "retry": retry_if_exception(self.retried),
+            "wait": wait,
+            "stop": stop_any(*stops) if stops else stop_never,
+            "before_sleep": self._before_sleep,
+            "reraise": True,
+        }
+
+    def _before_sleep(self, state: RetryCallState) -> None:
+        # Tenacity's first try is the command's second (call() made the first), so a lone stale
+        # connection, fixed by the immediate retry, starts no outage.
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if exc is not None:
+            self._tell(exc)
+        self.outage.began(exc)
+
+    def _tell(self, exc: BaseException) -> None:
+        if self.on_retry is None:
+            return
+        try:
+            self.on_retry(exc)
+        except Exception as failed:  # following a redirect is best effort: retries go on
+            log.debug("following %s failed: %s", type(exc).__name__, failed)
 
 
 _LEAST_RETRY_S = 0.001  # a bounded wait still gets its immediate retry
@@ -196,15 +294,15 @@ class RetryPolicy:
             )
         self.where = where
         self.retry_s = float(retry_s)
-        self.outage = Outage(where)
+        self.outage = Outage(
+            functools.partial(_log_down, where, self.retry_s), functools.partial(_log_up, where)
+        )
         self._limit = f"the client's retry_s={self.retry_s:g}"  # what bounds the retries
-        self._client_retry_s = self.retry_s  # the client's own budget, for the outage's log line
+        self._retry = Retrier(self.outage, budget_s=self.retry_s, retried=_retried)
 
     def once(self) -> RetryPolicy:
         """The same client's policy without retries, for best-effort clean-up after a failure."""
-        single = RetryPolicy(self.where, 0)
-        single.outage = self.outage
-        return single
+        return self._bounded(0.0, "the client's retry_s=0")
 
     def within(self, seconds: float, limit: str) -> RetryPolicy:
         """The same policy, retrying for at most ``seconds`` more: a wait's time left, so that
@@ -214,11 +312,7 @@ class RetryPolicy:
             return self
         # Never none at all: the immediate retry after a restart (a stale pooled connection)
         # costs nothing, and is the commonest fix.
-        bounded = RetryPolicy(self.where, max(seconds, _LEAST_RETRY_S))
-        bounded.outage = self.outage
-        bounded._limit = limit
-        bounded._client_retry_s = self._client_retry_s
-        return bounded
+        return self._bounded(max(seconds, _LEAST_RETRY_S), limit)
 
     def until(self, deadline: float | None, limit: str) -> RetryPolicy:
         """``within`` the time left before the monotonic ``deadline``; None: this policy. For
@@ -232,59 +326,25 @@ class RetryPolicy:
         or RedisFull for a write refused for memory."""
         started = time.monotonic()
         try:
-            try:
-                result = fn(*args, **kwargs)  # the hot path skips tenacity's per-call cost
-            except REDIS_ERRORS as exc:
-                if not self._retries(exc):
-                    raise
-                result = Retrying(**self._options())(fn, *args, **kwargs)
+            return self._retry.call(fn, *args, **kwargs)
         except REDIS_ERRORS as exc:
             raise self._failed(exc, started) from exc
-        self.outage.ended()
-        return result
 
     async def acall(self, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """The asyncio twin of ``call``: awaits ``fn(*args, **kwargs)``."""
-
-        async def attempt() -> T:
-            # Tenacity awaits only ``async def`` functions; redis-py's commands are plain
-            # methods that return a coroutine, which it would hand back unawaited.
-            return await fn(*args, **kwargs)
-
         started = time.monotonic()
         try:
-            try:
-                result = await attempt()
-            except REDIS_ERRORS as exc:
-                if not self._retries(exc):
-                    raise
-                result = await AsyncRetrying(**self._options())(attempt)
+            return await self._retry.acall(fn, *args, **kwargs)
         except REDIS_ERRORS as exc:
             raise self._failed(exc, started) from exc
-        self.outage.ended()
-        return result
 
-    def _retries(self, exc: BaseException) -> bool:
-        return self.retry_s > 0 and _retried(exc)
-
-    def _options(self) -> dict[str, Any]:
-        """Tenacity's settings, shared by the blocking and asyncio shells."""
-        backoff = wait_exponential(multiplier=FIRST_WAIT_S, max=MAX_WAIT_S) + wait_random(
-            0, JITTER_S
-        )
-        return {
-            "retry": retry_if_exception(_retried),
-            "wait": _within(backoff, self.retry_s),
-            "stop": stop_after_delay(self.retry_s),
-            "before_sleep": self._before_sleep,
-            "reraise": True,
-        }
-
-    def _before_sleep(self, state: RetryCallState) -> None:
-        # Tenacity's first try is the command's second (call() made the first), so a lone stale
-        # connection, fixed by the immediate retry, never gets here.
-        exc = state.outcome.exception() if state.outcome is not None else None
-        self.outage.began(exc, self._client_retry_s)
+    def _bounded(self, retry_s: float, limit: str) -> RetryPolicy:
+        """This client's policy (its outage too) with its own budget, named ``limit``."""
+        bounded = copy.copy(self)
+        bounded.retry_s = retry_s
+        bounded._limit = limit
+        bounded._retry = Retrier(self.outage, budget_s=retry_s, retried=_retried)
+        return bounded
 
     def _failed(self, exc: BaseException, started: float) -> RedbatchError:
         """The client's error for a redis-py error that ended a command started at ``started``."""
@@ -312,6 +372,25 @@ class RetryPolicy:
         return ConnectionFailed(
             f"Could not talk to Redis at {self.where}: {_describe(exc)}. {check}"
         )
+
+
+def _log_down(where: str, retry_s: float, exc: BaseException | None) -> None:
+    log.warning(
+        "Redis at %s unavailable (%s); retrying for up to %g s",
+        where,
+        _describe(exc),
+        retry_s,
+        extra={"redis": where, "event": "redis_down"},
+    )
+
+
+def _log_up(where: str, down_s: float) -> None:
+    log.warning(
+        "Redis at %s available again after %.1f s",
+        where,
+        down_s,
+        extra={"redis": where, "event": "redis_up", "down_s": down_s},
+    )
 
 
 def _retried(exc: BaseException) -> bool:
