@@ -1,16 +1,18 @@
-"""The worker's reply encoder writes exactly the bytes of
-``producer.protocol.codec.encode_reply``."""
+"""The reply encoder writes exactly msgpack's own packing of the reply map, and the worker's
+encoder and ``producer.protocol.codec.encode_reply`` write the same bytes."""
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wire_strategies import RID, a_reply, arrays, meta_values, names
 
 from producer.protocol import codec
-from producer.protocol.errors import ERROR_CODES
-from worker.answer.replies import ReplyEncoder
+from producer.protocol.errors import ERROR_CODES, WireFormatError
+from producer.protocol.replies import ReplyEncoder
 
 MODEL = codec.ModelRef("demo", "1", "ab" * 32)
 
@@ -39,6 +41,31 @@ replies = st.builds(
 )
 
 
+def packed_by_msgpack(reply: codec.Reply) -> bytes:
+    """The reply map as msgpack packs it, built field by field in contract order; the meta
+    bytes follow as they came."""
+    doc: dict[str, object] = {"rid": reply.rid, "ok": bool(reply.ok)}
+    if reply.ok:
+        doc["outputs"] = {name: codec.encode_tensor(a) for name, a in (reply.outputs or {}).items()}
+    else:
+        error = reply.error or codec.ErrorInfo("INTERNAL", "no detail", True)
+        doc["error"] = {"code": error.code, "message": error.message, "retryable": error.retryable}
+    doc["model"] = reply.model.as_map()
+    doc["worker"] = reply.worker
+    if reply.ok and reply.batch_rows is not None:
+        doc["batch_rows"] = reply.batch_rows
+    doc["timings_ms"] = dict(reply.timings_ms)
+    if reply.meta_raw is None:
+        return msgpack.packb(doc, use_bin_type=True)
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack_map_header(len(doc) + 1)
+    for key, value in doc.items():
+        packer.pack(key)
+        packer.pack(value)
+    packer.pack("meta")
+    return packer.bytes() + reply.meta_raw
+
+
 @settings(max_examples=150, deadline=None)
 @given(batch=st.lists(replies, min_size=1, max_size=4))
 def test_encoded_replies_are_the_bytes_of_encode_reply(batch: list[codec.Reply]) -> None:
@@ -54,6 +81,7 @@ def test_encoded_replies_are_the_bytes_of_encode_reply(batch: list[codec.Reply])
             meta_raw=reply.meta_raw,
         )
         assert got == codec.encode_reply(reply)
+        assert got == packed_by_msgpack(reply)
 
 
 def test_a_failed_reply_without_detail_is_the_bytes_of_encode_reply() -> None:
@@ -62,7 +90,29 @@ def test_a_failed_reply_without_detail_is_the_bytes_of_encode_reply() -> None:
     got = ReplyEncoder(reply.model, reply.worker).encode(
         reply.rid, error=internal, timings_ms=reply.timings_ms
     )
-    assert got == codec.encode_reply(reply)
+    assert got == codec.encode_reply(reply) == packed_by_msgpack(reply)
+
+
+def test_text_outputs_given_as_lists_are_the_bytes_msgpack_packs() -> None:
+    reply = a_reply(outputs={"labels": ["cat", "dog"], "crops": [b"\x00", b""], "n": [1, 2]})
+    assert codec.encode_reply(reply) == packed_by_msgpack(reply)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        a_reply(rid="r\ud800"),
+        a_reply(worker="w\udfff"),
+        a_reply(outputs={"y\ud800": np.zeros(1, np.float32)}),
+        a_reply(ok=False, error=codec.ErrorInfo("INTERNAL", "bad \ud800", False)),
+        a_reply(timings_ms={"\ud800": 1.0}),
+    ],
+    ids=["rid", "worker", "output-name", "error-message", "timing-name"],
+)
+def test_a_str_utf8_cannot_encode_is_invalid_input_wherever_it_is(reply: codec.Reply) -> None:
+    with pytest.raises(WireFormatError, match="UTF-8 cannot encode") as info:
+        codec.encode_reply(reply)
+    assert info.value.code == "INVALID_INPUT"
 
 
 @settings(max_examples=60, deadline=None)

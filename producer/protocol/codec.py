@@ -5,17 +5,16 @@ functions and the test vectors in ``docs/protocol.md``. Decoding is strict: any 
 raises ``WireFormatError`` (code ``MALFORMED``, or ``TOO_LARGE`` for size limits), whose message
 says what is wrong and where. Tensor data is never copied on decode (``numpy.frombuffer``).
 
-Reading is bounded by ``producer.protocol.bounded``, so a hostile body costs little more than its
-own size. The worker's fast paths (``worker.answer.replies``, ``worker.intake.spans``) live in the
-worker.
+This module holds request bodies and is the one place callers import the wire format from:
+tensors live in ``producer.protocol.tensors`` and replies (with the worker's reply encoder) in
+``producer.protocol.replies``. Reading is bounded by ``producer.protocol.bounded``, so a hostile
+body costs little more than its own size.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -34,15 +33,26 @@ from producer.protocol.bounded import (
     _unpack_body,
 )
 from producer.protocol.errors import WireFormatError
-from producer.protocol.text import (
-    BYTES,
-    STRING,
-    as_text_tensor,
-    decode_text,
-    text_elements,
-    text_name,
+from producer.protocol.replies import (
+    ErrorInfo,
+    ModelRef,
+    PipelineRef,
+    Reply,
+    check_meta_size,
+    decode_meta,
+    decode_reply,
+    encode_reply,
 )
-from producer.protocol.text import TEXT_DTYPES as _TEXT_DTYPES
+from producer.protocol.tensors import (
+    DTYPES,
+    WIRE_DTYPES,
+    as_tensor,
+    decode_tensor,
+    encode_tensor,
+    not_utf8,
+    wire_dtype,
+)
+from producer.protocol.text import BYTES, STRING
 
 __all__ = [
     "BYTES",
@@ -71,36 +81,11 @@ __all__ = [
 ]
 
 
-#: Contract dtype names to little-endian numpy dtypes.
-DTYPES: dict[str, np.dtype[Any]] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "bool",
-        "int8",
-        "uint8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-    )
-}
-_NAME_OF_KIND = {(dt.kind, dt.itemsize): name for name, dt in DTYPES.items()}
-
-#: Every dtype name the wire carries, numeric first.
-WIRE_DTYPES: tuple[str, ...] = (*DTYPES, "string", "bytes")
-
-
 # Input and output names (and dtype names) longer than this are refused: no model has them, and
 # errors quote names. Only the elements of string tensors may be long strings.
 MAX_NAME_CHARS = 1024
 
 _BODY_KEYS = frozenset({"inputs", "outputs", "deadline_ms", "meta", "reply_ttl_s"})
-_TENSOR_KEYS = frozenset({"dtype", "shape", "data"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,163 +97,6 @@ class RequestBody:
     deadline_ms: int | None = None
     meta_raw: bytes | None = None
     reply_ttl_s: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorInfo:
-    """The ``error`` map of a failed reply."""
-
-    code: str
-    message: str
-    retryable: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineRef:
-    """(v2) The ``model.pipeline`` map of a reply: which handler pre- and post-processed."""
-
-    handler: str  # its import path, "module:attribute"
-    sha256: str  # of the handler's source file
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRef:
-    """The ``model`` map of a reply: which model file (and pipeline, when one) answered."""
-
-    name: str
-    version: str
-    sha256: str
-    pipeline: PipelineRef | None = None
-
-    def as_map(self) -> dict[str, Any]:
-        """The reply's ``model`` map."""
-        doc: dict[str, Any] = {"name": self.name, "version": self.version, "sha256": self.sha256}
-        if self.pipeline is not None:
-            doc["pipeline"] = {"handler": self.pipeline.handler, "sha256": self.pipeline.sha256}
-        return doc
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One reply (contract 3). ``meta_raw`` is echoed byte for byte; ``meta`` decodes it."""
-
-    rid: str
-    ok: bool
-    model: ModelRef
-    worker: str
-    timings_ms: dict[str, float]
-    outputs: dict[str, np.ndarray] | None = None
-    error: ErrorInfo | None = None
-    batch_rows: int | None = None
-    meta_raw: bytes | None = field(default=None, repr=False)
-
-    @property
-    def meta(self) -> Any:
-        """The request's ``meta`` value, or None when none was sent. ``meta`` may be any msgpack
-        value: maps keep integer and bin keys; a map with a key Python cannot hash (an array,
-        a map) comes back as a list of ``(key, value)`` pairs."""
-        return None if self.meta_raw is None else decode_meta(self.meta_raw)
-
-
-def decode_meta(raw: bytes) -> Any:
-    """A ``meta`` value from its msgpack bytes, whatever its map keys (see ``Reply.meta``)."""
-    try:
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except TypeError:  # unhashable keys: pairs instead of a dict
-        return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_pairs_hook=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensors
-
-
-def wire_dtype(arr: np.ndarray) -> str | None:
-    """The wire name of ``arr``'s dtype, or None when the wire cannot carry it. An object array
-    without a wire name in its dtype is named by its first element (``str`` or ``bytes``)."""
-    kind = arr.dtype.kind
-    if kind in "USO":
-        return text_name(arr)
-    return _NAME_OF_KIND.get((kind, arr.dtype.itemsize))
-
-
-def as_tensor(value: Any) -> np.ndarray:
-    """``value`` as the array it is sent as. A ``str`` or ``bytes`` (or a nested list of them)
-    becomes a ``string`` or ``bytes`` tensor (``producer.protocol.text``); never through
-    ``np.asarray``, whose fixed-width byte strings drop trailing NUL bytes."""
-    if isinstance(value, np.ndarray):
-        return value
-    text = as_text_tensor(value)
-    return np.asarray(value) if text is None else text
-
-
-def encode_tensor(array: Any) -> dict[str, Any]:
-    """Return the wire map for an array: little-endian, C order, without copying when it can.
-    ``string`` and ``bytes`` tensors carry their elements as a msgpack array of str or bin."""
-    arr = as_tensor(array)
-    name = wire_dtype(arr)
-    if name is None:
-        raise WireFormatError(
-            f"dtype {arr.dtype} cannot be sent; use one of {', '.join(WIRE_DTYPES)}.",
-            "INVALID_INPUT",
-        )
-    if name in _TEXT_DTYPES:
-        return {"dtype": name, "shape": list(arr.shape), "data": text_elements(arr, name)}
-    arr = np.require(arr, dtype=DTYPES[name], requirements="C")  # keeps 0-d arrays 0-d
-    data = memoryview(arr).cast("B") if arr.size else b""  # type: ignore[arg-type]
-    return {"dtype": name, "shape": list(arr.shape), "data": data}
-
-
-def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) -> np.ndarray:
-    """Check a decoded wire map and view its data as an array; ``where`` names it in errors.
-    ``max_element_bytes`` bounds each element of a ``string`` or ``bytes`` tensor."""
-    if not isinstance(obj, dict):
-        raise WireFormatError(f"{where}: a tensor must be a map, got {_kind(obj)}.")
-    if obj.keys() != _TENSOR_KEYS:
-        missing = _TENSOR_KEYS - obj.keys()
-        if missing:
-            raise WireFormatError(f"{where}: tensor is missing {_names(missing)}.")
-        raise WireFormatError(
-            f"{where}: tensor has unknown key {_names(obj.keys() - _TENSOR_KEYS)}."
-        )
-    dtype_name = obj["dtype"]
-    if isinstance(dtype_name, str) and dtype_name in _TEXT_DTYPES:
-        shape = _check_shape(obj["shape"], where)
-        return decode_text(dtype_name, shape, obj["data"], where, max_element_bytes)
-    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-    if dtype is None:
-        raise WireFormatError(
-            f"{where}: unknown dtype {_quote(dtype_name)}; expected one of "
-            f"{', '.join(WIRE_DTYPES)}."
-        )
-    shape = _check_shape(obj["shape"], where)
-    data = obj["data"]
-    if not isinstance(data, bytes):
-        raise WireFormatError(f"{where}: data must be msgpack bin, got {_kind(data)}.")
-    expected = math.prod(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise WireFormatError(
-            f"{where}: data has {len(data)} bytes but shape {_quote(shape)} of {dtype_name} "
-            f"needs {_quote(expected)}."
-        )
-    if dtype_name == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
-        raise WireFormatError(f"{where}: bool data must hold only bytes 0 and 1.")
-    try:
-        return np.frombuffer(data, dtype=dtype).reshape(shape)
-    except ValueError as exc:  # a 0-sized shape whose other dims are too large for numpy
-        raise WireFormatError(f"{where}: shape {_quote(shape)} is too large to hold.") from exc
-
-
-def _check_shape(shape: Any, where: str) -> list[int]:
-    if not isinstance(shape, list):
-        raise WireFormatError(f"{where}: shape must be an array of integers, got {_kind(shape)}.")
-    if len(shape) > MAX_RANK:
-        raise WireFormatError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK}.")
-    for dim in shape:
-        if type(dim) is not int or dim < 0:
-            raise WireFormatError(
-                f"{where}: shape {_quote(shape)} must hold non-negative integers only."
-            )
-    return shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,22 +123,10 @@ def encode_request(
         body["meta"] = meta
     if reply_ttl_s is not None:
         body["reply_ttl_s"] = int(reply_ttl_s)
-    with _utf8_only("request"):
-        return msgpack.packb(body, use_bin_type=True)
-
-
-@contextlib.contextmanager
-def _utf8_only(what: str) -> Iterator[None]:
-    """A str that UTF-8 cannot encode (a lone surrogate) as INVALID_INPUT, not UnicodeError."""
     try:
-        yield
+        return msgpack.packb(body, use_bin_type=True)
     except UnicodeEncodeError as exc:
-        bad = _quote(exc.object[exc.start : exc.end])
-        raise WireFormatError(
-            f"the {what} holds a str with {bad}, which UTF-8 cannot encode (a lone surrogate); "
-            "send text as valid Unicode, or arbitrary bytes in a 'bytes' tensor.",
-            "INVALID_INPUT",
-        ) from exc
+        raise not_utf8("request", exc) from exc
 
 
 def decode_request(
@@ -327,7 +143,7 @@ def decode_request(
         if not isinstance(doc, dict):
             raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
         request = _request(doc, meta_raw, max_element_bytes)
-        _check_meta_size(meta_raw)
+        check_meta_size(meta_raw)
         return request
     except WireFormatError as exc:
         # A body that is a map still names its meta and reply TTL: the error reply keeps them
@@ -405,86 +221,3 @@ def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
 def pack_meta(meta: Any) -> bytes | None:
     """Encode a meta value as it travels; None stays None."""
     return None if meta is None else msgpack.packb(meta, use_bin_type=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Replies
-
-
-def encode_reply(reply: Reply) -> bytes:
-    """Encode a reply map; meta bytes are spliced in as they came, never re-encoded."""
-    doc: dict[str, Any] = {"rid": reply.rid, "ok": bool(reply.ok)}
-    if reply.ok:
-        doc["outputs"] = {name: encode_tensor(a) for name, a in (reply.outputs or {}).items()}
-    else:
-        error = reply.error or ErrorInfo("INTERNAL", "no detail", True)
-        doc["error"] = {"code": error.code, "message": error.message, "retryable": error.retryable}
-    doc["model"] = reply.model.as_map()
-    doc["worker"] = reply.worker
-    if reply.ok and reply.batch_rows is not None:
-        doc["batch_rows"] = reply.batch_rows
-    doc["timings_ms"] = dict(reply.timings_ms)
-    if reply.meta_raw is None:
-        with _utf8_only("reply"):
-            return msgpack.packb(doc, use_bin_type=True)
-    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-    packer.pack_map_header(len(doc) + 1)
-    with _utf8_only("reply"):
-        for key, value in doc.items():
-            packer.pack(key)
-            packer.pack(value)
-    packer.pack("meta")
-    return packer.bytes() + reply.meta_raw
-
-
-def decode_reply(raw: bytes) -> Reply:
-    """Decode a reply element; raises WireFormatError when it is not a contract reply."""
-    doc, meta_raw = _unpack_body(raw, len(raw), "reply")
-    _check_meta_size(meta_raw)
-    if not isinstance(doc, dict):
-        raise WireFormatError(f"reply must be a map, got {_kind(doc)}.")
-    try:
-        model = doc["model"]
-        outputs = None
-        error = None
-        if doc["ok"]:
-            outputs = {
-                name: decode_tensor(t, f"output {name!r}") for name, t in doc["outputs"].items()
-            }
-        else:
-            e = doc["error"]
-            error = ErrorInfo(str(e["code"]), str(e["message"]), bool(e["retryable"]))
-        return Reply(
-            rid=str(doc["rid"]),
-            ok=bool(doc["ok"]),
-            model=_model_ref(model),
-            worker=str(doc["worker"]),
-            timings_ms={str(k): float(v) for k, v in doc["timings_ms"].items()},
-            outputs=outputs,
-            error=error,
-            batch_rows=doc.get("batch_rows"),
-            meta_raw=meta_raw,
-        )
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
-
-
-def _model_ref(model: dict[str, Any]) -> ModelRef:
-    pipeline = model.get("pipeline")
-    return ModelRef(
-        str(model["name"]),
-        str(model["version"]),
-        str(model["sha256"]),
-        None
-        if pipeline is None
-        else PipelineRef(str(pipeline["handler"]), str(pipeline["sha256"])),
-    )
-
-
-def _check_meta_size(meta: bytes | None) -> None:
-    """After the structure is checked (a body both malformed and with a long meta is
-    MALFORMED): meta is echoed in every reply, so it is kept small."""
-    if meta is not None and len(meta) > MAX_META_BYTES:
-        raise WireFormatError(
-            f"'meta' is {len(meta)} bytes encoded; at most {MAX_META_BYTES}.", "TOO_LARGE"
-        )
