@@ -17,8 +17,8 @@ from fuzzing import FuzzTarget, schema_for
 
 from producer.protocol import codec
 from producer.protocol.codec import ModelRef, decode_reply
+from producer.protocol.replies import ReplyEncoder
 from worker.answer.answerer import Answerer
-from worker.answer.replies import ReplyEncoder
 from worker.errors import Rejected
 from worker.events import NO_EVENTS
 from worker.intake.admit import admit, poisoned

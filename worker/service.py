@@ -26,13 +26,13 @@ from typing import Any
 import redis
 
 from producer.protocol.codec import ModelRef
+from producer.protocol.replies import ReplyEncoder
 from producer.redisio.memory import MemoryReading
 from producer.redisio.shards import read_shards
 from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
-from worker.answer.replies import ReplyEncoder
 from worker.answer.writer import ReplyWriter
 from worker.config import WorkerConfig
 from worker.errors import WorkerError

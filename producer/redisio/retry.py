@@ -22,9 +22,8 @@ an XADD but the connection dropped before the answer arrived, the stream holds t
 That is the contract's at-least-once delivery: a worker may run it twice, but writes a reply only
 when none exists, so callers still see one reply. (If the caller consumed the first reply before
 the second run, the second reply sits unread until its TTL.) Likewise a reply popped by an LPOP or
-BLPOP whose answer was lost in the outage is gone. ``Client.infer``, ``Client.map`` and
-``AsyncClient.map`` (and so ``redbatch run``) therefore send the requests they still await
-again, same request ids, when a pop of theirs needed a retry (``ReplyWaiter.interrupted``): a
+BLPOP whose answer was lost in the outage is gone. ``infer`` and ``map`` of both clients (and
+so ``redbatch run``) therefore send the requests they still await again, same request ids, when a pop of theirs needed a retry (``ReplyWaiter.interrupted``): a
 reply lost in flight, or a request a Redis restarted without persistence forgot, is run again
 rather than ending in ``WaitTimeout``. A copy of a request whose reply was read in the meantime
 is answered too, and that reply expires unread. A plain ``wait`` has no body to send again, so

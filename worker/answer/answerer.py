@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from producer.protocol.codec import ErrorInfo
+from producer.protocol.replies import ReplyEncoder
 from worker.answer.assemble import FeedBuffers
-from worker.answer.replies import ReplyEncoder
 from worker.answer.run import run_batch
 from worker.answer.writer import Batch
 from worker.errors import Rejected
