@@ -39,8 +39,7 @@ def require_cli_extra(module: str, command: str) -> None:
     was installed without it (``pip install redbatch`` is the library alone)."""
     if importlib.util.find_spec(module) is None:
         raise UsageError(
-            f"{command} needs {module}, which comes with the CLI extra: "
-            "pip install 'redbatch[cli]'"
+            f"{command} needs {module}, which comes with the CLI extra: pip install 'redbatch[cli]'"
         )
 
 
