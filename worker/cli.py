@@ -20,7 +20,8 @@ import redis
 
 from producer.ops.textformat import tensor_spec
 from producer.protocol.keys import is_valid_name
-from worker.config import WorkerConfig, load_config
+from worker.config import WorkerConfig, load_config, sections
+from worker.config.keys import describe
 from worker.errors import WorkerError
 from worker.ops.faults import FaultPoints
 from worker.ops.logs import configure_logging
@@ -38,9 +39,10 @@ examples:
   redbatch-worker --config configs/demo.toml --check        # load, validate, warm up; no Redis
   redbatch-worker --config configs/demo.toml --burst        # drain the stream, then exit
 
-The config file is TOML; configs/reference.toml documents every key. REDIS_URL in the
-environment overrides redis.url. SIGTERM or SIGINT stops reading, answers every request already
-read and exits 0; a second signal stops waiting for an unreachable Redis.
+The config file is TOML; configs/reference.toml documents every key, and --help-config lists
+them with their defaults and bounds. REDIS_URL in the environment overrides redis.url.
+SIGTERM or SIGINT stops reading, answers every request already read and exits 0; a second
+signal stops waiting for an unreachable Redis.
 """
 
 
@@ -57,6 +59,17 @@ def _default_name() -> str:
     return f"{host[:100] or 'worker'}-{os.getpid()}"
 
 
+class _HelpConfig(argparse.Action):
+    """``--help-config``: print every config key, from its declaration, and exit like --help."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(describe(sections()), end="")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="redbatch-worker",
@@ -66,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"redbatch-worker {_version()}")
     parser.add_argument("--config", required=True, help="path to the worker's TOML config file")
+    parser.add_argument(
+        "--help-config",
+        action=_HelpConfig,
+        help="print every config key with its default, bounds and meaning, as TOML, and exit",
+    )
     parser.add_argument(
         "--name",
         default=None,
