@@ -16,18 +16,18 @@ Redis restart, which the reconnect of the next try fixes. When the second try fa
 WARNING says the outage began; when a command next succeeds, one WARNING says Redis is reachable
 again and how long it was not. Tries in between log nothing.
 
-Retries resend the same command: a submit's request id and body are fixed before its first try,
-so a retried XADD can only add the same request again, never a different one. If Redis executed
-an XADD but the connection dropped before the answer arrived, the stream holds that request twice.
-That is the contract's at-least-once delivery: a worker may run it twice, but writes a reply only
-when none exists, so callers still see one reply. (If the caller consumed the first reply before
-the second run, the second reply sits unread until its TTL.) Likewise a reply popped by an LPOP or
-BLPOP whose answer was lost in the outage is gone. ``infer`` and ``map`` of both clients (and
-so ``redbatch run``) therefore send the requests they still await again, same request ids, when a pop of theirs needed a retry (``ReplyWaiter.interrupted``): a
-reply lost in flight, or a request a Redis restarted without persistence forgot, is run again
-rather than ending in ``WaitTimeout``. A copy of a request whose reply was read in the meantime
-is answered too, and that reply expires unread. A plain ``wait`` has no body to send again, so
-its wait still ends in ``WaitTimeout`` then.
+Retries resend the same command: a submit's request id and body are fixed before its first try, so a
+retried XADD can only add the same request again, never a different one. If Redis executed an XADD
+but the connection dropped before the answer arrived, the stream holds that request twice. That is
+the contract's at-least-once delivery: a worker may run it twice, but writes a reply only when none
+exists, so callers still see one reply. (If the caller consumed the first reply before the second
+run, the second reply sits unread until its TTL.) Likewise a reply popped by an LPOP or BLPOP whose
+answer was lost in the outage is gone. ``infer`` and ``map`` of both clients (and so ``redbatch
+run``) therefore send the requests they still await again, same request ids, when a pop of theirs
+needed a retry (``ReplyWaiter.interrupted``): a reply lost in flight, or a request a Redis restarted
+without persistence forgot, is run again rather than ending in ``WaitTimeout``. A copy of a request
+whose reply was read in the meantime is answered too, and that reply expires unread. A plain
+``wait`` has no body to send again, so its wait still ends in ``WaitTimeout`` then.
 
 One engine serves the client and the worker: ``Retrier`` holds the backoff, the classifier of
 transient errors and an ``Outage`` (one line when an outage starts, one when it ends, with its
