@@ -28,11 +28,23 @@ from worker.redisio.stream import RawEntry
 __all__ = ["Admitted", "DeadLetter", "Item", "Outcome", "Refused"]
 
 
+class _Delivered:
+    """The rule every variant shares: one delivered more than once is ``alone``."""
+
+    __slots__ = ()
+    deliveries: int
+
+    @property
+    def alone(self) -> bool:
+        """Redelivered: it runs in a batch of its own."""
+        return self.deliveries > 1
+
+
 # Not frozen: every request is built as one on the hot path, and a frozen dataclass's __init__
 # cost about five times a plain slotted one's (docs/design.md, "The worker's path"). Nothing
 # assigns to one after admission.
 @dataclass(slots=True)
-class Admitted:
+class Admitted(_Delivered):
     """A request that passed admission and may run: its rows join a batch."""
 
     entry: RawEntry
@@ -60,14 +72,9 @@ class Admitted:
         """The shard whose stream it came from."""
         return self.entry.shard
 
-    @property
-    def alone(self) -> bool:
-        """Redelivered: it runs in a batch of its own."""
-        return self.deliveries > 1
-
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class Refused(_Delivered):
     """A request answered with ``error`` instead of running; it adds no rows to a batch."""
 
     entry: RawEntry
@@ -80,13 +87,9 @@ class Refused:
 
     rows: ClassVar[int] = 0
 
-    @property
-    def alone(self) -> bool:
-        return self.deliveries > 1
-
 
 @dataclass(frozen=True, slots=True)
-class DeadLetter:
+class DeadLetter(_Delivered):
     """An entry moved to the dead-letter stream for ``reason``. With a rid it is answered with
     ``error`` as well (a poisoned request); without one no reply key can be named."""
 
@@ -98,10 +101,6 @@ class DeadLetter:
     deliveries: int = 1
 
     rows: ClassVar[int] = 0
-
-    @property
-    def alone(self) -> bool:
-        return self.deliveries > 1
 
 
 Item = Admitted | Refused | DeadLetter

@@ -69,10 +69,7 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (a timeout or an interval: infinity would wait forever)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return value
@@ -80,13 +77,17 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     """A number of seconds that may be 0 (turning the feature off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
     return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
 def dtype_specs(text: str) -> list[tuple[str, str]]:

@@ -98,7 +98,7 @@ def format_view(view: ShardsView, where: str | None = None) -> str:
             [
                 s.tag,
                 s.state,
-                *([s.node or "-", str(tag_slot(s.tag))] if view.cluster else []),
+                *_where_cells(view.cluster, s.tag, s.node),
                 str(s.requests.backlog),
                 "-" if group is None else str(group.pending),
                 str(s.dead.count),
@@ -114,6 +114,11 @@ def format_view(view: ShardsView, where: str | None = None) -> str:
     sending = {s.tag: s.node for s in view.shards if s.state == "send"}
     lines += [f"note: {note}" for note in spread_notes(sending, view.masters)]
     return "\n".join(map(printable, lines))
+
+
+def _where_cells(cluster: bool, tag: str, node: str | None) -> list[str]:
+    """A shard's MASTER and SLOT cells, on a cluster only."""
+    return [node or "-", str(tag_slot(tag))] if cluster else []
 
 
 def placement_to_json(placed: Placement) -> dict[str, Any]:
@@ -150,13 +155,7 @@ def format_placement(placed: Placement) -> str:
     rows = [["SHARD", *where, ""]]
     for tag in placed.after:
         new = "new" if tag in placed.added else ""
-        rows.append(
-            [
-                tag,
-                *([placed.nodes.get(tag) or "-", str(tag_slot(tag))] if placed.cluster else []),
-                new,
-            ]
-        )
+        rows.append([tag, *_where_cells(placed.cluster, tag, placed.nodes.get(tag)), new])
     lines += table(rows, indent="  ")
     lines += [f"note: {note}" for note in placed.notes]
     return "\n".join(map(printable, lines))

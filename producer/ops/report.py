@@ -12,6 +12,7 @@ from typing import Any
 from producer.ops.status import DeadLetters, ModelStatus, RequestsInfo, iso_age_s
 from producer.ops.textformat import (
     INFO_REFUSED,
+    WORKER_COLUMNS,
     ago,
     ago_or_dash,
     duration,
@@ -22,6 +23,7 @@ from producer.ops.textformat import (
     record_lines,
     show,
     table,
+    worker_cells,
 )
 from producer.protocol import keys
 from producer.redisio.memory import MemoryReading
@@ -250,11 +252,7 @@ def _format_workers(status: ModelStatus) -> list[str]:
         return [*lines, "  no live worker has registered for this model"]
     rows = [
         [
-            "NAME",
-            "STATE",
-            "VERSION",
-            "SHA256",
-            "PROVIDERS",
+            *WORKER_COLUMNS,
             "BATCH",
             "ORT",
             "HOST:PID",
@@ -264,15 +262,10 @@ def _format_workers(status: ModelStatus) -> list[str]:
         ]
     ]
     for w in status.workers:
-        providers = w.get("runtime", "providers") or []
         served_req, served_batches = w.get("served", "requests"), w.get("served", "batches")
         rows.append(
             [
-                w.name,
-                show(w.get("state")),
-                show(w.get("model", "version")),
-                show(w.get("model", "sha256"))[:12],
-                ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
+                *worker_cells(w),
                 f"{show(w.get('batching', 'max_batch_size'))} rows/"
                 f"{show(w.get('batching', 'max_wait_ms'))} ms",
                 show(w.get("runtime", "onnxruntime")),

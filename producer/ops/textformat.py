@@ -1,6 +1,6 @@
 """Text pieces ``redbatch status`` and its ``--watch`` view share: terminal-safe text, tables,
-durations, byte sizes, what Redis memory means for producers, and how a worker's record names
-its tensors and its pipeline.
+durations, byte sizes, what Redis memory means for producers, a live worker's first columns,
+and how a worker's record names its tensors and its pipeline.
 
 Both reports say the same thing about memory in the same words, so an operator who knows one
 reads the other: how full Redis is against ``maxmemory``, and whether producers are refused
@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from producer.ops.status import WorkerInfo
 from producer.protocol.units import format_bytes
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryReading, MemoryWatch
 
 __all__ = [
     "INFO_REFUSED",
+    "WORKER_COLUMNS",
     "ago",
     "ago_or_dash",
     "duration",
@@ -29,6 +31,7 @@ __all__ = [
     "show",
     "table",
     "tensor_spec",
+    "worker_cells",
 ]
 
 #: What the reports say when ``INFO memory`` cannot be read (an ACL user without ``+info``).
@@ -135,6 +138,21 @@ def memory_notes(reading: MemoryReading) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # A worker's record
+
+#: The first columns of a worker's row in both reports; ``worker_cells`` fills them.
+WORKER_COLUMNS = ("NAME", "STATE", "VERSION", "SHA256", "PROVIDERS")
+
+
+def worker_cells(worker: WorkerInfo) -> list[str]:
+    """A live worker's name, state, model version, sha256 prefix and execution providers."""
+    providers = worker.get("runtime", "providers") or []
+    return [
+        worker.name,
+        show(worker.get("state")),
+        show(worker.get("model", "version")),
+        show(worker.get("model", "sha256"))[:12],
+        ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
+    ]
 
 
 def tensor_spec(spec: Any, *, ranged: bool) -> str:

@@ -26,11 +26,12 @@ from datetime import datetime
 from producer.ops import stages
 from producer.ops.textformat import (
     INFO_REFUSED,
+    WORKER_COLUMNS,
     memory_notes,
     memory_summary,
     printable,
-    show,
     table,
+    worker_cells,
 )
 from producer.ops.watchstats import (
     Scrape,
@@ -235,10 +236,8 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
     if not s.workers:
         return [*lines, "            no live worker has registered for this model"]
     held = {c.name: c for c in s.requests.group.consumers} if s.requests.group else {}
-    header = ["NAME", "STATE", "VERSION", "SHA256", "PROVIDERS", "HELD", "REQ/S", "REQ/BATCH"]
-    rows = [[*header, "SERVED", "HEARTBEAT"]]
+    rows = [[*WORKER_COLUMNS, "HELD", "REQ/S", "REQ/BATCH", "SERVED", "HEARTBEAT"]]
     for w in s.workers:
-        providers = w.get("runtime", "providers") or []
         rate = rates.rates.get(w.name) if rates else None
         served, batches = w.get("served", "requests"), w.get("served", "batches")
         per_batch = rate[1] if rate else None
@@ -247,11 +246,7 @@ def _worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
         consumer = held.get(w.name)
         rows.append(
             [
-                w.name,
-                show(w.get("state")),
-                show(w.get("model", "version")),
-                show(w.get("model", "sha256"))[:12],
-                ",".join(str(p).removesuffix("ExecutionProvider") for p in providers) or "-",
+                *worker_cells(w),
                 "-" if consumer is None else f"{consumer.pending:,}",
                 "-" if rate is None else f"{rate[0]:,.0f}",
                 "-" if per_batch is None else f"{per_batch:.1f}",

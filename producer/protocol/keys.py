@@ -74,6 +74,11 @@ def _check_rid(rid: str) -> None:
         raise ValueError(f"Request id {rid!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
 
 
+def _check_name(name: str) -> None:
+    if not is_valid_name(name):
+        raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
+
+
 def is_valid_shard_key(key: str) -> bool:
     """True for the ``K`` of a shard tag ``M~K``: ``[a-z0-9]{1,16}``."""
     return isinstance(key, str) and _SHARD_RE.fullmatch(key) is not None
@@ -181,14 +186,12 @@ def workers_key(prefix: str, model: str) -> str:
 def worker_key(prefix: str, model: str, name: str) -> str:
     """``P:{M}:worker:NAME``, one worker's validation record; heartbeats renew its TTL."""
     _check_model(model)
-    if not is_valid_name(name):
-        raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
+    _check_name(name)
     return f"{prefix}:{{{model}}}:worker:{name}"
 
 
 def staging_key(prefix: str, tag: str, name: str, serial: str) -> str:
     """``P:{T}:staging:NAME:SERIAL``, a reply of worker NAME on its way to its reply key."""
     _check_tag(tag)
-    if not is_valid_name(name):
-        raise ValueError(f"Worker name {name!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
+    _check_name(name)
     return f"{prefix}:{{{tag}}}:staging:{name}:{serial}"

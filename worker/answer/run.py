@@ -181,17 +181,12 @@ def _split_axes(
     """``_split`` for outputs off axis 0 or without rows: each request's rows back on the
     output's own axis, and the unbatched outputs whole to every request."""
     batched = [n for n in output_names if n not in whole]
-    results = []
-    start = 0
-    for item in items:
-        stop = start + item.rows
-        wanted = item.request.outputs
+    results = _split(items, outputs, batched, rows, elapsed_ms)
+    for result in results:
+        wanted = result.item.request.outputs
         mine = {
-            name: axes.output_for_reply(name, out[start:stop])
-            for name, out in zip(batched, outputs, strict=True)
-            if name in wanted
+            name: axes.output_for_reply(name, out) for name, out in (result.outputs or {}).items()
         }
         mine.update((name, out) for name, out in whole.items() if name in wanted)
-        results.append(Outcome(item, mine, None, rows, elapsed_ms))
-        start = stop
+        result.outputs = mine
     return results
