@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from wire_strategies import DTYPE_NAMES, RID, a_reply, arrays, meta_values, names
 
 from producer.protocol import codec
+from producer.protocol.bounded import quote
 from producer.protocol.errors import ERROR_CODES, WireFormatError
 
 MAX_BYTES = 1 << 20
@@ -545,7 +546,7 @@ def test_errors_quote_an_input_name_as_reprlib_cuts_it(name: str) -> None:
     body = pack({"inputs": {name: {"dtype": "float32", "shape": [1], "data": b""}}})
     with pytest.raises(WireFormatError) as info:
         codec.decode_request(body, MAX_BYTES)
-    quoted = codec._quote(name)
+    quoted = quote(name)
     assert info.value.message.startswith(f"input {quoted}: data has 0 bytes")
     assert len(quoted) <= 104  # a hostile name cannot make the message long
 

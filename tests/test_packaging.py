@@ -1,7 +1,6 @@
 """The producer package stays light: it imports without onnxruntime, onnx or the worker package."""
 
 from __future__ import annotations
-import __future__
 
 import ast
 import json
@@ -15,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from producer.protocol import codec, errors, keys
+from producer.protocol import bounded, codec, errors, keys, replies, tensors, text
 
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCER = ROOT / "producer"
@@ -283,22 +282,37 @@ def test_the_wheel_holds_the_client_and_the_worker_and_no_tooling(tmp_path: Path
 
 
 def _public_names(module: ModuleType) -> set[str]:
-    """Names a reader would take as public: defined here (or constants), not underscored."""
-    names = set()
-    for name, value in vars(module).items():
-        if name.startswith("_") or isinstance(value, ModuleType) or value is __future__.annotations:
-            continue
-        defined_in = getattr(value, "__module__", module.__name__)
-        if callable(value) and defined_in != module.__name__:
-            continue  # imported helpers such as dataclass or Mapping
-        names.add(name)
-    return names
+    """Names a reader would take as public: defined at the module's top level (classes,
+    functions, constants), not underscored. Imported names are not the module's own."""
+    tree = ast.parse(Path(module.__file__ or "").read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if not name.startswith("_")}
 
 
-@pytest.mark.parametrize("module", [errors, keys, codec], ids=lambda m: m.__name__)
+#: Modules that re-export their siblings' names, so callers import the wire format from one place.
+_FACADES: dict[str, tuple[ModuleType, ...]] = {codec.__name__: (bounded, replies, tensors, text)}
+
+
+@pytest.mark.parametrize(
+    "module", [errors, keys, codec, replies, tensors, bounded, text], ids=lambda m: m.__name__
+)
 def test_all_lists_exactly_the_public_names(module: ModuleType) -> None:
     assert len(module.__all__) == len(set(module.__all__)), "a name is listed twice"
-    assert sorted(module.__all__) == sorted(_public_names(module))
+    siblings = _FACADES.get(module.__name__, ())
+    reexported = {
+        name
+        for name in module.__all__
+        if any(getattr(sib, name, None) is getattr(module, name) for sib in siblings)
+        and any(name in sib.__all__ for sib in siblings)
+    }
+    assert sorted(set(module.__all__) - reexported) == sorted(_public_names(module))
 
 
 def test_every_error_class_descends_from_the_root() -> None:

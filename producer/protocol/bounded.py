@@ -3,7 +3,7 @@
 ``producer.protocol.codec`` checks what a body means; this module makes sure reading it costs little
 more than its size. The size limit comes first, the values a body declares are counted from its
 headers before the unpacker builds any (``MAX_VALUES``; at ``_SMALL`` bytes or less its
-containers are capped at its length instead), and error messages quote at most ``_MAX_QUOTE``
+containers are capped at its length instead), and error messages quote at most ``MAX_QUOTE``
 characters of what was sent. ``meta`` is only echoed, so it is sliced out rather than decoded.
 """
 
@@ -20,6 +20,20 @@ import msgpack
 
 from producer.protocol.errors import WireFormatError
 
+__all__ = [
+    "MAX_META_BYTES",
+    "MAX_QUOTE",
+    "MAX_RANK",
+    "MAX_VALUES",
+    "bounded_unpacker",
+    "key_error",
+    "kind_of",
+    "name_list",
+    "quote",
+    "readable_extras",
+    "unpack_body",
+]
+
 # The contract's limits that reading enforces (``producer.protocol.codec`` re-exports them).
 MAX_META_BYTES = 4096
 MAX_RANK = 32  # dimensions a tensor may have
@@ -30,7 +44,7 @@ MAX_VALUES = 1 << 16
 # ``string`` or ``bytes`` tensor (v2) is an array of up to MAX_VALUES elements, each of any
 # length within the body: its bytes are its own cost, as a bin's are.
 _MAX_CONTAINER_LEN = MAX_VALUES
-_MAX_QUOTE = 100  # characters of a hostile value quoted in an error message
+MAX_QUOTE = 100  # characters of a hostile value quoted in an error message
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,7 +76,7 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"ext type {code} is not accepted")
 
 
-def _unpacker(max_bytes: int) -> msgpack.Unpacker:
+def bounded_unpacker(max_bytes: int) -> msgpack.Unpacker:
     return msgpack.Unpacker(max_buffer_size=max(max_bytes, 1), **_limits(max_bytes))
 
 
@@ -72,7 +86,7 @@ def _unpack(data: bytes, max_bytes: int, what: str) -> Any:
         return msgpack.unpackb(data, **limits)
 
 
-def _unpack_body(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
+def unpack_body(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
     """Unpack a body or reply and slice out its top-level ``meta``: (value, meta bytes or None).
 
     ``meta`` is only ever echoed, so it may be any msgpack value (ext types such as timestamps,
@@ -109,7 +123,7 @@ def _meta_span(data: bytes, max_bytes: int) -> bytes:
 _EXTRAS_READ = 4096
 
 
-def _readable_extras(body: bytes, max_bytes: int) -> tuple[bytes | None, int | None]:
+def readable_extras(body: bytes, max_bytes: int) -> tuple[bytes | None, int | None]:
     """The meta bytes (at most MAX_META_BYTES) and valid reply_ttl_s of a body that failed,
     read past whatever broke elsewhere, for its error reply; None where unreadable.
 
@@ -182,7 +196,7 @@ def _complete_or_none(meta: bytes) -> bytes | None:
 
 
 def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | None]:
-    """``_unpack_body``'s second pass: the top-level map pair by pair, ``meta`` skipped over
+    """``unpack_body``'s second pass: the top-level map pair by pair, ``meta`` skipped over
     (nothing built) and sliced out; every other value as strict as ever."""
     limits = _checked_limits(data, max_bytes, what)
     unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1), **limits)
@@ -193,9 +207,9 @@ def _unpack_map(data: bytes, max_bytes: int, what: str) -> tuple[Any, bytes | No
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
             if not isinstance(key, str):
-                raise WireFormatError(_key_error(what, key))
+                raise WireFormatError(key_error(what, key))
             if key in doc or (key == "meta" and meta is not None):
-                raise ValueError(f"a map repeats the key {_quote(key)}")
+                raise ValueError(f"a map repeats the key {quote(key)}")
             if key == "meta":
                 start = unpacker.tell()
                 unpacker.skip()
@@ -227,13 +241,13 @@ def _nests_too_deeply(data: bytes, limits: dict[str, Any]) -> bool:
     return False
 
 
-def _key_error(what: str, key: Any) -> str:
+def key_error(what: str, key: Any) -> str:
     if isinstance(key, bytes):
         return (
-            f"{what} keys must be msgpack str, got bin {_quote(key)}; turn on your msgpack "
+            f"{what} keys must be msgpack str, got bin {quote(key)}; turn on your msgpack "
             "library's str/bin distinction (e.g. use_bin_type=True)."
         )
-    return f"{what} keys must be msgpack str, got {_kind(key)} {_quote(key)}."
+    return f"{what} keys must be msgpack str, got {kind_of(key)} {quote(key)}."
 
 
 def _checked_limits(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
@@ -274,13 +288,13 @@ def _msgpack_errors(what: str) -> Iterator[None]:
 _KINDS: dict[type, str] = {bytes: "bin", str: "string", dict: "map", list: "array"}
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     return _KINDS.get(type(value), type(value).__name__)
 
 
-def _names(keys: Any) -> str:
-    names = sorted(keys, key=lambda k: str(k)[:_MAX_QUOTE])
-    listed = ", ".join(_quote(k) for k in names[:5])
+def name_list(keys: Any) -> str:
+    names = sorted(keys, key=lambda k: str(k)[:MAX_QUOTE])
+    listed = ", ".join(quote(k) for k in names[:5])
     return listed if len(names) <= 5 else f"{listed} and {len(names) - 5} more"
 
 
@@ -290,14 +304,14 @@ class _ShortRepr(reprlib.Repr):
     def __init__(self) -> None:
         super().__init__()
         self.maxlevel, self.maxlist, self.maxdict = 2, 8, 4
-        self.maxstring = self.maxother = self.maxlong = _MAX_QUOTE
+        self.maxstring = self.maxother = self.maxlong = MAX_QUOTE
 
     def repr_bytes(self, value: bytes, level: int) -> str:
         text = repr(value[: self.maxstring])
         return text if len(value) <= self.maxstring else text + "..."
 
 
-_quote = _ShortRepr().repr
+quote = _ShortRepr().repr
 
 
 # At most this many bytes, msgpack we unpack is not walked first (_check_declared): with no

@@ -21,16 +21,16 @@ import msgpack
 import numpy as np
 
 from producer.protocol.bounded import (
-    _MAX_QUOTE,
     MAX_META_BYTES,
+    MAX_QUOTE,
     MAX_RANK,
     MAX_VALUES,
-    _key_error,
-    _kind,
-    _names,
-    _quote,
-    _readable_extras,
-    _unpack_body,
+    key_error,
+    kind_of,
+    name_list,
+    quote,
+    readable_extras,
+    unpack_body,
 )
 from producer.protocol.errors import WireFormatError
 from producer.protocol.replies import (
@@ -139,15 +139,15 @@ def decode_request(
             f"body is {len(body)} bytes, over max_request_bytes={max_bytes}.", "TOO_LARGE"
         )
     try:
-        doc, meta_raw = _unpack_body(body, max_bytes, "body")
+        doc, meta_raw = unpack_body(body, max_bytes, "body")
         if not isinstance(doc, dict):
-            raise WireFormatError(f"body must be a map, got {_kind(doc)}.")
+            raise WireFormatError(f"body must be a map, got {kind_of(doc)}.")
         request = _request(doc, meta_raw, max_element_bytes)
         check_meta_size(meta_raw)
         return request
     except WireFormatError as exc:
         # A body that is a map still names its meta and reply TTL: the error reply keeps them
-        exc.meta_raw, exc.reply_ttl_s = _readable_extras(body, max_bytes)
+        exc.meta_raw, exc.reply_ttl_s = readable_extras(body, max_bytes)
         raise
 
 
@@ -159,8 +159,8 @@ def _request(
     if extra:
         odd = [key for key in extra if not isinstance(key, str)]
         if odd:
-            raise WireFormatError(_key_error("body", odd[0]))
-        raise WireFormatError(f"body has unknown key {_names(extra)}.")
+            raise WireFormatError(key_error("body", odd[0]))
+        raise WireFormatError(f"body has unknown key {name_list(extra)}.")
     if "inputs" not in doc:
         raise WireFormatError("body is missing 'inputs'.")
     raw_inputs = doc["inputs"]
@@ -168,7 +168,9 @@ def _request(
         raise WireFormatError("'inputs' must be a non-empty map of input name to tensor.")
     for name in raw_inputs:
         if not isinstance(name, str):
-            raise WireFormatError(f"input names must be strings; got {_kind(name)} {_quote(name)}.")
+            raise WireFormatError(
+                f"input names must be strings; got {kind_of(name)} {quote(name)}."
+            )
         _check_name_length("an input name", name)
     inputs = {
         name: decode_tensor(t, _input_where(name), max_element_bytes)
@@ -185,8 +187,8 @@ def _request(
 
 def _input_where(name: str) -> str:
     """How errors name an input: quoted, and cut short when a hostile name is long."""
-    quoted = repr(name) if len(name) <= _MAX_QUOTE else ""
-    return f"input {quoted if 0 < len(quoted) <= _MAX_QUOTE else _quote(name)}"
+    quoted = repr(name) if len(name) <= MAX_QUOTE else ""
+    return f"input {quoted if 0 < len(quoted) <= MAX_QUOTE else quote(name)}"
 
 
 def _optional_names(value: Any) -> tuple[str, ...] | None:
@@ -194,7 +196,7 @@ def _optional_names(value: Any) -> tuple[str, ...] | None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise WireFormatError(
-            f"'outputs' must be an array of output names (strings), got {_quote(value)}."
+            f"'outputs' must be an array of output names (strings), got {quote(value)}."
         )
     for name in value:
         _check_name_length("an output name in 'outputs'", name)
@@ -204,7 +206,7 @@ def _optional_names(value: Any) -> tuple[str, ...] | None:
 def _check_name_length(what: str, name: str) -> None:
     if len(name) > MAX_NAME_CHARS:
         raise WireFormatError(
-            f"{what} is {len(name)} characters long ({_quote(name)}); names are at most "
+            f"{what} is {len(name)} characters long ({quote(name)}); names are at most "
             f"{MAX_NAME_CHARS}."
         )
 
@@ -214,7 +216,7 @@ def _optional_int(doc: dict[str, Any], key: str, minimum: int) -> int | None:
     if value is None:
         return None
     if type(value) is not int or value < minimum:
-        raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {_quote(value)}.")
+        raise WireFormatError(f"'{key}' must be an integer >= {minimum}, got {quote(value)}.")
     return value
 
 

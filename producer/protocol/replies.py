@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from producer.protocol.bounded import MAX_META_BYTES, _kind, _unpack_body
+from producer.protocol.bounded import MAX_META_BYTES, kind_of, unpack_body
 from producer.protocol.errors import WireFormatError
 from producer.protocol.tensors import DTYPES, decode_tensor, encode_tensor, not_utf8
 from producer.protocol.text import TEXT_DTYPES
@@ -328,10 +328,10 @@ _OK_OUTPUTS = _KEY["ok"] + b"\xc3" + _KEY["outputs"]
 
 def decode_reply(raw: bytes) -> Reply:
     """Decode a reply element; raises WireFormatError when it is not a contract reply."""
-    doc, meta_raw = _unpack_body(raw, len(raw), "reply")
+    doc, meta_raw = unpack_body(raw, len(raw), "reply")
     check_meta_size(meta_raw)
     if not isinstance(doc, dict):
-        raise WireFormatError(f"reply must be a map, got {_kind(doc)}.")
+        raise WireFormatError(f"reply must be a map, got {kind_of(doc)}.")
     try:
         model = doc["model"]
         outputs = None

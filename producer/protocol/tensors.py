@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from producer.protocol.bounded import MAX_RANK, _kind, _names, _quote
+from producer.protocol.bounded import MAX_RANK, kind_of, name_list, quote
 from producer.protocol.errors import WireFormatError
 from producer.protocol.text import (
     TEXT_DTYPES,
@@ -99,13 +99,13 @@ def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) ->
     """Check a decoded wire map and view its data as an array; ``where`` names it in errors.
     ``max_element_bytes`` bounds each element of a ``string`` or ``bytes`` tensor."""
     if not isinstance(obj, dict):
-        raise WireFormatError(f"{where}: a tensor must be a map, got {_kind(obj)}.")
+        raise WireFormatError(f"{where}: a tensor must be a map, got {kind_of(obj)}.")
     if obj.keys() != _TENSOR_KEYS:
         missing = _TENSOR_KEYS - obj.keys()
         if missing:
-            raise WireFormatError(f"{where}: tensor is missing {_names(missing)}.")
+            raise WireFormatError(f"{where}: tensor is missing {name_list(missing)}.")
         raise WireFormatError(
-            f"{where}: tensor has unknown key {_names(obj.keys() - _TENSOR_KEYS)}."
+            f"{where}: tensor has unknown key {name_list(obj.keys() - _TENSOR_KEYS)}."
         )
     dtype_name = obj["dtype"]
     if isinstance(dtype_name, str) and dtype_name in TEXT_DTYPES:
@@ -114,36 +114,35 @@ def decode_tensor(obj: Any, where: str, max_element_bytes: int | None = None) ->
     dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise WireFormatError(
-            f"{where}: unknown dtype {_quote(dtype_name)}; expected one of "
-            f"{', '.join(WIRE_DTYPES)}."
+            f"{where}: unknown dtype {quote(dtype_name)}; expected one of {', '.join(WIRE_DTYPES)}."
         )
     shape = _check_shape(obj["shape"], where)
     data = obj["data"]
     if not isinstance(data, bytes):
-        raise WireFormatError(f"{where}: data must be msgpack bin, got {_kind(data)}.")
+        raise WireFormatError(f"{where}: data must be msgpack bin, got {kind_of(data)}.")
     expected = math.prod(shape) * dtype.itemsize
     if len(data) != expected:
         raise WireFormatError(
-            f"{where}: data has {len(data)} bytes but shape {_quote(shape)} of {dtype_name} "
-            f"needs {_quote(expected)}."
+            f"{where}: data has {len(data)} bytes but shape {quote(shape)} of {dtype_name} "
+            f"needs {quote(expected)}."
         )
     if dtype_name == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
         raise WireFormatError(f"{where}: bool data must hold only bytes 0 and 1.")
     try:
         return np.frombuffer(data, dtype=dtype).reshape(shape)
     except ValueError as exc:  # a 0-sized shape whose other dims are too large for numpy
-        raise WireFormatError(f"{where}: shape {_quote(shape)} is too large to hold.") from exc
+        raise WireFormatError(f"{where}: shape {quote(shape)} is too large to hold.") from exc
 
 
 def _check_shape(shape: Any, where: str) -> list[int]:
     if not isinstance(shape, list):
-        raise WireFormatError(f"{where}: shape must be an array of integers, got {_kind(shape)}.")
+        raise WireFormatError(f"{where}: shape must be an array of integers, got {kind_of(shape)}.")
     if len(shape) > MAX_RANK:
         raise WireFormatError(f"{where}: shape has {len(shape)} dimensions; at most {MAX_RANK}.")
     for dim in shape:
         if type(dim) is not int or dim < 0:
             raise WireFormatError(
-                f"{where}: shape {_quote(shape)} must hold non-negative integers only."
+                f"{where}: shape {quote(shape)} must hold non-negative integers only."
             )
     return shape
 
@@ -151,7 +150,7 @@ def _check_shape(shape: Any, where: str) -> list[int]:
 def not_utf8(what: str, exc: UnicodeEncodeError) -> WireFormatError:
     """The error for a str in ``what`` (a request, a reply) that UTF-8 cannot encode: a lone
     surrogate is the caller's bad input (INVALID_INPUT), not a crash in msgpack."""
-    bad = _quote(exc.object[exc.start : exc.end])
+    bad = quote(exc.object[exc.start : exc.end])
     return WireFormatError(
         f"the {what} holds a str with {bad}, which UTF-8 cannot encode (a lone surrogate); "
         "send text as valid Unicode, or arbitrary bytes in a 'bytes' tensor.",

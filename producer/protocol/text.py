@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from producer.protocol.bounded import MAX_RANK, _kind, _quote
+from producer.protocol.bounded import MAX_RANK, kind_of, quote
 from producer.protocol.errors import WireFormatError
 
 __all__ = [
@@ -97,7 +97,7 @@ def _flatten(value: Any, shape: list[int], depth: int, out: list[Any]) -> None:
     """Append the leaves of nested lists ``value`` to ``out`` in C order, checking that every
     list at ``depth`` has ``shape[depth]`` items and that every leaf is at the same depth."""
     if not isinstance(value, list | tuple):
-        _ragged(f"an item at depth {depth} is {_kind(value)} where the first is a list", shape)
+        _ragged(f"an item at depth {depth} is {kind_of(value)} where the first is a list", shape)
     if len(value) != shape[depth]:
         _ragged(
             f"a list at depth {depth} holds {len(value)} items, the first {shape[depth]}", shape
@@ -137,7 +137,7 @@ def _text_kind(elements: list[Any]) -> str:
     for element in elements:
         if not isinstance(element, want):
             raise WireFormatError(
-                f"a {name} tensor holds {type(element).__name__} {_quote(element)}; every "
+                f"a {name} tensor holds {type(element).__name__} {quote(element)}; every "
                 f"element must be {want.__name__} (send str and bytes as separate inputs).",
                 "INVALID_INPUT",
             )
@@ -153,13 +153,12 @@ def decode_text(
     if not isinstance(data, list):
         raise WireFormatError(
             f"{where}: a {name} tensor's data must be an array of msgpack {kind}, got "
-            f"{_kind(data)}."
+            f"{kind_of(data)}."
         )
     count = math.prod(shape)
     if len(data) != count:
         raise WireFormatError(
-            f"{where}: data has {len(data)} elements but shape {_quote(shape)} needs "
-            f"{_quote(count)}."
+            f"{where}: data has {len(data)} elements but shape {quote(shape)} needs {quote(count)}."
         )
     want = _TEXT_TYPES[name]
     limit = max_element_bytes
@@ -167,7 +166,7 @@ def decode_text(
         if type(element) is not want:
             raise WireFormatError(
                 f"{where}: element {index} of a {name} tensor must be msgpack {kind}, got "
-                f"{_kind(element)}."
+                f"{kind_of(element)}."
             )
         # len() counts characters of a str: at most 4 UTF-8 bytes each, so only a str longer
         # than a quarter of the limit is encoded to count its bytes

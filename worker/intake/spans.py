@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer.protocol.bounded import _unpacker
+from producer.protocol.bounded import bounded_unpacker
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class BodySpans:
 
 def body_spans(body: bytes) -> BodySpans:
     """The spans of a body that ``decode_request`` accepted (see ``BodySpans``)."""
-    unpacker = _unpacker(len(body))
+    unpacker = bounded_unpacker(len(body))
     unpacker.feed(body)
     data: dict[str, tuple[int, int]] = {}
     deadline: tuple[int, int, bool] | None = None
