@@ -195,7 +195,7 @@ class Retrier:
     """Runs Redis calls, retrying them through transient errors with capped, jittered backoff.
 
     The first retry is immediate, then waits grow from ``FIRST_WAIT_S`` to ``max_wait_s``, plus
-    up to ``JITTER_S`` (no more than ``max_wait_s``). Retrying stops after ``budget_s`` seconds
+    up to ``jitter_s`` (no more than ``max_wait_s``). Retrying stops after ``budget_s`` seconds
     (0: never retry), or when ``give_up`` is set, or never when neither is given; the last
     error is then raised as it came. ``retried`` says which errors are retried;
     ``on_retry(exc)`` hears of each one before its retry (a cluster redirect to follow).
@@ -206,6 +206,7 @@ class Retrier:
     budget_s: float | None = None
     give_up: threading.Event | None = None
     max_wait_s: float = MAX_WAIT_S
+    jitter_s: float = JITTER_S
     retried: Callable[[BaseException], bool] = is_transient
     on_retry: Callable[[BaseException], object] | None = None
 
@@ -244,7 +245,7 @@ class Retrier:
 
     def _options(self) -> dict[str, Any]:
         """Tenacity's settings, shared by the blocking and asyncio shells."""
-        jitter_s = min(JITTER_S, self.max_wait_s)
+        jitter_s = min(self.jitter_s, self.max_wait_s)
         backoff = wait_exponential(multiplier=FIRST_WAIT_S, max=self.max_wait_s) + wait_random(
             0, jitter_s
         )

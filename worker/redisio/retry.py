@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: The worker's jitter is small: a shutdown waits out at most one backoff, and workers retrying
+#: one Redis are few, where producers may be many.
+WORKER_JITTER_S = 0.1
+
 
 class OutageRetry:
     """Runs one task's Redis calls through outages, with one log line at each end of each.
@@ -50,6 +54,7 @@ class OutageRetry:
             Outage(self._down, self._up),
             give_up=give_up,
             max_wait_s=max_wait_s,
+            jitter_s=WORKER_JITTER_S,
             retried=is_transient,
             on_retry=self._retrying,
         )
