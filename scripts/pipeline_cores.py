@@ -97,9 +97,12 @@ def served(url: str, image: bytes, threads: int, intra_op: int, seconds: float) 
     r = redis.Redis.from_url(url)
     key = workers_key("redbatch", "orientation")
     try:
+        ready_by = time.monotonic() + 120
         while not r.scard(key):  # a child process gives no readiness event to wait on
             if proc.poll() is not None:
                 raise SystemExit(f"the worker exited with code {proc.returncode}")
+            if time.monotonic() > ready_by:
+                raise SystemExit("the worker was not ready within 120 s")
             time.sleep(0.2)
         with Client("orientation", url) as client:
             rows = (image for _ in range(10**7))
