@@ -10,8 +10,9 @@ answer back until a chosen moment, on a real worker and a real Redis.
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -32,12 +33,15 @@ from producer.redisio import resp
 from worker.answer import answerer as answer_module
 from worker.answer import batcher as batcher_module
 from worker.config import load_config
-from worker.items import Admitted
+from worker.intake.leases import Leases, Stuck
+from worker.intake.read import Reader
+from worker.intake.settings import IntakeSettings
+from worker.items import Admitted, Item
 from worker.ops.metrics import Metrics
 from worker.redisio import cancels as cancels_module
 from worker.redisio.cancels import CancelCheck
 from worker.redisio.readahead import CheckThenRead
-from worker.redisio.stream import RequestStream
+from worker.redisio.stream import RawEntry, RequestStream
 from worker.service import Worker, prepare
 
 MODEL = "multi_io"
@@ -160,19 +164,30 @@ def test_no_read_goes_out_after_a_stop(
     for i in range(200):
         send(rconn, MODEL, f"r{i}", _inputs())
     gate = _held_runs(monkeypatch, 30)
+    running = threading.Event()
+    held = answer_module.run_batch
+
+    def marked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        running.set()
+        return held(*args, **kwargs)
+
+    monkeypatch.setattr(answer_module, "run_batch", marked)
     worker = Worker(prepare(load_config(config), "w1"), redis.Redis.from_url(redis_url))
     blocked = threading.Event()
     put = worker.queue.put
 
     def put_when_full(items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if worker.queue.full():
+        # The queue's one taker (the serving thread) is held in a run: this put blocks until
+        # the stop. The reader sends a read behind a check only after its put, and takes that
+        # read's reply before its next put, so every read it sent has been served by now.
+        if running.is_set() and worker.queue.full():
             blocked.set()
         put(items, *args, **kwargs)
 
     monkeypatch.setattr(worker.queue, "put", put_when_full)
     thread, failure = serve_in_thread(worker)
     assert blocked.wait(20)
-    read_before = _settled_entries_read(rconn)  # the read sent behind the last check included
+    read_before = _entries_read(rconn)
     # When the worker is stopped, then the put goes through
     worker.request_stop()
     gate.set()
@@ -186,19 +201,6 @@ def test_no_read_goes_out_after_a_stop(
 
 def _entries_read(conn: redis.Redis) -> int:
     return int(conn.xinfo_groups(keys.request_stream(PREFIX, MODEL))[0]["entries-read"])
-
-
-def _settled_entries_read(conn: redis.Redis) -> int:
-    """entries-read once the read the reader sent behind its last cancel check has reached Redis:
-    the reader blocks on the full queue after sending it, so Redis may not have served it yet.
-    Polled (Redis offers no event for it) until three readings 20 ms apart agree."""
-    readings = [_entries_read(conn)]
-    deadline = time.monotonic() + 10
-    while len(readings) < 3 or len(set(readings[-3:])) > 1:
-        assert time.monotonic() < deadline, "entries-read never settled"
-        time.sleep(0.02)
-        readings.append(_entries_read(conn))
-    return readings[-1]
 
 
 def test_a_health_check_between_the_check_and_the_read_behind_it_changes_nothing(
@@ -305,6 +307,54 @@ def test_a_check_is_answered_once() -> None:
     assert check.known("a")
     assert check.confirmed("a")
     assert not check.confirmed("b")
+
+
+class _Recorded(CancelCheck):
+    """A check that notes how it was answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_hand_over: list[bool] = []
+
+    def answer(self, cancelled: Iterable[str], *, asked_before_hand_over: bool = True) -> None:
+        self.before_hand_over.append(asked_before_hand_over)
+        super().answer(cancelled, asked_before_hand_over=asked_before_hand_over)
+
+
+class _RefusingHandoff:
+    def put(self, items: list[Item]) -> None:
+        raise RuntimeError("hand-over failed (test)")
+
+
+def test_a_hand_over_that_fails_still_answers_the_check_as_asked_before_it(
+    rconn: redis.Redis,
+) -> None:
+    # Given a reader whose hand-over raises after the read's MGET went out
+    stream = _stream(rconn)
+    settings = IntakeSettings(
+        prefix=PREFIX,
+        consumer="me",
+        schema=SimpleNamespace(axes=SimpleNamespace(trivial=False)),  # type: ignore[arg-type]
+        max_request_bytes=1 << 20,
+        max_element_bytes=None,
+        read_count=8,
+        claim_idle_ms=30_000,
+        max_deliveries=3,
+        out=_RefusingHandoff(),
+        stop=threading.Event(),
+        stuck=Stuck(),
+    )
+    reader = Reader(stream, Leases(), settings)
+    check = _Recorded()
+    request = SimpleNamespace(rows=1)
+    item = Admitted(RawEntry(b"1-0", {}), "r0", request, check)  # type: ignore[arg-type]
+    # When the read is handed over
+    with pytest.raises(RuntimeError, match="hand-over failed"):
+        reader._hand_over([item], check)
+    # Then its check is answered (nothing cancelled) as one asked before the hand-over
+    assert check.before_hand_over == [True]
+    assert check.answered
+    assert not check.known("r0")
 
 
 # ---------------------------------------------------------------------------------------------

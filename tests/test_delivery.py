@@ -348,13 +348,13 @@ class _FirstTick(random.Random):
 def test_lease_renewal_says_redis_is_back_only_once_a_renewal_reached_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from worker.intake.leases import LeaseKeeper, Leases
+    from worker.intake.leases import LeaseKeeper, Leases, Stuck
 
     # Given a keeper (a turn every 10 ms) whose renewal found Redis down
     caplog.set_level(logging.WARNING, logger="worker.intake.leases")
     claims, leases = _DownRedis(), Leases()
     leases.hold([b"1-0"])
-    keeper = LeaseKeeper(claims, leases, 30, rng=_FirstTick())  # type: ignore[arg-type]
+    keeper = LeaseKeeper(claims, leases, 30, Stuck(), rng=_FirstTick())  # type: ignore[arg-type]
     keeper.start()
     try:
         assert claims.renewed.wait(10)

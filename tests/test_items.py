@@ -18,12 +18,14 @@ from fuzzing import FuzzTarget, schema_for
 from producer.protocol import codec
 from producer.protocol.codec import ModelRef, decode_reply
 from producer.protocol.replies import ReplyEncoder
+from worker.answer import answerer as answerer_module
 from worker.answer.answerer import Answerer
 from worker.errors import Rejected
 from worker.events import NO_EVENTS
 from worker.intake.admit import admit, poisoned
+from worker.intake.leases import Stuck
 from worker.intake.reclaim import Redelivery
-from worker.items import Admitted, DeadLetter, Item, Refused
+from worker.items import Admitted, DeadLetter, Item, Outcome, Refused
 from worker.redisio.cancels import CancelCheck
 from worker.redisio.claims import Claimed
 from worker.redisio.stream import RawEntry
@@ -125,9 +127,10 @@ def test_items_are_slotted_and_the_answered_ones_frozen() -> None:
 
 
 def _answerer(reply_ttl_s: int = 3600) -> Answerer:
-    schema = SimpleNamespace(max_batch_size=8, fixed_batch=None, output_names=("probs",))
+    schema = SimpleNamespace(max_batch_size=8, fixed_batch=None, output_names=("probs", "label"))
     encoder = ReplyEncoder(ModelRef("demo", "1", "0" * 64), "w1")
-    return Answerer(None, schema, None, encoder, reply_ttl_s, NO_EVENTS)  # type: ignore[arg-type]
+    model = SimpleNamespace(padded_rows=None)
+    return Answerer(model, schema, None, encoder, reply_ttl_s, NO_EVENTS, Stuck())  # type: ignore[arg-type]
 
 
 def test_each_variant_that_does_not_run_becomes_its_finish_step() -> None:
@@ -163,3 +166,52 @@ def test_each_variant_that_does_not_run_becomes_its_finish_step() -> None:
     assert replies["p1"].meta_raw is None
     assert answered.runs == []
     assert len(answered.queued_s) == len(answered.decode_s) == 5
+
+
+def test_a_reply_utf8_cannot_encode_fails_only_its_own_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a run whose model gives one request a string output with a lone surrogate
+    labels = {"ok1": "fine", "bad": "\udc80", "ok2": "also fine"}
+
+    def run_batch(model, schema, items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return [
+            Outcome(
+                item,
+                {
+                    "probs": np.ones((1, 2), np.float32),
+                    "label": np.array([labels[item.rid]], object),
+                },
+                None,
+                len(items),
+                1.5,
+            )
+            for item in items
+        ]
+
+    monkeypatch.setattr(answerer_module, "run_batch", run_batch)
+    check = CancelCheck()
+    check.answer(set())
+    request = SimpleNamespace(rows=1, signature=((2,),), outputs=("probs", "label"))
+    batch: list[Item] = [
+        Admitted(_entry(), rid, request, check, meta_raw=b"\x07")  # type: ignore[arg-type]
+        for rid in labels
+    ]
+    # When the batch is answered
+    answered = _answerer().answer(batch)
+    # Then that request alone is answered INFERENCE_FAILED, naming the output, and its
+    # run-mates get their outputs
+    codes = {f.rid: f.code for f in answered.finishes}
+    assert codes == {"ok1": "OK", "bad": "INFERENCE_FAILED", "ok2": "OK"}
+    replies = {f.rid: decode_reply(f.reply) for f in answered.finishes if f.reply is not None}
+    bad = replies["bad"]
+    assert bad.error is not None
+    assert not bad.error.retryable
+    assert "the model's output 'label'" in bad.error.message
+    assert bad.meta == 7
+    for rid in ("ok1", "ok2"):
+        reply = replies[rid]
+        assert reply.ok
+        assert reply.outputs is not None
+        assert list(reply.outputs["label"]) == [labels[rid]]
+        assert reply.batch_rows == 3

@@ -11,6 +11,7 @@ import queue
 import threading
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,11 +25,13 @@ from producer.redisio.topology import Topology
 from worker.answer.finisher import Finisher
 from worker.config import load_config
 from worker.events import NO_EVENTS
+from worker.intake import leases as leases_module
 from worker.intake.lanes import Lanes
+from worker.intake.leases import Stuck
 from worker.intake.settings import IntakeSettings
 from worker.intake.shardmap import ShardMap
 from worker.redisio.stream import Finish
-from worker.service import prepare
+from worker.service import Worker, prepare
 
 MODEL = "demo"
 TAGS = ["demo", "demo~b", "demo~c"]
@@ -155,6 +158,7 @@ def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
         max_deliveries=3,
         out=queue.Queue(),
         stop=threading.Event(),
+        stuck=Stuck(),
         events=NO_EVENTS,
         burst=False,
     )
@@ -188,3 +192,33 @@ def test_a_mixed_finish_retried_after_one_shard_failed_resends_only_that_shard(
     assert done == [True, True]
     assert sends == {"demo": 1, "demo~b": 2}
     assert all(_drained(rconn, t) for t in ("demo", "demo~b"))
+
+
+def test_the_answerers_stuck_flag_is_the_one_every_lanes_lease_keeper_reads(
+    tmp_path: Path, rconn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a worker (not started) on two shards, the second joined later, and a clock to move
+    url = rconn.connection_pool.connection_kwargs
+    config = write_config(
+        tmp_path,
+        MODEL,
+        f"redis://{url['host']}:{url['port']}/0",
+        extra="[delivery]\nmax_run_s = 5",
+    )
+    worker = Worker(prepare(load_config(config), "me"), rconn)
+    worker.lanes.first.stream.ensure_group()
+    worker.lanes.sync(["demo", "demo~b"])
+    clock = [1000.0]
+    monkeypatch.setattr(leases_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    keepers = [lane.keeper for lane in worker.lanes]
+    assert len(keepers) == 2
+    assert all(keeper.stuck is worker.answers.stuck is worker.stuck for keeper in keepers)
+    # When the answerer's run has run past delivery.max_run_s
+    worker.answers.stuck.run_started()
+    clock[0] += 6
+    # Then every keeper lets its leases lapse, and /healthz says so
+    assert all(keeper._hung() for keeper in keepers)
+    assert not worker.healthy()
+    worker.answers.stuck.run_ended()
+    assert not any(keeper._hung() for keeper in keepers)
+    assert worker.healthy()

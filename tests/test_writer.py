@@ -12,10 +12,12 @@ import pytest
 import redis
 from harness import send, serve_in_thread, wait_reply, write_config
 
+from producer.protocol import keys
 from worker.answer.finisher import Finisher
 from worker.answer.writer import Batch, ReplyWriter
 from worker.config import load_config
 from worker.errors import WorkerError
+from worker.events import Events
 from worker.intake.leases import Leases
 from worker.intake.shardmap import ShardMap
 from worker.redisio.stream import Finish, RequestStream
@@ -67,6 +69,62 @@ def _writer(stream: RequestStream, recorder: _Recorder) -> tuple[ReplyWriter, th
     writer = ReplyWriter(_finisher(stream), threading.Event(), stopped, record=recorder)
     writer.start()
     return writer, stopped
+
+
+class _DropAfterFinish(Events):
+    """Drops a shard from the map once the write is in Redis, before its leases are released
+    (its lane retired meanwhile)."""
+
+    def __init__(self, shards: ShardMap, tag: str) -> None:
+        self.shards = shards
+        self.tag = tag
+
+    def point(self, name: str) -> None:
+        if name == "after_finish":
+            self.shards.drop(self.tag)
+
+
+def _two_shards(rconn: redis.Redis) -> tuple[ShardMap, Batch]:
+    """A map of two shards, each with one entry read and held, and the batch answering both."""
+    shards = ShardMap("demo")
+    finishes = []
+    for tag in ("demo", "demo~b"):
+        stream = RequestStream(rconn, "redbatch", tag, "me")
+        stream.ensure_group()
+        leases = Leases()
+        shards.add(tag, stream, leases)
+        rconn.xadd(keys.request_stream("redbatch", tag), {"rid": f"in-{tag}", "body": b"b"})
+        [entry] = stream.read(8, 0)
+        leases.hold([entry.entry_id])
+        finishes.append(Finish(entry.entry_id, f"in-{tag}", b"reply", shard=tag))
+    return shards, Batch(finishes)
+
+
+def test_a_mixed_shard_write_releases_each_shards_leases(rconn: redis.Redis) -> None:
+    shards, batch = _two_shards(rconn)
+    held = [shard.leases for tag in ("demo", "demo~b") if (shard := shards.get(tag))]
+    writer = ReplyWriter(Finisher(shards), threading.Event(), threading.Event())
+    writer.submit(batch, here=True)
+    assert batch.finished == [True, True]
+    assert [len(leases) for leases in held] == [0, 0]
+    assert writer.served == {"requests": 2, "batches": 1}
+
+
+def test_a_shard_dropped_during_a_write_is_skipped_when_leases_are_released(
+    rconn: redis.Redis,
+) -> None:
+    # Given a mixed batch whose second shard leaves the map once the batch is in Redis
+    shards, batch = _two_shards(rconn)
+    first = shards.get("demo")
+    assert first is not None
+    events = _DropAfterFinish(shards, "demo~b")
+    writer = ReplyWriter(Finisher(shards), threading.Event(), threading.Event(), events=events)
+    # When it is written, then nothing raises and the shard still served has its lease released
+    writer.submit(batch, here=True)
+    assert batch.finished == [True, True]
+    assert shards.get("demo~b") is None
+    assert len(first.leases) == 0
+    assert writer.failure is None
 
 
 def test_with_nothing_queued_a_batch_is_written_before_submit_returns(rconn, stream) -> None:

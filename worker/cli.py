@@ -30,7 +30,7 @@ from worker.service import Worker, prepare
 
 __all__ = ["main"]
 
-log = logging.getLogger("worker")
+log = logging.getLogger(__name__)
 
 _EPILOG = """\
 examples:

@@ -192,8 +192,8 @@ class Worker:
             ReplyEncoder(self.model_ref, self.name),
             cfg.delivery.reply_ttl_s,
             self.events,
+            self.stuck,
             self.pipeline,
-            stuck=self.stuck,
         )
         self.writer = ReplyWriter(
             Finisher(self.shards),

@@ -5,17 +5,22 @@ refused item is answered with its error; a dead letter is copied to the dead-let
 answered when it has a rid); an admitted one is answered CANCELLED or DEADLINE_EXCEEDED when
 that is already known, else run with the requests of its shape (``worker.answer.run``) and answered
 with its outputs or the error it alone caused. The ok replies of one run are encoded together,
-so what they share is packed once. The writer then finishes the whole batch in one round trip.
+so what they share is packed once; when that fails, each alone, and a reply UTF-8 cannot encode
+(an output holding a lone surrogate) is answered INFERENCE_FAILED on its own. The writer then
+finishes the whole batch in one round trip.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from producer.protocol.codec import ErrorInfo
+from producer.protocol.errors import WireFormatError
 from producer.protocol.replies import ReplyEncoder
 from worker.answer.assemble import FeedBuffers
 from worker.answer.run import run_batch
@@ -32,8 +37,7 @@ from worker.redisio.stream import Finish, RawEntry, RequestStream
 
 __all__ = ["Answerer"]
 
-# The logger's name is the one these lines have always had.
-log = logging.getLogger("worker.service")
+log = logging.getLogger(__name__)
 
 
 class Answerer:
@@ -43,22 +47,22 @@ class Answerer:
         self,
         model: OnnxModel,
         schema: Schema,
-        streams: Callable[[str], RequestStream],
+        stream_of: Callable[[str], RequestStream],
         encoder: ReplyEncoder,
         reply_ttl_s: int,
         events: Events,
+        stuck: Stuck,
         pipeline: Pipeline | None = None,
-        stuck: Stuck | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
         self.schema = schema
-        self.streams = streams  # a shard's stream, for the cancel recheck (``ShardMap.stream``)
+        self.stream_of = stream_of  # a shard's stream, for the cancel recheck (``ShardMap.stream``)
         self.encoder = encoder
         self.reply_ttl_s = reply_ttl_s
         self.events = events
         self.buffers = FeedBuffers(max(schema.max_batch_size, schema.fixed_batch or 0))
-        self.stuck = Stuck() if stuck is None else stuck  # marks each run, for the lease keepers
+        self.stuck = stuck  # the service's: marks each run, for the lease keepers
 
     def answer(self, batch: Sequence[Item]) -> Batch:
         """The batch's finish steps, with what metrics want to know once it is written."""
@@ -109,7 +113,7 @@ class Answerer:
     def _run(
         self, items: list[Admitted], started_ms: float, runs: list[tuple[int, float]]
     ) -> list[Finish]:
-        check = cancels.RunCheck(self.streams, items)
+        check = cancels.RunCheck(self.stream_of, items)
         self.stuck.run_started()
         try:
             outcomes = run_batch(
@@ -158,20 +162,48 @@ class Answerer:
         if self.pipeline is not None:
             return finishes + self._finish_pipeline(runs, started_ms)
         for (rows, inference_ms), done in runs.items():
-            items = [o.item for o in done]
-            replies = self.encoder.encode_run(
-                [
-                    (item.rid, o.outputs or {}, _queued_ms(item.entry, started_ms), item.meta_raw)
-                    for item, o in zip(items, done, strict=True)
-                ],
-                batch_rows=rows,
-                inference_ms=round(inference_ms, 3),
-            )
-            finishes += [
-                self._finish(item, reply, "OK", item.reply_ttl_s)
-                for item, reply in zip(items, replies, strict=True)
-            ]
+            finishes += self._ok_run(done, rows, round(inference_ms, 3), started_ms)
         return finishes
+
+    def _ok_run(
+        self, done: Sequence[Outcome], rows: int, inference_ms: float, started_ms: float
+    ) -> list[Finish]:
+        """The ok replies of one run, encoded together. Only when that fails (an output holds
+        a string UTF-8 cannot encode) is each encoded alone, so that the request at fault is
+        answered with its own error and its run-mates as usual."""
+        requests = [
+            (o.item.rid, o.outputs or {}, _queued_ms(o.item.entry, started_ms), o.item.meta_raw)
+            for o in done
+        ]
+        replies: list[bytes | None]
+        try:
+            replies = list(
+                self.encoder.encode_run(requests, batch_rows=rows, inference_ms=inference_ms)
+            )
+        except WireFormatError:
+            replies = [self._encode_alone(request, rows, inference_ms) for request in requests]
+        finishes = []
+        for outcome, reply in zip(done, replies, strict=True):
+            item = outcome.item
+            if reply is None:
+                error = _unencodable("the model's", outcome.outputs or {}, item.rid)
+                finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
+            else:
+                finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
+        return finishes
+
+    def _encode_alone(
+        self,
+        request: tuple[str, Mapping[str, np.ndarray], float, bytes | None],
+        rows: int,
+        inference_ms: float,
+    ) -> bytes | None:
+        """One request's ok reply as ``encode_run`` writes it; None when it cannot be encoded."""
+        try:
+            [reply] = self.encoder.encode_run([request], batch_rows=rows, inference_ms=inference_ms)
+        except WireFormatError:
+            return None
+        return reply
 
     def _finish_pipeline(
         self, runs: dict[tuple[int, float], list[Outcome]], started_ms: float
@@ -200,13 +232,18 @@ class Answerer:
                 "preprocess": round(item.preprocess_ms, 3),
                 "postprocess": round(post_ms, 3),
             }
-            reply = self.encoder.encode(
-                item.rid,
-                outputs=result,
-                batch_rows=outcome.batch_rows,
-                timings_ms=timings,
-                meta_raw=item.meta_raw,
-            )
+            try:
+                reply = self.encoder.encode(
+                    item.rid,
+                    outputs=result,
+                    batch_rows=outcome.batch_rows,
+                    timings_ms=timings,
+                    meta_raw=item.meta_raw,
+                )
+            except WireFormatError:  # postprocess refuses such outputs; kept per request anyway
+                error = _unencodable("the pipeline's postprocess", result, item.rid)
+                finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
+                continue
             finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
         return finishes
 
@@ -279,7 +316,12 @@ class Answerer:
     ) -> bytes:
         info = ErrorInfo(error.code, error.message, error.retryable)
         timings = {"queued": _queued_ms(entry, started_ms), "inference": round(inference_ms, 3)}
-        return self.encoder.encode(rid, error=info, timings_ms=timings, meta_raw=meta_raw)
+        try:
+            return self.encoder.encode(rid, error=info, timings_ms=timings, meta_raw=meta_raw)
+        except WireFormatError:  # a message UTF-8 cannot encode (a hook's ValueError's, say)
+            message = error.message.encode("utf-8", "backslashreplace").decode()
+            info = ErrorInfo(error.code, message, error.retryable)
+            return self.encoder.encode(rid, error=info, timings_ms=timings, meta_raw=meta_raw)
 
     def _ttl(self, requested_s: int | None) -> int:
         """The reply's TTL: the request's own when it asks for less than the worker's."""
@@ -290,6 +332,38 @@ class Answerer:
 def _queued_ms(entry: RawEntry, started_ms: float) -> float:
     """From enqueue (the stream id's time) to the batch's start, as replies report it."""
     return round(max(started_ms - entry.id_ms, 0.0), 3)
+
+
+def _unencodable(whose: str, outputs: Mapping[str, Any], rid: str) -> Rejected:
+    """INFERENCE_FAILED for outputs whose reply UTF-8 cannot encode: the model (or the
+    pipeline) made them, so the fault is not the caller's (the pipeline's postprocess
+    answers its own such output so: ``worker.pipeline.hooks``)."""
+    name = next((n for n, a in outputs.items() if _not_unicode(a)), None)
+    what = "an output" if name is None else f"output {name!r}"
+    error = Rejected(
+        "INFERENCE_FAILED",
+        f"{whose} {what} holds a string that is not valid Unicode (a lone surrogate, which "
+        "UTF-8 cannot encode).",
+    )
+    log.warning(
+        "a reply could not be encoded",
+        extra={"fields": {"rid": rid, "error": error.message}},
+    )
+    return error
+
+
+def _not_unicode(value: Any) -> bool:
+    """Whether an output holds a str that UTF-8 cannot encode (a lone surrogate)."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "OU":
+        return False
+    try:
+        for element in array.flat:
+            if isinstance(element, str):
+                element.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _expired(item: Admitted) -> Rejected | None:

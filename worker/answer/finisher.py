@@ -17,7 +17,15 @@ __all__ = ["Finisher"]
 
 
 class Finisher:
-    """Finishes batches and releases their leases; one batch at a time (the writer's order)."""
+    """Finishes batches and releases their leases, one batch at a time.
+
+    Not locked, as no two writes overlap: the writer's thread writes what is queued, and the
+    serving thread writes a batch itself (``ReplyWriter.submit(here=True)``) only when the
+    writer is idle, that is, when every batch put on its queue has been written. Only the
+    serving thread puts batches there, and not while it writes one, so the writer's thread
+    stays idle until that write is done. ``_partial`` is therefore touched by one write at a
+    time, in the order submitted.
+    """
 
     def __init__(self, shards: ShardMap) -> None:
         self.shards = shards

@@ -96,7 +96,9 @@ class ReplyWriter(threading.Thread):
     def submit(self, batch: Batch, *, here: bool = False) -> None:
         """Queue a batch for writing; blocks while two batches already wait. With ``here`` and
         nothing queued, write it on the calling thread instead, so batches are still written
-        one at a time and in order."""
+        one at a time and in order. Called from one thread only (the serving thread's
+        ``Worker.process``): that is what keeps a write here from overlapping one on the
+        writer's thread (``Finisher``)."""
         if here and self.idle():
             self._write_here(batch)
         else:

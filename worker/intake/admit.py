@@ -30,8 +30,7 @@ from worker.redisio.stream import RawEntry
 
 __all__ = ["admit", "poisoned"]
 
-# The logger's name is the one these lines have always had.
-log = logging.getLogger("worker.intake")
+log = logging.getLogger(__name__)
 
 
 def admit(

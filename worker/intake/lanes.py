@@ -49,9 +49,9 @@ class Lane:
             self.claims,
             self.leases,
             settings.claim_idle_ms,
+            settings.stuck,
             settings.events,
             stop=settings.stop,
-            stuck=settings.stuck,
         )
         reclaimer = Reclaimer(
             self.claims,

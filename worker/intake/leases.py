@@ -107,9 +107,9 @@ class LeaseKeeper(threading.Thread):
         claims: Claims,
         leases: Leases,
         claim_idle_ms: int,
+        stuck: Stuck,
         events: Events = NO_EVENTS,
         stop: threading.Event | None = None,
-        stuck: Stuck | None = None,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(name="redbatch-leases", daemon=True)
@@ -119,7 +119,7 @@ class LeaseKeeper(threading.Thread):
         self.forget_idle_ms = max(2 * claim_idle_ms, _MIN_FORGET_IDLE_MS)
         self.events = events
         self.stop = stop
-        self.stuck = Stuck() if stuck is None else stuck
+        self.stuck = stuck  # the service's, which the answerer marks around each run
         self._stuck_logged = False
         self.failure: BaseException | None = None
         self._rng = rng or random.Random()

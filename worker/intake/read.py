@@ -32,8 +32,7 @@ from worker.redisio.stream import RawEntry, RequestStream
 
 __all__ = ["Reader"]
 
-# The logger's name is the one these lines have always had.
-log = logging.getLogger("worker.intake")
+log = logging.getLogger(__name__)
 
 _RECLAIM_WAIT_S = 0.1  # while redelivering: how long to wait for the entry in flight per turn
 
@@ -186,6 +185,7 @@ class Reader(threading.Thread):
             return None
         asking = cancels.ReadCheck(check, rids)
         ahead = CheckThenRead(self.stream, rids)  # the MGET on the wire during the put
+        asking.sent(ahead.asked)
         try:
             # Entries already read are ours: hand every one over, even while stopping.
             self.out.put(items)

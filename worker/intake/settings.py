@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from worker.events import NO_EVENTS, Events
@@ -41,8 +41,8 @@ class IntakeSettings:
     max_deliveries: int
     out: Handoff
     stop: threading.Event
+    stuck: Stuck  # the service's, which the answerer marks: a hung batch's leases lapse
     events: Events = NO_EVENTS
     burst: bool = False  # report the stream drained (``Reader.idle``), for a burst worker
-    stuck: Stuck = field(default_factory=Stuck)  # a hung batch's leases lapse
     on_retry: Callable[[BaseException], object] | None = None  # told of each retried failure
     block_ms: int = 500  # how long a read blocks for its first entry

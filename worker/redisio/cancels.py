@@ -49,7 +49,7 @@ __all__ = [
     "cancelled_error",
 ]
 
-log = logging.getLogger("worker.redisio.cancels")
+log = logging.getLogger(__name__)
 
 #: A check older than this when its batch forms is asked again. Not less: the second round trip
 #: cannot hide behind a very short run, and asked for every batch it cost throughput; a cancel
@@ -166,6 +166,11 @@ class ReadCheck:
         self._before_hand_over = False
         check.asked_at = time.monotonic()
 
+    def sent(self, asked: bool) -> None:
+        """Whether the MGET went out before the hand-over: if the hand-over then fails, the
+        check is still answered as asked before it (``close``)."""
+        self._before_hand_over = asked
+
     def settle(self, answer: set[str] | None, ask_again: Callable[[list[str]], set[str]]) -> None:
         """Take the answer of the MGET sent before the hand-over; when it was not sent or its
         answer was lost (None), ``ask_again(rids)`` asks after the hand-over."""
@@ -186,7 +191,7 @@ class RunCheck:
     whose first check is stale and read after it, then the verdict on each request that ran.
     A failed second check reads as nothing cancelled (the first check still counts)."""
 
-    def __init__(self, streams: Callable[[str], RequestStream], items: Sequence[Checked]) -> None:
+    def __init__(self, stream_of: Callable[[str], RequestStream], items: Sequence[Checked]) -> None:
         oldest = time.monotonic() - RECHECK_AFTER_S
         stale: dict[str, list[str]] = {}  # per shard: a run may mix shards' requests
         for item in items:
@@ -196,7 +201,7 @@ class RunCheck:
         self._rechecked: set[tuple[str, str]] = set()
         for shard, rids in stale.items():
             try:
-                self._queries.append(ask(streams(shard), rids))
+                self._queries.append(ask(stream_of(shard), rids))
             except redis.RedisError as exc:
                 log.debug("cancel recheck not sent: %s", exc)
 

@@ -34,6 +34,7 @@ class CheckThenRead:
             self._query: CancelQuery | None = cancels.ask(stream, rids)
         except Exception:
             self._query = None  # the check is asked again after the hand-over
+        self.asked = self._query is not None  # the MGET went out, before the hand-over
 
     def read_next(self, count: int, block_ms: int) -> None:
         """Send ``RequestStream.read``'s XREADGROUP behind the check; if that fails, the check
