@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,10 @@ def running_worker(
     client = redis.Redis.from_url(config.redis.url)
     worker = Worker(prepared, client, metrics=metrics)
     thread, failure = serve_in_thread(worker, name)
+    ready_by = time.monotonic() + 60
     while not worker.ready.wait(0.05):
         assert thread.is_alive(), f"worker failed to start: {failure}"
+        assert time.monotonic() < ready_by, "worker not ready within 60 s"
     try:
         yield worker
     finally:
