@@ -20,9 +20,10 @@ import redis
 import redis.asyncio
 from fakes import FAKE_MODEL, MODEL, PREFIX, STREAM, FakeReplier, xs
 
-from producer.client import aio, plans
+from producer.client import aio, plans, steps
 from producer.client.aio import AsyncClient
 from producer.client.coalesce import Coalescer, ReplyHub
+from producer.client.results import as_bytes
 from producer.protocol import codec, keys
 from producer.protocol.codec import Reply
 from producer.protocol.errors import BacklogFull, RedbatchError, RedisUnavailable, WaitTimeout
@@ -352,6 +353,177 @@ def test_a_call_cancelled_during_an_outage_leaves_the_others_waiting() -> None:
         down = False
         assert await b == b"reply-b"
         assert await c == b"reply-c"  # its sweep failed; its next pop found it
+
+    run(scenario)
+
+
+class ScriptedBlpops:
+    """BLPOPs for a ``ReplyHub`` that each wait for the test's answer: ``calls`` holds the keys
+    of each, in order, and ``answer(i, ...)`` returns the i-th."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[bytes]] = []
+        self._answers: list[asyncio.Future[tuple[Any, bool]]] = []
+
+    async def __call__(self, _tag: str, keys_: list[bytes], until: float) -> tuple[Any, bool]:
+        self.calls.append(list(keys_))
+        self._answers.append(asyncio.get_running_loop().create_future())
+        return await self._answers[-1]
+
+    async def on_the_wire(self, count: int) -> None:
+        while len(self.calls) < count:
+            await asyncio.sleep(0)
+
+    def answer(self, i: int, item: Any, retried: bool) -> None:
+        self._answers[i].set_result((item, retried))
+
+
+def test_a_blpop_that_needed_a_retry_interrupts_only_the_calls_it_watched() -> None:
+    # a waits in one BLPOP; b, which came while it blocked, in another. a's needed a retry (a
+    # reply it popped may be lost): a is told to send again, b waits on and gets its reply.
+    async def scenario() -> None:
+        blpops = ScriptedBlpops()
+
+        async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
+            return [None] * len(keys_)
+
+        hub = ReplyHub(blpops, lpop)
+        until = time.monotonic() + 10
+        a = asyncio.create_task(hub.pop(b"a", "", until))
+        await blpops.on_the_wire(1)
+        b = asyncio.create_task(hub.pop(b"b", "", until))
+        await blpops.on_the_wire(2)
+        assert blpops.calls == [[b"a"], [b"b"]]
+        blpops.answer(0, None, retried=True)
+        assert await a == (None, True)
+        assert not b.done()
+        blpops.answer(1, [b"b", b"reply-b"], retried=False)
+        assert await b == ([b"b", b"reply-b"], False)
+
+    run(scenario)
+
+
+def test_a_failed_sweep_interrupts_only_the_calls_it_swept() -> None:
+    # a and c wait in one BLPOP, b in another. a's reply comes; the sweep of c after it fails
+    # (it may have popped c's reply and lost it): c is told to send again, b is not.
+    async def scenario() -> None:
+        blpops = ScriptedBlpops()
+        swept: list[list[bytes]] = []
+
+        async def lpop(_tag: str, keys_: list[bytes]) -> list[Any]:
+            swept.append(list(keys_))
+            raise RedisUnavailable("down")
+
+        hub = ReplyHub(blpops, lpop)
+        until = time.monotonic() + 10
+        a = asyncio.create_task(hub.pop(b"a", "", until))
+        c = asyncio.create_task(hub.pop(b"c", "", until))
+        await blpops.on_the_wire(1)
+        b = asyncio.create_task(hub.pop(b"b", "", until))
+        await blpops.on_the_wire(2)
+        assert blpops.calls == [[b"a", b"c"], [b"b"]]
+        blpops.answer(0, [b"a", b"reply-a"], retried=False)
+        assert await a == ([b"a", b"reply-a"], False)
+        assert await c == (None, True)
+        assert swept == [[b"c"]]
+        assert not b.done()
+        blpops.answer(1, [b"b", b"reply-b"], retried=False)
+        assert await b == ([b"b", b"reply-b"], False)
+
+    run(scenario)
+
+
+def _lose_the_first_reply_popped_from(
+    monkeypatch: pytest.MonkeyPatch, key: str, *, own_blpop: bool = False
+) -> list[bool]:
+    """Make AsyncClient drop its connection once, right after a BLPOP popped the reply at
+    ``key`` (with ``own_blpop``, only a call's BLPOP of its own, not a shared one): the reply is
+    gone from Redis and never reaches the call. Returns a list that holds True once it was."""
+    lost: list[bool] = []
+    original = AsyncClient._once
+
+    async def once(client: AsyncClient, cmd: steps.Call | steps.Batch) -> Any:
+        answer = await original(client, cmd)
+        if own_blpop and not isinstance(cmd, steps.Pop):
+            return answer
+        if cmd.name == "BLPOP" and answer and as_bytes(answer[0]).decode() == key and not lost:
+            lost.append(True)
+            raise redis.ConnectionError("connection dropped with the reply in it (test)")
+        return answer
+
+    monkeypatch.setattr(AsyncClient, "_once", once)
+    return lost
+
+
+def _sent_rids(rconn: redis.Redis) -> list[bytes]:
+    entries: Any = rconn.xrange(STREAM)
+    return [fields[b"rid"] for _, fields in entries]
+
+
+def test_only_the_calls_of_a_blpop_that_lost_a_reply_send_again(
+    redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two infers waiting in two shared BLPOPs (b came while a's blocked)
+    key_a, key_b = (keys.reply_key(PREFIX, MODEL, rid) for rid in ("a", "b"))
+    lost = _lose_the_first_reply_popped_from(monkeypatch, key_a)
+
+    async def scenario() -> None:
+        async with client_and_observer(redis_url) as (client, observer):
+            a = asyncio.create_task(client.infer({"x": xs(1)}, timeout_s=10, rid="a"))
+            await blocked_clients(observer, 1)
+            b = asyncio.create_task(client.infer({"x": xs(1)}, timeout_s=10, rid="b"))
+            await blocked_clients(observer, 2)
+            # When a's BLPOP loses a's reply with its connection and is retried
+            await observer.rpush(key_a, a_reply("a"))
+
+            async def a_sent_again() -> bool:
+                return _sent_rids(rconn).count(b"a") == 2
+
+            await eventually(a_sent_again, "a sent again")
+            await observer.rpush(key_a, a_reply("a"))
+            await observer.rpush(key_b, a_reply("b"))
+            assert await a == {}
+            assert await b == {}
+
+        # Then a alone sent its request again
+        assert lost == [True]
+        assert sorted(_sent_rids(rconn)) == [b"a", b"a", b"b"]
+
+    run(scenario)
+
+
+def test_a_second_call_on_an_awaited_request_sends_again_after_its_own_blpop_lost_the_reply(
+    redis_url: str, rconn: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a wait on k (the hub's BLPOP), then an infer of k, which pops with a BLPOP of its
+    # own as the hub already awaits k
+    key = keys.reply_key(PREFIX, MODEL, "k")
+    lost = _lose_the_first_reply_popped_from(monkeypatch, key, own_blpop=True)
+
+    async def scenario() -> None:
+        async with client_and_observer(redis_url) as (client, observer):
+            waiting = asyncio.create_task(client.wait("k", timeout_s=10))
+            await blocked_clients(observer, 1)
+            inferring = asyncio.create_task(client.infer({"x": xs(1)}, timeout_s=10, rid="k"))
+            await blocked_clients(observer, 2)
+            # When one reply goes to each BLPOP, the infer's lost with its connection
+            for _ in range(2):
+                await observer.rpush(key, a_reply("k"))
+
+                async def popped() -> bool:
+                    return not await observer.llen(key)
+
+                await eventually(popped, "the reply popped")
+            assert (await waiting).rid == "k"
+            assert lost == [True]
+
+            # Then the infer sends its request again, and gets the reply to that
+            async def sent_again() -> bool:
+                return _sent_rids(rconn) == [b"k", b"k"]
+
+            await eventually(sent_again, "k sent again")
+            await observer.rpush(key, a_reply("k"))
+            assert await inferring == {}
 
     run(scenario)
 

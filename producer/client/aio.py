@@ -204,7 +204,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
                 await _sleep(cmd.seconds)
             elif isinstance(cmd, steps.Send):
                 await self._submits(cmd.subs, cmd.until)
-            elif isinstance(cmd, steps.Pop) and not self._replies.awaits(cmd.key):
+            elif isinstance(cmd, steps.Pop):
                 stepper.answer(await self._pop(cmd))
             else:
                 stepper.answer(await cmd.retry.acall(self._once, cmd))
@@ -213,7 +213,10 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
 
     async def _pop(self, cmd: steps.Pop) -> Any:
         """``cmd`` served by a BLPOP shared with other calls; ``tries`` says whether that was
-        interrupted, as a retry of ``cmd`` itself would."""
+        interrupted, as a retry of ``cmd`` itself would. A second call on a request already
+        awaited runs ``cmd`` itself: the two BLPOPs race for the one reply."""
+        if self._replies.awaits(cmd.key):
+            return await cmd.bounded().acall(self._once, cmd)
         item, interrupted = await self._replies.pop(cmd.key, cmd.tag or self.model, cmd.until)
         cmd.tries = 2 if interrupted else 1
         return item

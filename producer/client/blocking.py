@@ -97,7 +97,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         """Queue one request and return its handle (its rid on the model's first shard, else
         ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        self._run(plans.submit([sub]))
+        self._run(plans.send(self._session, [sub]))
         return sub.handle
 
     def submit_many(
@@ -117,7 +117,7 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         first transactions queued."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
-            self._run(plans.submit(subs))
+            self._run(plans.send(self._session, subs))
         return [sub.handle for sub in subs]
 
     # -- replies ---------------------------------------------------------------------------
@@ -204,8 +204,10 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         try:
             if isinstance(cmd, steps.Sleep):
                 _sleep(cmd.seconds)
-            elif isinstance(cmd, steps.Send):
-                stepper.answer(self._run(plans.send(self._session, cmd.subs, cmd.until)))
+            elif isinstance(cmd, steps.Send):  # sent at once, by the plan it stands for
+                stepper.enter(plans.send(self._session, cmd.subs, cmd.until))
+            elif isinstance(cmd, steps.Pop):
+                stepper.answer(cmd.bounded().call(self._once, cmd))
             else:
                 stepper.answer(cmd.retry.call(self._once, cmd))
         except BaseException as exc:  # KeyboardInterrupt included: the plan cleans up

@@ -107,14 +107,16 @@ class Stepper(Generic[R]):
     """Drives one plan for a shell: ``step()`` is the plan's next step, or ``DONE`` once it has
     returned (its value then in ``result``). Before the next ``step()``, the shell hands back
     the step's answer (``answer``) or error (``fail``: raised in the plan where it yielded, so
-    its ``finally`` clean-up runs, and may ask for commands of its own). A GeneratorExit (the
-    shell's iterator closed) reaches the plan as ``CallerStopped``, and comes back out of
-    ``step()`` as GeneratorExit once the plan has cleaned up."""
+    its ``finally`` clean-up runs, and may ask for commands of its own), or a plan whose steps
+    take the step's place (``enter``: the blocking shell's ``Send`` is ``plans.send``), as
+    ``yield from`` would. A GeneratorExit (the shell's iterator closed) reaches the plan as
+    ``CallerStopped``, and comes back out of ``step()`` as GeneratorExit once the plan has
+    cleaned up."""
 
-    __slots__ = ("_answer", "_error", "_plan", "result")
+    __slots__ = ("_answer", "_error", "_plans", "result")
 
     def __init__(self, plan: Plan[R]) -> None:
-        self._plan = plan
+        self._plans: list[Plan[Any]] = [plan]  # the plan, then the sub-plans it is in
         self._answer: Any = None
         self._error: BaseException | None = None
         self.result: R
@@ -122,16 +124,32 @@ class Stepper(Generic[R]):
     def step(self) -> Any:
         answer, error = self._answer, self._error
         self._answer = self._error = None
-        try:
-            return self._plan.send(answer) if error is None else self._plan.throw(error)
-        except StopIteration as done:
-            self.result = done.value
-            return DONE
-        except CallerStopped:
-            raise GeneratorExit from None
+        plans = self._plans
+        while True:
+            plan = plans[-1]
+            try:
+                return plan.send(answer) if error is None else plan.throw(error)
+            except StopIteration as done:
+                plans.pop()
+                if not plans:
+                    self.result = done.value
+                    return DONE
+                answer, error = done.value, None  # what a sub-plan returns answers its step
+            except BaseException as exc:
+                if len(plans) == 1:
+                    if isinstance(exc, CallerStopped):
+                        raise GeneratorExit from None
+                    raise
+                plans.pop()
+                answer, error = None, exc  # a sub-plan's error is its step's
 
     def answer(self, value: Any) -> None:
         self._answer = value
 
     def fail(self, error: BaseException) -> None:
         self._error = CallerStopped() if isinstance(error, GeneratorExit) else error
+
+    def enter(self, plan: Plan[Any]) -> None:
+        """Run ``plan`` in place of the step: its steps come next, and what it returns (or
+        raises) is the step's answer (or error)."""
+        self._plans.append(plan)

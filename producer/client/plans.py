@@ -260,8 +260,12 @@ def _retry_for(session: Session, waiter: ReplyWaiter) -> RetryPolicy:
     on, so a short outage near one deadline must not end them all."""
     if waiter.late_fails:
         return session.retry
-    limit = f"the wait's timeout_s={waiter.timeout_s:g}"
-    return session.retry.within(waiter.time_left(time.monotonic()), limit)
+    return session.retry.within(waiter.time_left(time.monotonic()), _limit(waiter))
+
+
+def _limit(waiter: ReplyWaiter) -> str:
+    """What bounds a wait's retries, as its RedisUnavailable names it."""
+    return f"the wait's timeout_s={waiter.timeout_s:g}"
 
 
 def _pop(waiter: ReplyWaiter, pop: Call | Batch) -> Plan[Any]:
@@ -305,9 +309,11 @@ def wait(
     interruption."""
     waiter = ReplyWaiter(session.settings, timeout_s)
     tag, rid = target
-    waiter.add(rid, since, tag)
+    key = waiter.add(rid, since, tag)
+    until, limit = waiter.deadline, _limit(waiter)
     while True:
-        pop = steps.pop_reply(session, waiter, _retry_for(session, waiter))
+        # Its retry policy is built only if the shell runs this BLPOP itself (Pop.bounded)
+        pop = steps.pop_reply(session, key, tag, until, limit)
         item = yield from _pop(waiter, pop)
         results = waiter.take_blpopped(item, time.monotonic())
         if results:

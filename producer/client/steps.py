@@ -5,7 +5,7 @@ A plan yields steps: ``Call`` (one redis-py command), ``Batch`` (many commands, 
 per node), ``Sleep``, and two that concurrent calls of the asyncio shell share: ``Send`` (a
 submit, coalesced with others) and ``Pop`` (one call's BLPOP, served by a BLPOP that watches
 many calls' keys). The blocking shell runs ``Send`` as the ``plans.send`` plan and ``Pop`` as
-the ``Call`` it is, so both shells run the same plans, and a plan cannot tell them apart.
+the BLPOP it is, so both shells run the same plans, and a plan cannot tell them apart.
 
 Every command names its shard tag (contract section 1): a ``Batch`` is made of one ``Part`` per
 shard, so that no transaction or multi-key command spans two slots. Each builder below gives
@@ -77,10 +77,20 @@ class Pop(Call):
     """One call's BLPOP of its reply at ``key``, blocking until ``until`` (monotonic) at most.
     The asyncio shell may serve it with a BLPOP shared with other calls; then ``tries`` is 2
     when that BLPOP, or the sweep after it, needed a retry, and the answer may be None before
-    ``until`` (a plan that loops on its pops does not mind)."""
+    ``until`` (a plan that loops on its pops does not mind).
+
+    ``retry`` is the client's policy: a shell that runs this BLPOP itself retries it through
+    ``bounded()``, within the time left before ``until`` (``limit`` names that bound in the
+    error). It is built then, not here: a pop served by a shared BLPOP needs none."""
 
     key: bytes = b""
     until: float = 0.0
+    limit: str = ""
+
+    def bounded(self) -> RetryPolicy:
+        """``retry`` within the time left before ``until``, so that an outage never holds the
+        call past its timeout."""
+        return self.retry.within(self.until - time.monotonic(), self.limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +208,19 @@ def blpop(session: Session, waiter: ReplyWaiter, retry: RetryPolicy) -> Call:
     )
 
 
-def pop_reply(session: Session, waiter: ReplyWaiter, retry: RetryPolicy) -> Pop:
-    """The BLPOP of a waiter that awaits one reply, as a ``Pop`` the asyncio shell may share."""
-    cap_s, until = session.block_cap_s, waiter.deadline
-    tag, keys_, _ = waiter.blpop_keys()
+def pop_reply(session: Session, key: bytes, tag: str, until: float, limit: str) -> Pop:
+    """The BLPOP of a call that awaits the one reply at ``key`` of shard ``tag`` until
+    ``until`` (monotonic), as a ``Pop`` the asyncio shell may share."""
+    cap_s = session.block_cap_s
+    keys_ = [key]
     return Pop(
         "BLPOP",
         lambda r: r.blpop(keys_, block_s(until, time.monotonic(), cap_s)),
-        retry,
+        session.retry,
         tag,
-        key=keys_[0],
+        key=key,
         until=until,
+        limit=limit,
     )
 
 

@@ -69,13 +69,14 @@ class ReplyWaiter:
         """How many replies are still awaited."""
         return len(self._pending)
 
-    def add(self, rid: str, now: float, tag: str | None = None) -> None:
+    def add(self, rid: str, now: float, tag: str | None = None) -> bytes:
         """Await the reply of ``rid``, sent to shard ``tag`` (None: the model's first), until
         ``now + timeout_s``; ValueError for a bad rid. ``now`` may be earlier than the present:
-        ``infer`` counts its wait from before its submit."""
+        ``infer`` counts its wait from before its submit. Returns its reply key."""
         tag = tag or self._settings.model
         key = self._settings.reply_key(rid, tag).encode()
         self._pending.setdefault(key, (rid, now + self.timeout_s, tag))
+        return key
 
     def keys(self) -> list[bytes]:
         """The reply keys still awaited, oldest first."""
