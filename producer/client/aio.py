@@ -179,7 +179,13 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         """Run ``plan`` to its end and return what it returns."""
         stepper = driver.Stepper(plan)
         while (step := stepper.step()) is not driver.DONE:
-            await self._do(stepper, step)
+            if type(step) is steps.Pop:  # the commonest step (every wait), dispatched first
+                try:
+                    stepper.answer(await self._pop(step))
+                except BaseException as exc:
+                    stepper.fail(exc)
+            else:
+                await self._do(stepper, step)
         return stepper.result
 
     async def _iterate(self, plan: steps.Plan[None]) -> AsyncIterator[Any]:
