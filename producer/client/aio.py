@@ -176,17 +176,22 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
     # -- running plans ---------------------------------------------------------------------
 
     async def _run(self, plan: steps.Plan[R]) -> R:
-        """Run ``plan`` to its end and return what it returns."""
-        stepper = driver.Stepper(plan)
-        while (step := stepper.step()) is not driver.DONE:
-            if type(step) is steps.Pop:  # the commonest step (every wait), dispatched first
-                try:
-                    stepper.answer(await self._pop(step))
-                except BaseException as exc:
-                    stepper.fail(exc)
-            else:
-                await self._do(stepper, step)
-        return stepper.result
+        """Run ``plan`` to its end and return what it returns. Every call runs here, so the
+        plan is driven directly (no ``Stepper``: nothing iterates it, so no caller can stop it
+        half-way); a step's error, a cancellation included, is thrown into the plan where it
+        yielded, so its clean-up runs."""
+        answer: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.send(answer) if error is None else plan.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            answer = error = None
+            try:
+                answer = await self._take(step)
+            except BaseException as exc:
+                error = exc
 
     async def _iterate(self, plan: steps.Plan[None]) -> AsyncIterator[Any]:
         """Run a streaming plan, yielding its outputs; ``aclose()`` lets the plan clean up
@@ -202,20 +207,23 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
                     stepper.fail(exc)
 
     async def _do(self, stepper: driver.Stepper[Any], cmd: steps.Step) -> None:
-        """Take one step, handing its answer or error back to the plan (a cancellation too, so
-        that its clean-up runs). ``Send`` and ``Pop`` share their round trips with concurrent
-        calls'."""
+        """Take one step of an iterated plan, handing its answer or error back to the plan (a
+        cancellation too, so that its clean-up runs)."""
         try:
-            if isinstance(cmd, steps.Sleep):
-                await _sleep(cmd.seconds)
-            elif isinstance(cmd, steps.Send):
-                await self._submits(cmd.subs, cmd.until)
-            elif isinstance(cmd, steps.Pop):
-                stepper.answer(await self._pop(cmd))
-            else:
-                stepper.answer(await cmd.retry.acall(self._once, cmd))
+            stepper.answer(await self._take(cmd))
         except BaseException as exc:
             stepper.fail(exc)
+
+    async def _take(self, cmd: steps.Step) -> Any:
+        """One step's answer. ``Send`` and ``Pop`` share their round trips with concurrent
+        calls'; a ``Pop`` (every wait) is dispatched first."""
+        if isinstance(cmd, steps.Pop):
+            return await self._pop(cmd)
+        if isinstance(cmd, steps.Send):
+            return await self._submits(cmd.subs, cmd.until)
+        if isinstance(cmd, steps.Sleep):
+            return await _sleep(cmd.seconds)
+        return await cmd.retry.acall(self._once, cmd)
 
     async def _pop(self, cmd: steps.Pop) -> Any:
         """``cmd`` served by a BLPOP shared with other calls; ``tries`` says whether that was

@@ -120,4 +120,7 @@ def deadline_ms(deadline_s: float | None, now_s: float) -> int | None:
 
 def is_number(value: object) -> bool:
     """True for a real number; False for a bool, which would pass for 0 or 1 by mistake."""
+    kind = type(value)
+    if kind is float or kind is int:  # the common case, without the ABC check's cost
+        return True
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
