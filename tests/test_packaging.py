@@ -131,6 +131,20 @@ def test_the_cli_packages_are_an_extra_that_the_tool_extras_pull_in() -> None:
         ), extra
 
 
+def _fresh_python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter from the checkout; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_the_blocking_client_loads_neither_the_asyncio_shell_nor_the_cli_packages() -> None:
     # A fresh interpreter, as a script that only wants Client starts
     code = (
@@ -141,15 +155,7 @@ def test_the_blocking_client_loads_neither_the_asyncio_shell_nor_the_cli_package
         "from producer import Client\n"
         "print(json.dumps({'with_redis': with_redis, 'modules': sorted(sys.modules)}))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _fresh_python(code)
     report = json.loads(done.stdout)
     loaded = set(report["modules"])
     unwanted = {"producer.client.aio", "producer.client.coalesce", "tqdm", "prometheus_client"}
@@ -168,15 +174,7 @@ def test_async_client_is_imported_at_first_use() -> None:
         "from producer.client.aio import AsyncClient as Defined\n"
         "assert AsyncClient is Defined and 'AsyncClient' in dir(producer)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    _fresh_python(code)
 
 
 def test_a_worker_without_onnxruntime_says_what_to_install(tmp_path: Path) -> None:
