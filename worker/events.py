@@ -44,6 +44,11 @@ class Events:
     def redis_down(self, during: str) -> None:
         """Redis became unreachable (or full) while ``during`` (an ``OutageRetry``'s name)."""
 
+    def stream_damaged(self, shard: str, kind: str, lost: int) -> None:
+        """Shard ``shard``'s stream was damaged under the workers (``kind``: deleted, trimmed,
+        exhausted or group_recreated), losing at least ``lost`` requests
+        (``worker.redisio.group``)."""
+
     def claimed(self, kind: str) -> None:
         """An entry was taken over from another consumer, or from an earlier self."""
 

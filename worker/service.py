@@ -61,6 +61,7 @@ __all__ = ["Prepared", "Worker", "prepare"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often an idle loop looks at the stop flag
+_DAMAGE_SHOWN = 10  # the newest damage notes a worker record keeps, over all its shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,6 +272,7 @@ class Worker:
         """Each shard's stream state and Redis memory, for metrics and the log."""
         fullest: MemoryReading | None = None
         failed: redis.RedisError | None = None
+        damage: list[dict[str, Any]] = []  # what status shows of each stream's damage
         for lane in self.lanes:
             try:
                 stats = lane.stream.stats()
@@ -280,9 +282,12 @@ class Worker:
                 continue
             self.metrics.stream_seen(stats, time.time() * 1000.0, shard=lane.tag)
             fullest = _fuller(fullest, stats.memory)
+            damage += lane.stream.group.damage
         self.metrics.memory_seen(fullest)
         self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch
+        if damage:
+            self.registry.update(damage=damage[-_DAMAGE_SHOWN:])
         if failed is not None:
             raise failed  # the heartbeat logs it once per outage
 

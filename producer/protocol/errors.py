@@ -9,7 +9,11 @@ Every error has one root, so callers can catch ``RedbatchError`` and nothing els
     │                          refused a write for memory (maxmemory with noeviction)
     ├── WaitTimeout            no reply arrived in time (also a builtin TimeoutError)
     ├── ConnectionFailed       Redis could not be reached or refused the command
-    │   └── RedisUnavailable   Redis stayed unreachable or busy through the retry budget
+    │   ├── RedisUnavailable   Redis stayed unreachable or busy through the retry budget
+    │   ├── Misconfigured      the connection's settings are wrong (TLS, certificate,
+    │   │                      password): no retry can fix it
+    │   └── StreamExhausted    the request stream's id space is used up (an XADD with the
+    │                          largest id): no XADD * can succeed until it is repaired
     ├── NoWorkerInfo           a value only a live worker can tell (its row limit) is unknown
     ├── UsageError             a command cannot run as asked (bad option, unreadable file)
     └── RequestFailed          the worker answered ok = false; one subclass per contract code
@@ -37,12 +41,14 @@ __all__ = [
     "InternalError",
     "InvalidInput",
     "MalformedRequest",
+    "Misconfigured",
     "NoWorkerInfo",
     "Poisoned",
     "RedbatchError",
     "RedisFull",
     "RedisUnavailable",
     "RequestFailed",
+    "StreamExhausted",
     "TooLarge",
     "UsageError",
     "WaitTimeout",
@@ -173,6 +179,18 @@ class ConnectionFailed(RedbatchError):
 
 class RedisUnavailable(ConnectionFailed):
     """Raised when Redis stayed unreachable, loading or busy for the client's whole ``retry_s``."""
+
+
+class Misconfigured(ConnectionFailed):
+    """Raised at once when the connection's settings are wrong (a plain URL to a TLS port or the
+    reverse, a certificate that does not verify, a wrong password): not an outage, so not
+    retried; the message names the fix."""
+
+
+class StreamExhausted(ConnectionFailed):
+    """Raised when Redis refuses an ``XADD *`` because the stream holds the largest possible
+    id: nothing can be added until an operator repairs it (docs/operations.md, "A damaged
+    stream")."""
 
 
 class NoWorkerInfo(RedbatchError):

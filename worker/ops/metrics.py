@@ -37,7 +37,7 @@ from prometheus_client.utils import floatToGoString
 from producer.protocol.errors import ERROR_CODES
 from producer.redisio.memory import MemoryReading
 from worker.events import Events
-from worker.redisio.stream import StreamStats
+from worker.redisio.group import StreamStats
 
 __all__ = ["Metrics", "MetricsServer"]
 
@@ -235,6 +235,19 @@ class Metrics(Events):
             ["during"],
             registry=r,
         )
+        self.stream_damage = Counter(
+            "redbatch_stream_damage",
+            "Times a request stream was damaged under the workers, by kind (deleted, trimmed, "
+            "exhausted, group_recreated).",
+            ["shard", "kind"],
+            registry=r,
+        )
+        self.requests_lost = Counter(
+            "redbatch_requests_lost",
+            "Requests lost to stream damage (at least this many), by shard.",
+            ["shard"],
+            registry=r,
+        )
         self.claims = Counter(
             "redbatch_claims",
             "Entries taken over from a stopped or stuck consumer, by what became of them "
@@ -353,6 +366,12 @@ class Metrics(Events):
     def redis_down(self, during: str) -> None:
         """Count one Redis outage noticed while ``during`` (reading or writing)."""
         self.redis_outages.labels(during=during).inc()
+
+    def stream_damaged(self, shard: str, kind: str, lost: int) -> None:
+        """Count one damage to a shard's stream and the requests it lost."""
+        self.stream_damage.labels(shard=shard, kind=kind).inc()
+        if lost > 0:
+            self.requests_lost.labels(shard=shard).inc(lost)
 
     def claimed(self, kind: str) -> None:
         """Count one entry taken over from another consumer (or an earlier self)."""

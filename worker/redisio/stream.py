@@ -42,9 +42,10 @@ from producer.protocol.keys import (
     staging_key,
 )
 from producer.redisio import resp
-from producer.redisio.memory import MemoryReading, parse_info_memory
 from producer.redisio.retry import is_oom
 from worker.errors import WorkerError
+from worker.events import NO_EVENTS, Events
+from worker.redisio.group import StreamGroup, StreamStats
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
@@ -155,32 +156,9 @@ return table.concat(flags)
 #: worker less inside the script than as two more commands.
 INLINE_MAX_BYTES = 1024
 
-# XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
-# even when the group exists (BUSYGROUP comes after the memory check): a worker started on a
-# full Redis would never get past start-up.
-_ENSURE_GROUP_LUA = """#!lua flags=allow-oom
-local made = redis.pcall('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
-if type(made) == 'table' and made.err then
-  if string.sub(made.err, 1, 9) == 'BUSYGROUP' then return 0 end
-  return made
-end
-return 1
-"""
-
-
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
 # The script's flag per entry: finished here, not ours, ours but its staged reply was gone.
 _FLAGS: dict[int, bool | None] = {ord("1"): True, ord("0"): False, ord("2"): None}
-
-
-def _memory(info: Any) -> MemoryReading | None:
-    """A reading from INFO memory's answer; None when it was refused (an ACL without +info)."""
-    if isinstance(info, Exception):
-        return None
-    try:
-        return parse_info_memory(info)
-    except ValueError:
-        return None
 
 
 def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl: bytes) -> None:
@@ -223,18 +201,6 @@ class RawEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamStats:
-    """The request stream as the group sees it, and Redis memory (None when INFO is refused)."""
-
-    backlog: int
-    pending: int
-    lag: int | None
-    dead: int
-    oldest_ms: int | None = None  # the oldest entry's enqueue time, epoch ms
-    memory: MemoryReading | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class FinishInFlight:
     """A finish step sent and not yet answered (``RequestStream.finish_start``)."""
 
@@ -262,15 +228,22 @@ class RequestStream:
     shard), seen by one consumer of the ``workers`` group. ``client`` is that shard's (on a
     cluster, bound to the master of its slot: ``producer.redisio.topology``)."""
 
-    def __init__(self, client: redis.Redis, prefix: str, tag: str, consumer: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        tag: str,
+        consumer: str,
+        events: Events = NO_EVENTS,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.tag = tag
         self.key = request_stream(prefix, tag)
         self.dead_key = dead_key(prefix, tag)
         self.consumer = consumer
+        self.group = StreamGroup(client, self.key, self.dead_key, tag, events)
         self._finish = client.register_script(_FINISH_LUA)
-        self._ensure_group = client.register_script(_ENSURE_GROUP_LUA)
         # Unique to this process: a worker restarted under the same name must never push onto a
         # staging key its previous life left behind.
         token = uuid.uuid4().hex[:12]
@@ -287,10 +260,8 @@ class RequestStream:
         ]
 
     def ensure_group(self) -> None:
-        """Create the group at 0 (so earlier requests are served) unless it exists; on a full
-        Redis too (a script flagged allow-oom)."""
-        if self._ensure_group(keys=[self.key], args=[CONSUMER_GROUP]) == 1:
-            log.info("created consumer group %s on %s", CONSUMER_GROUP, self.key)
+        """Create the group unless it exists (``StreamGroup.ensure``)."""
+        self.group.ensure()
 
     def read(self, count: int, block_ms: int) -> list[RawEntry]:
         """Read up to ``count`` new entries, blocking up to ``block_ms`` for the first (0: not
@@ -333,49 +304,14 @@ class RequestStream:
         ]
 
     def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
-        """A read's error: recreate the group if it is gone (NOGROUP), or the stream was deleted
-        under a blocked read (UNBLOCKED), and read nothing; raise any other."""
-        if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
-            raise exc
-        log.warning(
-            "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
-            self.key,
-        )
-        self.ensure_group()
+        """A read's error (``StreamGroup.gone``): the group recreated when it was gone, and
+        nothing read."""
+        self.group.gone(exc)
         return []
 
     def stats(self) -> StreamStats:
-        """Backlog, pending and lag of the group, the oldest entry, dead letters and Redis
-        memory: one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.key)
-        pipe.xinfo_groups(self.key)
-        pipe.xlen(self.dead_key)
-        pipe.xrange(self.key, "-", "+", count=1)
-        pipe.info("memory")
-        backlog, groups, dead, oldest, info = pipe.execute(raise_on_error=False)
-        group = (
-            next(
-                (g for g in groups if g.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
-                None,
-            )
-            if isinstance(groups, list)
-            else None
-        )
-        backlog = int(backlog) if isinstance(backlog, int) else 0
-        lag = group.get("lag") if group else None
-        return StreamStats(
-            backlog=backlog,
-            pending=int(group["pending"]) if group else 0,
-            # Entries not yet read are still in the stream, so lag <= XLEN. Redis 7.0 loses the
-            # group's entries-read on an AOF reload and then reports a stale, larger lag.
-            lag=None if lag is None else min(int(lag), backlog),
-            dead=int(dead) if isinstance(dead, int) else 0,
-            oldest_ms=RawEntry(oldest[0][0], {}).id_ms
-            if isinstance(oldest, list) and oldest
-            else None,
-            memory=_memory(info),
-        )
+        """The stream as the group sees it, and Redis memory (``StreamGroup.stats``)."""
+        return self.group.stats()
 
     def send_cancel_keys(self, rids: Sequence[str]) -> resp.InFlight:
         """Send the MGET of ``rids``' cancel keys now; its answer is read from the returned
