@@ -101,7 +101,9 @@ class Lanes:
         """A lane for ``tag``, in the map; with ``join``, only once its consumer group exists
         (one try: a failure is followed on the cluster and raised, the next sync tries again)."""
         s = self.settings
-        stream = RequestStream(self.topology.client(tag), s.prefix, tag, s.consumer, s.events)
+        stream = RequestStream(
+            self.topology.client(tag), s.prefix, tag, s.consumer, s.events, s.max_request_bytes
+        )
         lane = Lane(tag, stream, s)
         if join:
             try:

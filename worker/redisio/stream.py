@@ -3,8 +3,9 @@
 The finish step is one round trip per batch: one Lua script, atomic, fenced, and flagged
 ``allow-oom`` so that it runs on a full Redis (``maxmemory`` with ``noeviction``). It takes the
 entries still pending on this consumer (one ``XPENDING`` over the batch's id range), writes each
-reply with its TTL unless a reply is already there, copies dead letters (their first 64 fields
-plus ``reason``), and acknowledges and deletes with one ``XACK`` and one ``XDEL``. An entry that
+reply with its TTL unless a reply is already there, copies dead letters (their ``rid`` and
+``body``, each at most ``max_request_bytes``, plus ``reason``), and acknowledges and deletes with
+one ``XACK`` and one ``XDEL`` (the script: ``worker/redisio/finish_script.py``). An entry that
 another consumer has claimed is left to that consumer, so a request never gets two different
 replies. Each run deletes the requests it answers, which is why it may write past
 ``maxmemory``: a full Redis still drains (contract section 4). Their replies stay until read or
@@ -20,6 +21,11 @@ push is refused (``OOM``); the script then reports the reply missing and leaves 
 pending, and the same call runs the script again at once with that reply inside it. A staging
 key whose script never ran (a dropped connection) expires with the reply's TTL. (On Redis 8.2,
 XACKDEL could replace XACK + XDEL.)
+
+A write Redis refuses for good (a reply key or the dead-letter key holding another type) fails
+neither the script nor the batch: the request is dead-lettered instead of answered, or its dead
+letter is lost, and either way acknowledged and logged here; ``refusals`` lists the requests
+whose reply was refused, for the writer's metrics.
 """
 
 from __future__ import annotations
@@ -45,111 +51,12 @@ from producer.redisio import resp
 from producer.redisio.retry import is_oom
 from worker.errors import WorkerError
 from worker.events import NO_EVENTS, Events
+from worker.redisio.finish_script import FINISH_LUA, FLAGS, Refused, read_answer
 from worker.redisio.group import StreamGroup, StreamStats
 
 __all__ = ["Finish", "RawEntry", "RequestStream", "StreamStats"]
 
 log = logging.getLogger(__name__)
-
-_FINISH_LUA = """#!lua flags=allow-oom
-local stream, dead, group, me = KEYS[1], KEYS[2], ARGV[1], ARGV[2]
-local n, lo, hi, span = tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
--- After FLUSHALL, or a restart without persistence, the group is gone (NOGROUP): nothing is
--- ours to finish. Any other error stops the script and reaches the worker.
-local function pending(from, to, count)
-  local page = redis.pcall('XPENDING', stream, group, from, to, count, me)
-  if type(page) == 'table' and page.err then
-    if string.sub(page.err, 1, 7) == 'NOGROUP' then return {}, nil end
-    return nil, page
-  end
-  return page, nil
-end
--- A reply inside the script. One already there (or a key of another type) stands: ours is
--- trimmed off again. Write-only commands, so the worker's ACL user never reads a reply.
-local function push(reply, data, ttl)
-  local length = redis.pcall('RPUSH', reply, data)
-  if type(length) == 'table' and length.err then
-    if string.sub(length.err, 1, 9) ~= 'WRONGTYPE' then
-      return redis.error_reply(length.err .. ' (the finish script, at RPUSH ' .. reply .. ')')
-    end
-  elseif length == 1 then
-    redis.call('EXPIRE', reply, ttl)
-  else
-    redis.call('LTRIM', reply, 0, -2)
-  end
-  return true
-end
--- A staged reply: moved unless one is there. Returns false when the staged reply is gone
--- (refused for memory, or evicted): the entry then stays pending and is answered again.
-local function move(staged, reply)
-  local moved = redis.pcall('RENAMENX', staged, reply)
-  if type(moved) == 'table' and moved.err then
-    if string.find(moved.err, 'no such key', 1, true) then return false end
-    return redis.error_reply(moved.err .. ' (the finish script, at RENAMENX ' .. staged
-      .. ' ' .. reply .. ')')
-  elseif moved == 0 then
-    redis.call('DEL', staged)
-  end
-  return true
-end
-local page, failed = pending(lo, hi, span)
-if failed then return failed end
-local mine = {}
-for _, p in ipairs(page) do mine[p[1]] = true end
-local acked = {}
--- per entry, in order: '1' finished here, '0' not this consumer's to finish, '2' this
--- consumer's, but its staged reply is gone: send it again inside the script
-local flags = {}
-for i = 0, n - 1 do
-  local base = 7 + i * 6
-  local id, ki, reason, how = ARGV[base], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3]
-  local ours = mine[id]
-  if ours == nil and #page >= span then  -- a full page may have cut it off: ask for it alone
-    local one
-    one, failed = pending(id, id, 1)
-    if failed then return failed end
-    ours = one[1] ~= nil
-  end
-  mine[id] = false  -- an id twice in one batch is finished once
-  local flag = ours and '1' or '0'
-  if how == 's' and not ours then
-    redis.call('DEL', KEYS[ki])
-  elseif how == 's' then
-    local done = move(KEYS[ki], KEYS[ki + 1])
-    if type(done) == 'table' then return done end
-    if not done then ours, flag = false, '2' end
-  elseif how == 'i' and ours then
-    local done = push(KEYS[ki], ARGV[base + 5], ARGV[base + 4])
-    if type(done) == 'table' then return done end
-  end
-  if ours then
-    if reason ~= '' then
-      local entry = redis.call('XRANGE', stream, id, id)
-      local copy = {}
-      if entry[1] then
-        local fields = entry[1][2]
-        for j = 1, math.min(#fields, 128), 2 do
-          if fields[j] ~= 'reason' then
-            table.insert(copy, fields[j])
-            table.insert(copy, fields[j + 1])
-          end
-        end
-      end
-      table.insert(copy, 'reason')
-      table.insert(copy, reason)
-      redis.call('XADD', dead, '*', unpack(copy))
-    end
-    acked[#acked + 1] = id
-  end
-  flags[i + 1] = flag
-end
-for first = 1, #acked, 1000 do
-  local last = math.min(first + 999, #acked)
-  redis.call('XACK', stream, group, unpack(acked, first, last))
-  redis.call('XDEL', stream, unpack(acked, first, last))
-end
-return table.concat(flags)
-"""
 
 #: Replies this long or longer are staged with a plain RPUSH (cheap for Redis) rather than
 #: handed to the script (whose arguments cost Redis's thread by the KiB); shorter ones cost the
@@ -157,8 +64,8 @@ return table.concat(flags)
 INLINE_MAX_BYTES = 1024
 
 _PAGE_SLACK = 64  # more of this consumer's pending entries the id range may hold
-# The script's flag per entry: finished here, not ours, ours but its staged reply was gone.
-_FLAGS: dict[int, bool | None] = {ord("1"): True, ord("0"): False, ord("2"): None}
+#: The worker's default ``limits.max_request_bytes``: no dead letter copies a longer value.
+DEAD_LETTER_BOUND = 16 * 1024 * 1024
 
 
 def _stage(packer: resp.Packer, key: bytes, reply: bytes, ttl: bytes) -> None:
@@ -235,6 +142,7 @@ class RequestStream:
         tag: str,
         consumer: str,
         events: Events = NO_EVENTS,
+        max_request_bytes: int = DEAD_LETTER_BOUND,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -243,7 +151,11 @@ class RequestStream:
         self.dead_key = dead_key(prefix, tag)
         self.consumer = consumer
         self.group = StreamGroup(client, self.key, self.dead_key, tag, events)
-        self._finish = client.register_script(_FINISH_LUA)
+        self._finish = client.register_script(FINISH_LUA)
+        self._bound = b"%d" % max_request_bytes  # what a dead letter copies of a value, at most
+        # The requests of the last finish whose reply Redis refused (each dead-lettered instead)
+        # and why: read by the writer's thread after the finish, on which it is written
+        self.refusals: list[tuple[Finish, str]] = []
         # Unique to this process: a worker restarted under the same name must never push onto a
         # staging key its previous life left behind.
         token = uuid.uuid4().hex[:12]
@@ -342,9 +254,9 @@ class RequestStream:
     def finish_end(self, sent: FinishInFlight) -> list[bool]:
         """The second half: read the answer, and finish what the first try could not."""
         items = sent.items
+        self.refusals = []
         *staged, result = sent.in_flight.receive()
-        flags = self._script_result(result, staged, sent.keys, sent.args)
-        done = self._flags(flags, items)
+        done = self._flags(self._script_result(result, staged, sent.keys, sent.args), items)
         again = [i for i, flag in enumerate(done) if flag is None]
         if again:  # staged replies refused for memory (or evicted): inside the script this time
             log.debug("%d staged replies were gone; writing them inside the script", len(again))
@@ -368,10 +280,47 @@ class RequestStream:
         keys, args, staging = self._finish_command(items, stage=stage)
         return self._flags(self._run_finish(staging, keys, args), items)
 
-    def _flags(self, flags: bytes, items: Sequence[Finish]) -> list[bool | None]:
+    def _flags(
+        self, answer: tuple[bytes, list[Refused]], items: Sequence[Finish]
+    ) -> list[bool | None]:
+        """Per item, the script's flag; what Redis refused is logged and kept in
+        ``refusals``."""
+        flags, refused = answer
         if len(flags) != len(items):
             raise WorkerError(f"the finish script answered {flags!r} for {len(items)} entries")
-        return [_FLAGS[flag] for flag in flags]
+        if refused:
+            self._refused(items, refused)
+        return [FLAGS[flag] for flag in flags]
+
+    def _refused(self, items: Sequence[Finish], refused: list[Refused]) -> None:
+        """Log what Redis refused: a warning per reply (the request was dead-lettered
+        instead), one error per run for the dead letters lost."""
+        lost: list[tuple[Finish, Refused]] = []
+        for refusal in refused:
+            item = items[refusal.index]
+            if refusal.what == "reply":
+                self.refusals.append((item, refusal.detail))
+                log.warning(
+                    "request %s was not answered: %s; it was moved to the dead letters (%s) "
+                    "and acknowledged",
+                    item.rid,
+                    refusal.detail,
+                    self.dead_key,
+                )
+            else:
+                lost.append((item, refusal))
+        if lost:
+            log.error(
+                "the dead-letter key %s holds %s and refused XADD (%s): the dead letters of %d "
+                "requests were lost, each still answered where it could be and acknowledged "
+                "(%s). DEL or RENAME that key (after saving what it holds) to keep dead letters "
+                "again.",
+                self.dead_key,
+                lost[0][1].held,
+                lost[0][1].detail,
+                len(lost),
+                _listed(lost, {id(item): why for item, why in self.refusals}),
+            )
 
     def _finish_command(
         self, items: Sequence[Finish], *, stage: bool
@@ -381,7 +330,7 @@ class RequestStream:
         orders = [_id_order(item.entry_id) for item in items]
         keys = [stream, dead]
         args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
-        args.append(b"%d" % (_PAGE_SLACK + 2 * len(items)))
+        args += [b"%d" % (_PAGE_SLACK + 2 * len(items)), self._bound]
         staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
         for item in items:
             how, index, ttl, data = b"", b"0", b"%d" % item.reply_ttl_s, b""
@@ -398,7 +347,9 @@ class RequestStream:
             args += [item.entry_id, index, (item.dead_reason or "").encode(), how, ttl, data]
         return keys, args, staging
 
-    def _run_finish(self, staging: resp.Packer, keys: list[bytes], args: list[bytes]) -> bytes:
+    def _run_finish(
+        self, staging: resp.Packer, keys: list[bytes], args: list[bytes]
+    ) -> tuple[bytes, list[Refused]]:
         """Send the staging commands and the script in one round trip; raise what failed.
 
         The script goes by EVALSHA behind the staging commands (redis-py's script helper would
@@ -414,12 +365,26 @@ class RequestStream:
 
     def _script_result(
         self, result: Any, staged: list[Any], keys: list[bytes], args: list[bytes]
-    ) -> bytes:
-        """The script's flags; it is loaded and run again when Redis lost it. Raises what
-        failed (a staging push refused for memory is no failure: its reply is reported gone)."""
+    ) -> tuple[bytes, list[Refused]]:
+        """The script's flags and what Redis refused; it is loaded and run again when Redis
+        lost it. Raises what failed (a staging push refused for memory is no failure: its reply
+        is reported gone)."""
         if isinstance(result, redis.exceptions.NoScriptError):
             result = self._finish(keys=keys, args=args)
         if isinstance(result, Exception):
             raise result
         resp.raise_first_error([reply for reply in staged if not is_oom(reply)])
-        return result.encode() if isinstance(result, str) else bytes(result)
+        return read_answer(result)
+
+
+def _listed(lost: Sequence[tuple[Finish, Refused]], why: dict[int, str], most: int = 10) -> str:
+    """The requests whose dead letters were lost, for a log line: entry id, rid and the reason
+    each was dead-lettered (``why``: by ``id()``, those whose reply was refused), at most
+    ``most``."""
+    named = [
+        f"entry {item.entry_id.decode()} rid {item.rid or '-'}: "
+        f"{(item.dead_reason or why.get(id(item), ''))[:300]}"
+        for item, _ in lost[:most]
+    ]
+    more = f"; and {len(lost) - most} more" if len(lost) > most else ""
+    return "; ".join(named) + more
