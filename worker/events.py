@@ -104,6 +104,10 @@ class Fanout(Events):
         for sink in self.sinks:
             sink.redis_down(during)
 
+    def stream_damaged(self, shard: str, kind: str, lost: int) -> None:
+        for sink in self.sinks:
+            sink.stream_damaged(shard, kind, lost)
+
     def claimed(self, kind: str) -> None:
         for sink in self.sinks:
             sink.claimed(kind)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import redis
 
 from producer.cli import argtypes
-from producer.cli.argtypes import EXIT_OK
+from producer.cli.argtypes import EXIT_FAILED, EXIT_OK
 from producer.ops import report as status_report
 from producer.ops import status
 from producer.ops.status import DEFAULT_DEAD_LIMIT
@@ -157,7 +157,8 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """``redbatch status``: one report of the queue, or the live view with ``--watch``."""
+    """``redbatch status``: one report of the queue, or the live view with ``--watch``. Exits 1
+    when a stream is blocked now (an exhausted id space, a key of the wrong type)."""
     stray = watch_only_options(args)
     if stray:
         raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
@@ -175,4 +176,4 @@ def run_status(args: argparse.Namespace) -> int:
         print(json.dumps(status_report.status_to_json(report), indent=2, default=str))
     else:
         print(status_report.format_status(report, redis_url=where))
-    return EXIT_OK
+    return EXIT_FAILED if any(note.blocking for note in report.damage) else EXIT_OK

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer.ops.damage import damage_json, damage_lines
 from producer.ops.status import DeadLetters, ModelStatus, RequestsInfo, iso_age_s
 from producer.ops.textformat import (
     INFO_REFUSED,
@@ -66,6 +67,7 @@ def status_to_json(status: ModelStatus) -> dict[str, Any]:
         ],
         "expired_workers": list(status.expired_workers),
         "redis": _memory_json(status.memory, status.memory_node),
+        "damage": damage_json(status.damage),
     }
 
 
@@ -132,6 +134,8 @@ def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     where = f" at {redis_url}" if redis_url else ""
     lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}"]
     lines += [*_format_memory(status.memory, status.memory_node), ""]
+    damage = damage_lines(status.damage, status.observed_at)
+    lines += [*damage, ""] if damage else []
     if len(status.shards) > 1:
         lines += _format_shards(status)
         lines.append("")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from producer.ops.damage import DamageNote, stream_damage, worker_damage
 from producer.protocol import keys
 from producer.redisio.connection import describe_connection
 from producer.redisio.memory import MemoryReading, parse_info_memory
@@ -115,6 +116,7 @@ class ShardStatus:
     node: str | None
     requests: RequestsInfo
     dead: DeadLetters
+    damage: tuple[DamageNote, ...] = ()  # what its streams show now (producer.ops.damage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,9 @@ class ModelStatus:
     shards: tuple[ShardStatus, ...] = field(default=())
     cluster: bool = False
     memory_node: str | None = None  # on a cluster: the fullest master, whose reading ``memory`` is
+    damage: tuple[
+        DamageNote, ...
+    ] = ()  # the shards' streams now, then workers' notes, newest first
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +245,7 @@ def gather_status(
         shards=parts,
         cluster=access.cluster,
         memory_node=memory_node,
+        damage=tuple(n for p in parts for n in p.damage) + worker_damage(workers),
     )
 
 
@@ -256,7 +262,10 @@ def gather_shard(
     requests = access.on(tag, _requests_info, keys.request_stream(prefix, tag), now_s)
     dead = access.on(tag, _dead_letters, keys.dead_key(prefix, tag), dead_limit, now_s, tag)
     state = "retiring" if retiring else "send"
-    return ShardStatus(tag, state, access.node(tag), requests, dead)
+    damage = access.on(
+        tag, stream_damage, keys.request_stream(prefix, tag), keys.dead_key(prefix, tag)
+    )
+    return ShardStatus(tag, state, access.node(tag), requests, dead, damage)
 
 
 def _fullest_memory(

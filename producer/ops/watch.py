@@ -24,6 +24,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from producer.ops import stages
+from producer.ops.damage import damage_lines
 from producer.ops.textformat import (
     INFO_REFUSED,
     WORKER_COLUMNS,
@@ -96,6 +97,7 @@ def render(
     if problem:
         lines.append(f"!! {problem}")
     lines.append("")
+    lines += damage_lines(s.damage, s.observed_at)  # first: the queue below may be lying
     lines += _queue_lines(before, now)
     lines += _shard_lines(before, now)
     lines += _memory_lines(before, now)

@@ -4,11 +4,19 @@ Workers create the ``workers`` group at 0 when it is missing, so requests sent b
 worker existed are served, and recreate it when it disappears under them (a Redis restarted
 without persistence, a ``FLUSHALL``, an operator's ``DEL`` of the stream or ``XGROUP
 DESTROY``). The heartbeat samples each stream here for metrics, the log and ``status``.
+
+Damage under the workers is noticed here, logged once per incident and kept in ``damage`` for
+the worker's record (docs/operations.md, "A damaged stream"). Measured on Redis 7.0: a trim
+(``XADD ... MAXLEN``, ``XTRIM``) leaves the group's ``entries-read`` and the stream's
+``entries-added`` as they were, so ``entries-added - entries-read - length`` is the number of
+undelivered entries deleted (at least); a null ``lag`` is no sign of it, as acknowledgements out
+of order make it null too.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +26,15 @@ from producer.protocol.keys import CONSUMER_GROUP
 from producer.redisio.memory import MemoryReading, parse_info_memory
 from worker.events import NO_EVENTS, Events
 
-__all__ = ["StreamGroup", "StreamStats"]
+__all__ = ["MAX_ID", "REPAIR", "StreamGroup", "StreamStats", "undelivered_lost"]
 
 log = logging.getLogger(__name__)
+
+#: The largest stream id: once a stream holds it, every ``XADD *`` fails.
+MAX_ID = "18446744073709551615-18446744073709551615"
+#: Where an operator reads what a damage means and how to repair it.
+REPAIR = 'docs/operations.md, "A damaged stream"'
+_DAMAGE_KEPT = 10  # the newest damage notes a stream keeps for the worker's record
 
 # XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
 # even when the group exists (BUSYGROUP comes after the memory check): a worker started on a
@@ -65,6 +79,26 @@ def _oldest_ms(oldest: Any) -> int | None:
     return int((entry_id if isinstance(entry_id, bytes) else entry_id.encode()).split(b"-")[0])
 
 
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
+
+
+def undelivered_lost(stream: Any, group: Any) -> int | None:
+    """Undelivered entries deleted from the stream (at least): ``entries-added - entries-read -
+    length`` of ``XINFO STREAM`` and the group's ``XINFO GROUPS`` row; None when Redis does not
+    know the group's ``entries-read`` (a group just created or moved, an AOF reload)."""
+    if not isinstance(stream, dict) or not isinstance(group, dict):
+        return None
+    added, read, length = (
+        stream.get("entries-added"),
+        group.get("entries-read"),
+        stream.get("length"),
+    )
+    if isinstance(added, int) and isinstance(read, int) and isinstance(length, int):
+        return max(0, added - read - length)
+    return None
+
+
 class StreamGroup:
     """The ``workers`` group of the stream ``key`` (shard ``tag``), with its dead letters.
 
@@ -87,6 +121,10 @@ class StreamGroup:
         self.events = events
         self.damage: list[dict[str, Any]] = []
         self._ensure = client.register_script(_ENSURE_GROUP_LUA)
+        self._lost_seen: int | None = None  # undelivered_lost at the last sample
+        self._exhausted = False  # the last sample saw the largest id
+        self._backlog = 0  # XLEN at the last sample: what a deleted stream lost, at least
+        self._added: int | None = None  # entries-added at the last sample
 
     def ensure(self) -> bool:
         """Create the group at 0 (so earlier requests are served) unless it exists; on a full
@@ -98,25 +136,68 @@ class StreamGroup:
 
     def gone(self, exc: redis.ResponseError) -> None:
         """A read's error: recreate the group if it is gone (NOGROUP), or the stream was deleted
-        under a blocked read (UNBLOCKED); raise any other."""
+        under a blocked read (UNBLOCKED), and report which; raise any other."""
         if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
             raise exc
         log.warning(
             "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
             self.key,
         )
-        self.ensure()
+        try:
+            info: Any = self.client.xinfo_stream(self.key)
+        except redis.ResponseError:  # no such key
+            info = None
+        created = self.ensure()
+        added = info.get("entries-added") if isinstance(info, dict) else None
+        if info is None or (
+            self._added is not None and isinstance(added, int) and added < self._added
+        ):
+            # Gone, or made anew by another worker's recreation since our last sample.
+            self._report(
+                "deleted",
+                self._backlog,
+                "Redis restarted without persistence, flushed, or the stream was deleted: the "
+                f"{self._backlog} entries it held at the last sample (at least) are lost, "
+                "held ones included; producers must resend requests with no reply by their "
+                "deadline",
+            )
+        elif created:
+            self._report(
+                "group_recreated",
+                0,
+                f"the consumer group was destroyed and is recreated at 0: the {_length(info)} "
+                "entries in the stream are delivered again from the start, so requests workers "
+                "held run a second time",
+            )
+        self._lost_seen = None  # the counters start again
+        self._added = added if isinstance(added, int) else None
+
+    def _probe(self) -> dict[str, Any] | None:
+        """XINFO STREAM of the stream (None: there is none); where the ACL refuses it, the
+        length alone (XLEN answers 0 for a missing stream too, so an empty one counts as
+        deleted)."""
+        try:
+            info = self.client.xinfo_stream(self.key)
+        except redis.exceptions.NoPermissionError:
+            length = int(self.client.xlen(self.key))
+            return {"length": length} if length else None
+        except redis.ResponseError:  # no such key
+            return None
+        return info if isinstance(info, dict) else None
 
     def stats(self) -> StreamStats:
         """Backlog, pending and lag of the group, the oldest entry, dead letters and Redis
-        memory: one round trip."""
+        memory: one round trip. Damage it shows (a trim, an exhausted id) is reported."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.xlen(self.key)
+        # XINFO STREAM before XINFO GROUPS: a read or an ack between them can only make the
+        # loss computed from the two look smaller, never invent one.
+        pipe.xinfo_stream(self.key)
         pipe.xinfo_groups(self.key)
+        pipe.xlen(self.key)  # XINFO STREAM may be refused (an ACL without +xinfo|stream)
         pipe.xlen(self.dead_key)
         pipe.xrange(self.key, "-", "+", count=1)
         pipe.info("memory")
-        backlog, groups, dead, oldest, info = pipe.execute(raise_on_error=False)
+        stream, groups, backlog, dead, oldest, info = pipe.execute(raise_on_error=False)
         group = (
             next(
                 (g for g in groups if g.get("name") in (CONSUMER_GROUP, CONSUMER_GROUP.encode())),
@@ -125,7 +206,9 @@ class StreamGroup:
             if isinstance(groups, list)
             else None
         )
+        stream = stream if isinstance(stream, dict) else None
         backlog = int(backlog) if isinstance(backlog, int) else 0
+        self._check(stream, group, backlog)
         lag = group.get("lag") if group else None
         return StreamStats(
             backlog=backlog,
@@ -137,3 +220,52 @@ class StreamGroup:
             oldest_ms=_oldest_ms(oldest),
             memory=_memory(info),
         )
+
+    def _check(
+        self, stream: dict[str, Any] | None, group: dict[str, Any] | None, backlog: int
+    ) -> None:
+        """Report what this sample shows that the last did not: undelivered entries deleted
+        (trimmed), or the largest id reached (exhausted)."""
+        lost = undelivered_lost(stream, group)
+        if lost is not None and lost > (self._lost_seen or 0):
+            since = "" if self._lost_seen is None else " since the last sample"
+            self._report(
+                "trimmed",
+                lost - (self._lost_seen or 0),
+                f"undelivered entries were deleted{since} (XTRIM, XADD with MAXLEN or MINID, or "
+                "XDEL): no worker will answer them; producers must resend requests with no "
+                "reply by their deadline",
+            )
+        self._lost_seen = lost
+        exhausted = stream is not None and _text(stream.get("last-generated-id")) == MAX_ID
+        if exhausted and not self._exhausted:
+            self._report(
+                "exhausted",
+                0,
+                f"the stream holds the largest possible id ({MAX_ID}): every XADD * fails, so "
+                "producers get StreamExhausted and nothing new is queued until it is repaired",
+            )
+        self._exhausted = exhausted
+        self._backlog = backlog
+        added = stream.get("entries-added") if stream else None
+        self._added = added if isinstance(added, int) else self._added
+
+    def _report(self, kind: str, lost: int, detail: str) -> None:
+        """One damage: a warning, the event (metrics), and a note for the worker's record."""
+        log.warning(
+            "stream %s damaged (%s): %d requests lost at least; %s. Repair: %s",
+            self.key,
+            kind,
+            lost,
+            detail,
+            REPAIR,
+        )
+        self.events.stream_damaged(self.tag, kind, lost)
+        note = {"kind": kind, "stream": self.key, "at": time.time(), "lost": lost, "detail": detail}
+        self.damage = [*self.damage, note][-_DAMAGE_KEPT:]
+
+
+def _length(stream: Any) -> int:
+    """XINFO STREAM's length; 0 when the stream is missing or the answer an error."""
+    length = stream.get("length") if isinstance(stream, dict) else None
+    return int(length) if isinstance(length, int) else 0
