@@ -354,7 +354,10 @@ def test_async_waits_sharing_a_blpop_ride_out_an_outage(
         (rex.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"), False),
         (rex.ExecAbortError("Transaction discarded because of: OOM command not allowed"), True),
         (rex.ExecAbortError("Transaction discarded because of previous errors."), False),
-        (rex.ReadOnlyError("You can't write against a read only replica."), False),
+        (
+            rex.ReadOnlyError("You can't write against a read only replica."),
+            True,
+        ),  # a failover (contract v3)
         (rex.AuthenticationError("invalid username-password pair"), False),
         (rex.NoPermissionError("NOPERM this user has no permissions"), False),
     ],

@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import redis
 
 from producer.ops.textformat import tensor_spec
+from producer.protocol.errors import Misconfigured
 from producer.protocol.keys import is_valid_name
 from worker.config import WorkerConfig, load_config, sections
 from worker.config.keys import describe
@@ -41,8 +43,11 @@ examples:
 
 The config file is TOML; configs/reference.toml documents every key, and --help-config lists
 them with their defaults and bounds. REDIS_URL in the environment overrides redis.url.
-SIGTERM or SIGINT stops reading, answers every request already read and exits 0; a second
-signal stops waiting for an unreachable Redis.
+SIGTERM or SIGINT stops reading, answers every request already read and exits 0. When Redis
+refuses or cannot be reached, it waits 3 s for a step forward (a second signal: none), then
+exits 0 with a WARNING naming the requests it left pending, for another worker to claim.
+Exit status 2: a wrong config, or a misconfigured connection (TLS to a plain port or the
+reverse, a certificate that does not verify, a wrong password); 1: a failure while serving.
 """
 
 
@@ -55,8 +60,10 @@ def _version() -> str:
 
 
 def _default_name() -> str:
+    """HOST-PID-RANDOM: containers on one host's network share its name, and each one's
+    worker may be PID 1, so the random part keeps two live workers from one name."""
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
-    return f"{host[:100] or 'worker'}-{os.getpid()}"
+    return f"{host[:100] or 'worker'}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class _HelpConfig(argparse.Action):
@@ -87,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--name",
         default=None,
-        help="consumer name in the group (default: HOST-PID); [A-Za-z0-9_.:-], at most 128",
+        help="consumer name in the group, unique among live workers (default: HOST-PID-RANDOM); "
+        "[A-Za-z0-9_.:-], at most 128",
     )
     parser.add_argument(
         "--log-format", choices=("plain", "json"), default="plain", help="log line format"
@@ -169,7 +177,7 @@ def _main(args: argparse.Namespace) -> int:
                 metrics,
                 lambda: bool(serving) and serving[0].ready.is_set() and serving[0].healthy(),
                 config.metrics.port,
-                is_healthy=lambda: not serving or serving[0].healthy(),
+                problem=lambda: serving[0].health_problem() if serving else None,
                 host=config.metrics.host,
             )
         except OSError as exc:
@@ -228,12 +236,16 @@ def _serve(
         health_check_interval=30,
     )
     worker = Worker(prepared, client, burst=args.burst, metrics=metrics, faults=faults)
+    worker.abandon = _exit_abandoning
     serving.append(worker)
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda *_: worker.request_stop())
     log.info("froze %d start-up objects out of the garbage collector", _freeze_start_up())
     try:
         worker.run()
+    except Misconfigured as exc:
+        log.error("%s", exc)
+        return 2
     except WorkerError as exc:
         log.error("%s", exc)
         return 1
@@ -244,6 +256,14 @@ def _serve(
         worker.topology.close()
         client.close()
     return 0
+
+
+def _exit_abandoning() -> None:
+    """A stop that gave up on Redis still waits on a call its cut did not reach: exit now, as
+    a SIGKILL would, but 0 and saying so (what it held stays pending, for another worker)."""
+    log.warning("a thread still waits on Redis after the stop gave up on it; exiting now")
+    logging.shutdown()
+    os._exit(0)
 
 
 def _freeze_start_up() -> int:

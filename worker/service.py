@@ -10,7 +10,10 @@ ack (``worker.answer.finisher``). What the stages share is handed down from here
 and the writer) and the ``Stuck`` flag (marked by the answerer, read by the lease keepers).
 ``run()`` reads as the table of contents; this module wires the stages and owns the lifecycle.
 Shutdown has one path: a signal sets ``stop``, the reading thread stops reading, and everything
-already read is batched, run and answered before the worker exits.
+already read is batched, run and answered before the worker exits. When Redis refuses or cannot
+be reached meanwhile, the worker gives up after ``STOP_GRACE_S`` without a step forward
+(``worker.ops.progress``): it cuts its Redis calls, leaves what it holds pending for another
+worker to claim, says how many, and exits 0.
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 
-from producer.protocol.codec import ModelRef
 from producer.protocol.replies import ReplyEncoder
+from producer.redisio.connection import redact_url
 from producer.redisio.memory import MemoryReading
 from producer.redisio.shards import read_shards
 from producer.redisio.topology import Topology
@@ -34,7 +36,6 @@ from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
 from worker.answer.writer import ReplyWriter
-from worker.config import WorkerConfig
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
 from worker.intake.lanes import Lanes
@@ -43,18 +44,14 @@ from worker.intake.read import Reader
 from worker.intake.settings import IntakeSettings
 from worker.intake.shardmap import ShardMap
 from worker.items import Item
-from worker.model.schema import Schema
-from worker.model.session import OnnxModel, check_sha256, read_model_file
 from worker.ops.memalarm import MemoryAlarm
 from worker.ops.metrics import Metrics
-from worker.ops.record import Registry, build_record
-from worker.pipeline.handler import load_handler
-from worker.pipeline.hookpool import HookPool
-from worker.pipeline.hooks import Pipeline, raw_schema
+from worker.ops.progress import GiveUpAfter, Progress, RunClock, cut_connections
+from worker.ops.record import Registry
 from worker.pipeline.prep import PrepStage
 from worker.redisio.retry import OutageRetry, is_transient
 from worker.redisio.stream import RequestStream
-from worker.warmup import warm_up, warm_up_pipeline
+from worker.warmup import Prepared, prepare
 
 __all__ = ["Prepared", "Worker", "prepare"]
 
@@ -62,56 +59,9 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.1  # how often an idle loop looks at the stop flag
 _DAMAGE_SHOWN = 10  # the newest damage notes a worker record keeps, over all its shards
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A loaded, checked and warmed model: everything done before Redis is touched."""
-
-    config: WorkerConfig
-    model: OnnxModel
-    schema: Schema
-    model_ref: ModelRef
-    record: dict[str, Any]
-    pipeline: Pipeline | None = None
-    intake: Schema | None = None  # what requests are admitted by: the pipeline's raw inputs
-
-    @property
-    def intake_schema(self) -> Schema:
-        return self.intake or self.schema
-
-
-def prepare(config: WorkerConfig, name: str) -> Prepared:
-    """Load the handler and the model, derive their schemas, warm both up and build the
-    validation record."""
-    handler = None
-    if config.pipeline is not None:  # first: a handler that cannot load costs no model load
-        handler = load_handler(config.pipeline, config.source)
-    model_file = read_model_file(config.model.path)
-    check_sha256(model_file, config.model.sha256)
-    model = OnnxModel(config.model, config.batching.max_batch_size)
-    if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
-        check_sha256(read_model_file(config.model.path), config.model.sha256)
-    schema = Schema(model.inputs, model.outputs, config)
-    warmup = warm_up(model, schema, config.warmup.runs, model.buckets)
-    pipeline = intake = None
-    if handler is not None:
-        intake = raw_schema(handler, schema, config)
-        pool = HookPool(handler.config.threads, handler.config.timeout_s)
-        pipeline = Pipeline(handler, schema, pool)
-        warmup["pipeline"] = warm_up_pipeline(
-            pipeline, intake, model, config.warmup.runs, config.batching.max_batch_size
-        )
-    record = build_record(name, config, model, model_file, schema, warmup)
-    if handler is not None:
-        record["pipeline"] = handler.record()
-    ref = ModelRef(
-        config.model.name,
-        config.model.version,
-        model_file.sha256,
-        None if handler is None else handler.ref,
-    )
-    return Prepared(config, model, schema, ref, record, pipeline, intake)
+#: After a stop signal, how long the worker waits without a step forward (Redis refusing or
+#: unreachable) before it gives up on what it holds.
+STOP_GRACE_S = 3.0
 
 
 class Worker:
@@ -145,7 +95,12 @@ class Worker:
         # One code path for a single Redis and a cluster: a client per shard (producer/topology)
         self.topology = topology or Topology(client)
         self.metrics = metrics or Metrics()
-        self.events: Events = self.metrics if faults is None else Fanout(self.metrics, faults)
+        self.progress = Progress()
+        self.events: Events = Fanout(self.metrics, self.progress, *([faults] if faults else []))
+        self.finished = threading.Event()  # set when run() returns or raises
+        self._gave_up = False
+        # Called when a stop that gave up on Redis still cannot end (the CLI exits the process)
+        self.abandon: Callable[[], None] | None = None
         model_client = self.topology.client(cfg.model.name)
         # Its own stop: it beats until the drain ends (``_drain`` closes it), not until ``stop``.
         self.registry = Registry(
@@ -163,7 +118,7 @@ class Worker:
             cfg.batching.max_wait_ms,
             adaptive=cfg.batching.adaptive_wait,
         )
-        self.stuck = Stuck(cfg.delivery.max_run_s)
+        self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
         self.shards = ShardMap(cfg.model.name)
         self.lanes = Lanes(
             self.topology,
@@ -292,19 +247,68 @@ class Worker:
             raise failed  # the heartbeat logs it once per outage
 
     def healthy(self) -> bool:
-        """For /healthz: alive unless a batch has run past ``delivery.max_run_s``, or as many
-        hook calls hang as the pipeline has threads (then a restart is the cure)."""
-        hooks_ok = self.pipeline is None or self.pipeline.pool.healthy
-        return hooks_ok and not self.stuck.is_set()
+        """For /healthz: alive unless ``health_problem`` names one."""
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why /healthz fails, or None: a batch has run past ``delivery.max_run_s``; as many
+        hook calls hang as the pipeline has threads; or the worker holds work and has not
+        moved for longer than ``claim_idle_ms`` (Redis refusing or unreachable: the leases
+        it keeps renewing keep other workers from what it holds). A restart is the cure."""
+        if self.stuck.is_set():
+            return (
+                f"a batch has run longer than delivery.max_run_s ({self.stuck.max_run_s:g} s); "
+                "its leases lapse so other workers can claim them"
+            )
+        if self.pipeline is not None and not self.pipeline.pool.healthy:
+            return "every pipeline hook thread is stuck in a call past its timeout"
+        return self.progress.stalled(
+            self.config.delivery.claim_idle_ms, self._held() or self._holds_work()
+        )
+
+    def _held(self) -> int:
+        return sum(len(lane.leases) for lane in self.lanes)
+
+    def _holds_work(self) -> bool:
+        """Entries read and waiting, or batches waiting to be written (leases aside)."""
+        return not self._intake_empty() or self.batcher.holding or not self.writer.idle()
 
     def request_stop(self) -> None:
-        """First call: stop reading and finish what is held. Second call: give up on Redis."""
+        """First call: stop reading and finish what is held, giving up on Redis after
+        ``STOP_GRACE_S`` without a step forward. Second call: give up on Redis now."""
         if self.stop.is_set():
-            self.hard_stop.set()
+            self._give_up(True)
+            return
+        self.progress.moved()  # the grace counts from the signal
         self.stop.set()
+        GiveUpAfter(self.progress, STOP_GRACE_S, self._give_up, self.finished, self.abandon).start()
+
+    def _give_up(self, first: bool) -> None:
+        """Stop waiting for Redis: end the retries and cut the calls in flight (a paused Redis
+        would hold each for the socket timeout); what is held stays pending, for another
+        worker to claim after ``claim_idle_ms``."""
+        if first and not self._gave_up:
+            self._gave_up = True
+            log.warning(
+                "stopping without waiting longer for Redis: no progress for %.0f s since the "
+                "stop signal; the %d entries held stay pending, and another worker claims them "
+                "after claim_idle_ms (%d ms)",
+                self.progress.stalled_s(),
+                self._held(),
+                self.config.delivery.claim_idle_ms,
+                extra={"fields": {"worker": self.name, "pending_left": self._held()}},
+            )
+        self.hard_stop.set()
+        cut_connections(self.topology)
 
     def run(self) -> None:
         """Serve until stopped (or, in burst mode, until the stream is drained)."""
+        try:
+            self._run()
+        finally:
+            self.finished.set()
+
+    def _run(self) -> None:
         if not self._start():
             return
         try:
@@ -314,6 +318,9 @@ class Worker:
                     self.process(batch)
                 elif self.burst and self._drained():
                     break
+        except WorkerError:
+            if not self._gave_up:
+                raise  # given up as asked: the drain below and _raise_failure say what is left
         finally:
             self.ready.clear()
             self._drain()
@@ -323,14 +330,21 @@ class Worker:
         """Reach Redis (riding out an outage), then start the threads and report ready; False
         when stopped before Redis could be reached."""
         starting = OutageRetry(
-            "starting up", give_up=self.stop, events=self.events, on_retry=self.topology.follow
+            "starting up",
+            give_up=self.stop,
+            events=self.events,
+            on_retry=self.topology.follow,
+            where=redact_url(self.config.redis.url),
         )
         try:
             starting.call(self.topology.refresh)
             starting.call(self.stream.ensure_group)
             starting.call(self._follow_shards)
-            if not starting.call(self.registry.beat_first):
-                self._warn_name_taken()
+            if not starting.call(self.registry.beat_first) and not starting.call(
+                lambda: self.registry.take_over_name(self.stop)
+            ):
+                log.info("stopped while starting; nothing was read")
+                return False
             starting.call(self._sample_stream)
         except (redis.RedisError, OSError) as exc:
             if not (self.stop.is_set() and is_transient(exc)):
@@ -353,23 +367,15 @@ class Worker:
         return True
 
     def _raise_failure(self) -> None:
-        """Raise what stopped a thread, if one failed."""
+        """Raise what stopped a thread, if one failed; not the Redis errors of a stop that gave
+        up on Redis as asked (``_give_up`` said what it left)."""
         failures = self.lanes.failures()
         if self.writer.failure is not None:
             failures.append(("writer", self.writer.failure))
         for part, failure in failures:
+            if self._gave_up and isinstance(failure, redis.RedisError | OSError):
+                continue
             raise WorkerError(f"{part} failed: {failure}") from failure
-
-    def _warn_name_taken(self) -> None:
-        log.warning(
-            "a live worker record already held the name %r: another worker under this name, or "
-            "this worker's previous run within the last %.0f s (or a start-up write retried "
-            "after its answer was lost). Two live workers must not share a name, as they would "
-            "share one consumer of the group; give each its own --name",
-            self.name,
-            self.registry.interval_s * 3,
-            extra={"fields": {"worker": self.name}},
-        )
 
     def _drained(self) -> bool:
         """Burst mode: nothing new to read, nothing pending on any consumer (the reader's
@@ -397,7 +403,7 @@ class Worker:
             ):
                 batch = self.batcher.next_batch(0.05)
                 if batch:
-                    self.process(batch)  # raises if the write failed on this thread
+                    self._process_draining(batch)
             clean = self.writer.failure is None
         finally:
             if not clean:
@@ -410,14 +416,32 @@ class Worker:
         if self.pipeline is not None:
             self.pipeline.pool.close()
         try:
-            self.writer.close()
+            self._close_writer()
         finally:
             self.lanes.close_keepers()
             written = self.writer.failure is None
-            if written:
+            if written and not self._gave_up:
                 self._forget_self()
             self.registry.close(remove=written)  # ends the heartbeat, then removes the record
         log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
+
+    def _close_writer(self) -> None:
+        """Write what is queued, then stop the writer; a write that failed is not an error
+        when the stop gave up on Redis as asked."""
+        try:
+            self.writer.close()
+        except WorkerError:
+            if not self._gave_up:
+                raise
+
+    def _process_draining(self, batch: Sequence[Item]) -> None:
+        """``process``, which raises if the write failed on this thread: not an error when the
+        stop gave up on Redis as asked."""
+        try:
+            self.process(batch)
+        except WorkerError:
+            if not self._gave_up:
+                raise
 
     def _forget_self(self) -> None:
         """Leave the group on a clean exit, so restarts do not pile up consumers."""

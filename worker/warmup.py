@@ -1,7 +1,8 @@
 """Warmup: run the model on synthetic in-range inputs before the first read from the stream.
 
 The first runs of a session allocate memory, pick kernels and (on GPUs) build engines; paying
-that before reporting ready keeps the first real requests at steady-state latency.
+that before reporting ready keeps the first real requests at steady-state latency. ``prepare``
+is everything a worker does before it touches Redis: load, check, warm up, build the record.
 """
 
 from __future__ import annotations
@@ -9,21 +10,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from producer.protocol.codec import RequestBody, as_tensor
+from producer.protocol.codec import ModelRef, RequestBody, as_tensor
 from worker.answer.run import run_batch
+from worker.config import WorkerConfig
 from worker.errors import ModelError, Rejected
 from worker.items import Admitted, Refused
 from worker.model.schema import Schema, ValidRequest
-from worker.model.session import Model
-from worker.pipeline.hooks import Pipeline
+from worker.model.session import Model, OnnxModel, check_sha256, read_model_file
+from worker.ops.record import build_record
+from worker.pipeline.handler import load_handler
+from worker.pipeline.hookpool import HookPool
+from worker.pipeline.hooks import Pipeline, raw_schema
 from worker.redisio.cancels import CancelCheck
 from worker.redisio.stream import RawEntry
 
-__all__ = ["warm_up", "warm_up_pipeline"]
+__all__ = ["Prepared", "prepare", "warm_up", "warm_up_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +144,53 @@ def _warm_once(pipeline: Pipeline, model: Model, raw: dict[str, np.ndarray], cop
 def _raw_request(raw: dict[str, np.ndarray]) -> ValidRequest:
     rows = next(iter(raw.values())).shape[0]
     return ValidRequest(raw, rows, (), ())
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A loaded, checked and warmed model: everything done before Redis is touched."""
+
+    config: WorkerConfig
+    model: OnnxModel
+    schema: Schema
+    model_ref: ModelRef
+    record: dict[str, Any]
+    pipeline: Pipeline | None = None
+    intake: Schema | None = None  # what requests are admitted by: the pipeline's raw inputs
+
+    @property
+    def intake_schema(self) -> Schema:
+        return self.intake or self.schema
+
+
+def prepare(config: WorkerConfig, name: str) -> Prepared:
+    """Load the handler and the model, derive their schemas, warm both up and build the
+    validation record."""
+    handler = None
+    if config.pipeline is not None:  # first: a handler that cannot load costs no model load
+        handler = load_handler(config.pipeline, config.source)
+    model_file = read_model_file(config.model.path)
+    check_sha256(model_file, config.model.sha256)
+    model = OnnxModel(config.model, config.batching.max_batch_size)
+    if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
+        check_sha256(read_model_file(config.model.path), config.model.sha256)
+    schema = Schema(model.inputs, model.outputs, config)
+    warmup = warm_up(model, schema, config.warmup.runs, model.buckets)
+    pipeline = intake = None
+    if handler is not None:
+        intake = raw_schema(handler, schema, config)
+        pool = HookPool(handler.config.threads, handler.config.timeout_s)
+        pipeline = Pipeline(handler, schema, pool)
+        warmup["pipeline"] = warm_up_pipeline(
+            pipeline, intake, model, config.warmup.runs, config.batching.max_batch_size
+        )
+    record = build_record(name, config, model, model_file, schema, warmup)
+    if handler is not None:
+        record["pipeline"] = handler.record()
+    ref = ModelRef(
+        config.model.name,
+        config.model.version,
+        model_file.sha256,
+        None if handler is None else handler.ref,
+    )
+    return Prepared(config, model, schema, ref, record, pipeline, intake)

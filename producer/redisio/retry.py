@@ -2,14 +2,17 @@
 
 Every Redis command of ``Client`` and ``AsyncClient`` runs through a ``RetryPolicy``. A command
 that fails with a transient error (Redis unreachable, restarting, loading its data, busy with a
-script, or a cluster slot moving) is retried at once, then with
+script, or a cluster slot moving, unable to persist (``MISCONF``) or a replica during a failover
+(``READONLY``)) is retried at once, then with
 exponential backoff from 50 ms up to 2 s plus up to 250 ms of random jitter, for at most
 ``retry_s`` seconds (default 30; 0 turns retrying off). Then ``RedisUnavailable`` is raised. Any
-other Redis error (a wrong password, a missing permission, WRONGTYPE) is not retried and raises
-``ConnectionFailed`` at once. A write Redis refuses for memory (``OOM`` under ``maxmemory`` with
-``noeviction``) is not retried either: nothing frees memory while producers keep trying, so it
-raises ``RedisFull`` at once (the clients wait for room themselves when asked to). A BLPOP that
-times out is an empty answer, not an error.
+other Redis error (a missing permission, WRONGTYPE) is not retried and raises
+``ConnectionFailed`` at once; a misconfigured connection (a wrong password, TLS to a plain port or
+the reverse, a certificate that does not verify: ``producer.redisio.misconfig``) raises
+``Misconfigured``, naming the fix, at once. A write Redis refuses for memory (``OOM`` under
+``maxmemory`` with ``noeviction``) is not retried either: nothing frees memory while producers
+keep trying, so it raises ``RedisFull`` at once (the clients wait for room themselves when asked
+to). A BLPOP that times out is an empty answer, not an error.
 
 The first retry is immediate because the commonest failure is one stale pooled connection after a
 Redis restart, which the reconnect of the next try fixes. When the second try fails as well, one
@@ -39,13 +42,14 @@ redis-py's errors into the client's; ``worker.redisio.retry.OutageRetry`` is the
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any, ParamSpec, TypeVar
 
 import redis.exceptions as rex
@@ -63,7 +67,14 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisFull, RedisUnavailable
+from producer.protocol.errors import (
+    ConnectionFailed,
+    Misconfigured,
+    RedbatchError,
+    RedisFull,
+    RedisUnavailable,
+)
+from producer.redisio.misconfig import FirstContact, misconfiguration, never_passes
 
 __all__ = [
     "DEFAULT_RETRY_S",
@@ -96,8 +107,9 @@ JITTER_S = 0.25
 REDIS_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ResponseError)
 
 # Refusals that mean "not now" and guarantee the command did not run, so a retry is safe.
-# READONLY is left out: it means the URL reaches a replica, and retrying on the same pooled
-# connection keeps reaching it; following a failover is a Sentinel or Cluster client's job.
+# READONLY is a master demoted in a failover (or a URL that reaches a replica, which no retry
+# fixes: the outage line says so, and the retries end at the budget); MISCONF is a Redis that
+# cannot persist (a full disk), which refuses writes until that clears (FACTS.md).
 # On Redis Cluster, MOVED and ASK say that the slot is served elsewhere (now, or while it
 # migrates): nothing ran, and the caller follows them (producer/redisio/topology.py) and retries.
 _TRANSIENT_REFUSALS = (
@@ -105,23 +117,29 @@ _TRANSIENT_REFUSALS = (
     rex.TryAgainError,
     rex.ClusterDownError,
     rex.AskError,  # MovedError is an AskError
+    rex.ReadOnlyError,
 )
 # The same refusals as the codes that start an EXECABORT's reason (nothing of it ran).
-_TRANSIENT_CODES = frozenset({"OOM", "TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING", "MOVED", "ASK"})
+_TRANSIENT_CODES = frozenset(
+    {"OOM", "TRYAGAIN", "CLUSTERDOWN", "BUSY", "LOADING", "MOVED", "ASK", "MISCONF", "READONLY"}
+)
+# Plain error replies that will pass (redis-py maps none of them to a class of its own).
+_PASSING_CODES = frozenset({"BUSY", "MISCONF", "READONLY"})
 # Errors of an unreachable or misconfigured server that no retry fixes.
 _NOT_TRANSIENT = (rex.AuthenticationError, rex.AuthorizationError)
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for errors a later try may not hit: unreachable, loading, OOM, BUSY, TRYAGAIN."""
-    if isinstance(exc, _NOT_TRANSIENT):
+    """True for errors a later try may not hit: unreachable, loading, OOM, BUSY, TRYAGAIN,
+    MISCONF, READONLY; never a misconfiguration."""
+    if isinstance(exc, _NOT_TRANSIENT) or never_passes(exc):
         return False
     if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, *_TRANSIENT_REFUSALS)):
         return True  # BusyLoadingError (LOADING) is a ConnectionError
     if isinstance(exc, rex.ExecAbortError):  # a transaction discarded whole, for its reason
         reason = str(exc).partition("because of: ")[2]
         return reason.split(" ", 1)[0] in _TRANSIENT_CODES
-    return isinstance(exc, rex.ResponseError) and _error_code(exc) == "BUSY"
+    return isinstance(exc, rex.ResponseError) and _error_code(exc) in _PASSING_CODES
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -199,6 +217,8 @@ class Retrier:
     (0: never retry), or when ``give_up`` is set, or never when neither is given; the last
     error is then raised as it came. ``retried`` says which errors are retried;
     ``on_retry(exc)`` hears of each one before its retry (a cluster redirect to follow).
+    With ``contact``, a misconfigured connection raises ``Misconfigured`` instead of being
+    retried (``producer.redisio.misconfig``: its probes run only until a call succeeded).
     """
 
     outage: Outage
@@ -209,9 +229,13 @@ class Retrier:
     jitter_s: float = JITTER_S
     retried: Callable[[BaseException], bool] = is_transient
     on_retry: Callable[[BaseException], object] | None = None
+    contact: FirstContact | None = None
 
     def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(*args, **kwargs)``, retried through the errors ``retried`` accepts."""
+        contact = self.contact
+        if contact is not None and not contact.ever_reached:
+            return self._first_call(contact, fn, *args, **kwargs)
         try:
             result = fn(*args, **kwargs)  # the hot path skips tenacity's per-call cost
         except Exception as exc:
@@ -222,14 +246,44 @@ class Retrier:
         self.outage.ended()
         return result
 
+    def _first_call(
+        self, contact: FirstContact, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """``call`` until one call succeeded: each failure is diagnosed first, so a wrong
+        setting raises ``Misconfigured`` at once instead of being waited out as an outage."""
+        _raise_misconfigured(contact.preflight(), None)
+
+        def checked() -> T:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                _raise_misconfigured(contact.diagnose(exc), exc)
+                raise
+
+        result = replace(self, contact=None).call(checked)
+        contact.reached()
+        return result
+
     async def acall(self, fn: Callable[P, Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """The asyncio twin of ``call``: awaits ``fn(*args, **kwargs)``."""
+
+        contact = self.contact
 
         async def attempt() -> T:
             # Tenacity awaits only ``async def`` functions; redis-py's commands are plain
             # methods that return a coroutine, which it would hand back unawaited.
-            return await fn(*args, **kwargs)
+            if contact is None or contact.ever_reached:
+                return await fn(*args, **kwargs)
+            try:
+                result = await fn(*args, **kwargs)
+            except Exception as exc:  # the probes block: off the event loop
+                _raise_misconfigured(await asyncio.to_thread(contact.diagnose, exc), exc)
+                raise
+            contact.reached()
+            return result
 
+        if contact is not None and not contact.ever_reached:
+            _raise_misconfigured(await asyncio.to_thread(contact.preflight), None)
         try:
             result = await attempt()
         except Exception as exc:
@@ -281,6 +335,12 @@ class Retrier:
             log.debug("following %s failed: %s", type(exc).__name__, failed)
 
 
+def _raise_misconfigured(fix: str | None, exc: BaseException | None) -> None:
+    """Raise ``Misconfigured`` with ``fix`` (from ``exc``), if there is one."""
+    if fix is not None:
+        raise Misconfigured(fix[:1].upper() + fix[1:]) from exc
+
+
 _LEAST_RETRY_S = 0.001  # a bounded wait still gets its immediate retry
 
 
@@ -298,7 +358,10 @@ class RetryPolicy:
             functools.partial(_log_down, where, self.retry_s), functools.partial(_log_up, where)
         )
         self._limit = f"the client's retry_s={self.retry_s:g}"  # what bounds the retries
-        self._retry = Retrier(self.outage, budget_s=self.retry_s, retried=_retried)
+        self._contact = FirstContact(where)  # shared by the bounded copies
+        self._retry = Retrier(
+            self.outage, budget_s=self.retry_s, retried=_retried, contact=self._contact
+        )
 
     def once(self) -> RetryPolicy:
         """The same client's policy without retries, for best-effort clean-up after a failure."""
@@ -343,7 +406,9 @@ class RetryPolicy:
         bounded = copy.copy(self)
         bounded.retry_s = retry_s
         bounded._limit = limit
-        bounded._retry = Retrier(self.outage, budget_s=retry_s, retried=_retried)
+        bounded._retry = Retrier(
+            self.outage, budget_s=retry_s, retried=_retried, contact=self._contact
+        )
         return bounded
 
     def _failed(self, exc: BaseException, started: float) -> RedbatchError:
@@ -352,6 +417,9 @@ class RetryPolicy:
             self.outage.ended()  # Redis answered, so whatever outage there was is over
         if is_oom(exc):
             return RedisFull(self.where, None, None, None, refused=str(exc))
+        fix = misconfiguration(exc, self.where)
+        if fix is not None:
+            return Misconfigured(fix[:1].upper() + fix[1:])
         elapsed_s = time.monotonic() - started
         check = (
             "Check that Redis is running there and that the URL, password and TLS settings "

@@ -434,7 +434,10 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
 
 
 class MetricsServer(threading.Thread):
-    """Serves /metrics, /healthz and /readyz on ``port`` (0 picks a free one) until closed."""
+    """Serves /metrics, /healthz and /readyz on ``port`` (0 picks a free one) until closed.
+
+    ``problem()`` says why the worker is not healthy (None: it is), and the 503 body says it;
+    without it, ``is_healthy()`` decides and a failure blames a batch past ``max_run_s``."""
 
     def __init__(
         self,
@@ -443,11 +446,14 @@ class MetricsServer(threading.Thread):
         port: int,
         is_healthy: Callable[[], bool] = lambda: True,
         host: str = "0.0.0.0",
+        problem: Callable[[], str | None] | None = None,
     ) -> None:
         super().__init__(name="redbatch-metrics", daemon=True)
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._is_ready = is_ready
-        self._is_healthy = is_healthy
+        self._problem = problem or (
+            lambda: None if is_healthy() else "a batch has run longer than max_run_s"
+        )
         self._server: WSGIServer = make_server(
             host, port, self._app, server_class=_ThreadingServer, handler_class=_QuietHandler
         )
@@ -457,9 +463,9 @@ class MetricsServer(threading.Thread):
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         path = environ.get("PATH_INFO", "")
         if path == "/healthz":
-            healthy = self._is_healthy()
-            start_response("200 OK" if healthy else "503 Service Unavailable", [])
-            return [b"ok\n" if healthy else b"a batch has run longer than max_run_s\n"]
+            problem = self._problem()
+            start_response("200 OK" if problem is None else "503 Service Unavailable", [])
+            return [b"ok\n" if problem is None else problem.encode() + b"\n"]
         if path == "/readyz":
             ready = self._is_ready()
             start_response("200 OK" if ready else "503 Service Unavailable", [])

@@ -190,8 +190,41 @@ class Registry(threading.Thread):
             created = self._publish(only_new=True)
             self._name_free = created or tried_before
             self.published = self.published or created
-        self.beat()
+        if self._name_free:  # a taken name's record is not this worker's to overwrite
+            self.beat()
         return self._name_free
+
+    def take_over_name(self, stop: threading.Event) -> bool:
+        """After ``beat_first`` found the name taken: take the name over from a stopped worker
+        (this worker's previous run, crashed, its record not yet expired), or raise
+        WorkerError when another live worker holds it; False when ``stop`` came first. Two
+        live workers under one name would share one consumer of the group and run each other's
+        requests again. The worker's ACL user cannot read the record, so it takes the record
+        away and waits a heartbeat and a half: a live worker writes it again, a stopped one
+        never does."""
+        wait_s = self.interval_s * 1.5
+        name = self.record["name"]
+        log.warning(
+            "a worker record already held the name %r: this worker's previous run, or another "
+            "live worker; waiting %.1f s to see whether its worker is alive",
+            name,
+            wait_s,
+            extra={"fields": {"worker": name}},
+        )
+        self.client.delete(self.key)
+        if stop.wait(wait_s):
+            return False
+        if not self._publish(only_new=True):
+            raise WorkerError(
+                f"another live worker holds the name {name!r}: its record came back within "
+                f"{wait_s:g} s. Two workers under one name would share one consumer of the group "
+                "and run each other's requests again. Give each worker its own --name (or leave "
+                "--name out: the default is unique); `redbatch status` shows the other one's "
+                "host and pid"
+            )
+        self.beat()
+        log.info("the record under %r was a stopped worker's; taking the name over", name)
+        return True
 
     def _payload(self) -> tuple[str, int]:
         """The record as published now, and its TTL: three heartbeats."""

@@ -1,9 +1,12 @@
 """The worker's use of ``producer.redisio.retry.Retrier``: one per task, retrying until shutdown.
 
 A worker task (reading requests, writing replies, starting up) retries every Redis call while
-Redis is unreachable, loading, out of memory (noeviction), busy with a script or answering
-TRYAGAIN, until its ``give_up`` event is set. A wrong password or a missing permission is not
-retried: no retry can fix it, so the worker stops with the error instead of waiting forever.
+Redis is unreachable, loading, out of memory (noeviction), busy with a script, answering
+TRYAGAIN, unable to persist (``MISCONF``) or read-only during a failover, until its ``give_up``
+event is set. A missing permission is not retried: no retry can fix it, so the worker stops with
+the error instead of waiting forever. Given ``where`` (start-up's, the worker's first contact),
+a misconfigured connection (a wrong password, TLS to a plain port or the reverse, a certificate
+that does not verify) raises ``Misconfigured`` naming the fix (``producer.redisio.misconfig``).
 Each outage is one WARNING when it starts (and one ``events.redis_down``), one when it ends.
 """
 
@@ -14,6 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from producer.redisio.misconfig import FirstContact
 from producer.redisio.retry import MAX_WAIT_S, Outage, Retrier, is_oom, is_transient
 from worker.events import NO_EVENTS, Events
 
@@ -43,6 +47,7 @@ class OutageRetry:
         max_wait_s: float = MAX_WAIT_S,
         events: Events = NO_EVENTS,
         on_retry: Callable[[BaseException], object] | None = None,
+        where: str | None = None,
     ):
         self.what = what
         self.on_retry = on_retry  # told of each transient failure (a cluster redirect to follow)
@@ -57,6 +62,7 @@ class OutageRetry:
             jitter_s=WORKER_JITTER_S,
             retried=is_transient,
             on_retry=self._retrying,
+            contact=None if where is None else FirstContact(where),
         )
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -74,7 +80,19 @@ class OutageRetry:
                 "Redis is full (maxmemory) during %s (%s); retrying with backoff", self.what, exc
             )
         else:
-            log.warning("Redis unreachable during %s (%s); retrying with backoff", self.what, exc)
+            log.warning(
+                "Redis %s during %s (%s); retrying with backoff", _state(exc), self.what, exc
+            )
 
     def _up(self, down_s: float) -> None:
         log.warning("Redis reachable again; %s resumed after %.1f s", self.what, down_s)
+
+
+def _state(exc: BaseException | None) -> str:
+    """What an error that will pass says of Redis, for the outage's log line."""
+    text = str(exc)
+    if text.startswith("MISCONF"):
+        return "cannot persist (MISCONF: check its disk and its log) and refuses writes"
+    if "read only replica" in text or text.startswith("READONLY"):
+        return "is a replica (READONLY: a failover in progress, or the URL names a replica)"
+    return "unreachable"
