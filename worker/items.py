@@ -10,7 +10,10 @@ stage switches on the variant rather than on which optional fields are set:
 An ``Admitted`` item that ran becomes an ``Outcome``: its output rows, or its own error.
 
 Every variant knows its entry, how many times it was delivered (a redelivered entry runs in a
-batch of its own, since it may be what killed a worker) and how long admitting it took.
+batch of its own, since it may be what killed a worker) and how long admitting it took. Only an
+``Admitted`` entry keeps its fields (its ``rid`` and ``body``, within ``max_request_bytes``): a
+``Refused`` or ``DeadLetter`` one keeps its id and shard alone, so what a hostile producer sent is
+freed once its read is admitted (``worker.intake.admit``).
 """
 
 from __future__ import annotations

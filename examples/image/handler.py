@@ -13,11 +13,21 @@ then CHW. Pillow stands in for OpenCV, whose Lanczos kernel differs in the last 
 answers. Two things the package does not do, on purpose: the EXIF orientation is applied first
 (a phone photo is classified as it is displayed), and transparency is flattened onto white.
 
-Decoding is where a hostile request does harm, so it is refused there, per row, with
-``ValueError`` (the worker answers that request alone ``INVALID_INPUT``): formats other than the
-allowed ones, images declaring more than ``max_pixels`` pixels or sides further apart than
-``max_aspect`` (checked from the header, before a pixel is decoded), and truncated or corrupt
-files.
+Decoding is where a hostile request does harm (a 70 KB 16-bit PNG declaring 36 million pixels
+took 616 MiB and 1.6 s to decode and convert), so what a decode may cost is bounded from the
+header, before a pixel is decoded, and a request over it is refused, per row, with
+``ValueError`` (the worker answers that request alone ``INVALID_INPUT``): formats other than
+the allowed ones; images declaring more than ``max_pixels`` pixels (below Pillow's own bomb
+limit, ``Image.MAX_IMAGE_PIXELS``, whose error becomes the same refusal) or sides further apart
+than ``max_aspect``; modes other than the 8-bit ones and 16-bit grey (``_MODES``: no 32-bit
+integer or float pixels); an animated PNG (a JPEG holding several pictures, as phones write a
+photo with its gain map, decodes its first only); and more than ``max_decode_pixels`` pixels to
+decode, after a JPEG's draft mode has scaled it down to what the model needs (a 48-megapixel
+photo decodes at 1/8 scale and passes; a PNG cannot be decoded scaled, so one that large is
+refused). Truncated or corrupt files are refused too. A decode then holds about
+``max_decode_pixels`` x 4 bytes for the image and as much again for one mode conversion: at the
+default 16,777,216 (4096 x 4096) pixels, an RGBA PNG that large took 126 MiB and 0.2 s, a 16-bit
+grey one 104 MiB, per hook thread.
 """
 
 from __future__ import annotations
@@ -36,7 +46,11 @@ SIDE = 224  # the model takes 224 x 224 pixels, fixed in its graph
 LABELS = ("0", "90", "180", "270")  # the model's metadata 'character', one label per line
 _MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
 _STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
-_WIDE_GREY = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # 16- and 32-bit grey, e.g. from PNG
+_WIDE_GREY = ("I;16", "I;16B", "I;16L", "I;16N")  # 16-bit grey, as Pillow opens it from PNG
+# Modes a decode may produce: the 8-bit ones JPEG and PNG give (a 16-bit colour PNG opens as 8-bit
+# RGB or RGBA) and 16-bit grey; never 32-bit integer ("I") or float ("F") pixels.
+_JPEG = ("JPEG", "MPO")  # MPO: a JPEG with more pictures after the first (Pillow's name for it)
+_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "YCbCr", *_WIDE_GREY})
 
 
 class OrientationPipeline:
@@ -49,16 +63,19 @@ class OrientationPipeline:
         resize_short: int = 256,
         max_aspect: float = 20.0,
         formats: Sequence[str] = ("JPEG", "PNG"),
+        max_decode_pixels: int = 4096 * 4096,
     ) -> None:
         if len(labels) != 4 or not all(isinstance(x, str) for x in labels):
             raise ValueError(f"labels must be 4 strings, one per model class; got {labels!r}")
-        if max_pixels < 1 or resize_short < SIDE:
+        if max_pixels < 1 or max_decode_pixels < 1 or resize_short < SIDE:
             raise ValueError(
-                f"max_pixels must be positive and resize_short at least {SIDE}; got "
-                f"max_pixels={max_pixels}, resize_short={resize_short}"
+                f"max_pixels and max_decode_pixels must be positive and resize_short at least "
+                f"{SIDE}; got max_pixels={max_pixels}, max_decode_pixels={max_decode_pixels}, "
+                f"resize_short={resize_short}"
             )
         self.labels = np.array(labels, dtype=object)
         self.max_pixels = max_pixels
+        self.max_decode_pixels = max_decode_pixels
         self.resize_short = resize_short
         self.max_aspect = max_aspect
         self.formats = tuple(f.upper() for f in formats)
@@ -109,30 +126,24 @@ class OrientationPipeline:
         return (bgr * self._scale + self._offset).transpose(2, 0, 1).copy()
 
     def decode(self, data: bytes, row: int) -> Image.Image:
-        """Open, check the declared size, decode, and return an upright RGB image."""
+        """Open, check from the header what decoding will cost, decode, and return an upright
+        RGB image."""
         try:
             img = Image.open(io.BytesIO(data), formats=self.formats)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise ValueError(f"image[{row}] is refused as a decompression bomb: {exc}") from exc
+        except Image.DecompressionBombError as exc:  # over twice Image.MAX_IMAGE_PIXELS
+            raise ValueError(
+                f"image[{row}] is refused as a decompression bomb: {exc} At most "
+                f"{self.max_pixels:,} pixels are taken. Send it scaled down."
+            ) from exc
         except (UnidentifiedImageError, OSError, SyntaxError) as exc:
             raise ValueError(
                 f"image[{row}] is not a readable {' or '.join(self.formats)} file "
                 f"({len(data)} bytes): {exc}"
             ) from exc
-        width, height = img.size
-        if width * height > self.max_pixels:
-            raise ValueError(
-                f"image[{row}] declares {width}x{height} pixels ({width * height:,}); at most "
-                f"{self.max_pixels:,} are taken. Send it scaled down."
-            )
-        if max(width, height) > self.max_aspect * min(width, height):
-            # the short side is scaled to resize_short: a 1 x 10^7 strip would become 2.5 GB
-            raise ValueError(
-                f"image[{row}] is {width}x{height} pixels; sides further apart than "
-                f"{self.max_aspect:g}:1 are not taken."
-            )
-        if img.format == "JPEG":  # decode at 1/2, 1/4 or 1/8 scale when that still suffices
+        self._check_header(img, row)
+        if img.format in _JPEG:  # decode at 1/2, 1/4 or 1/8 scale when that still suffices
             img.draft("RGB", (self.resize_short, self.resize_short))
+        self._check_decode(img, row)
         try:
             img.load()
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
@@ -142,6 +153,46 @@ class OrientationPipeline:
         upright = ImageOps.exif_transpose(img) if _turned(img) else img
         return _rgb(upright)
 
+    def _check_header(self, img: Image.Image, row: int) -> None:
+        """Refuse, from the header alone, what no decode should be attempted on: too many
+        pixels declared (below Pillow's own bomb limit too: it only warns up to twice that),
+        a strip, a mode of wide pixels, or an animation."""
+        width, height = img.size
+        most = min(self.max_pixels, Image.MAX_IMAGE_PIXELS or self.max_pixels)
+        if width * height > most:
+            raise ValueError(
+                f"image[{row}] declares {width}x{height} pixels ({width * height:,}); at most "
+                f"{most:,} are taken. Send it scaled down."
+            )
+        if max(width, height) > self.max_aspect * min(width, height):
+            # the short side is scaled to resize_short: a 1 x 10^7 strip would become 2.5 GB
+            raise ValueError(
+                f"image[{row}] is {width}x{height} pixels; sides further apart than "
+                f"{self.max_aspect:g}:1 are not taken."
+            )
+        if img.mode not in _MODES:
+            raise ValueError(
+                f"image[{row}] has {img.mode!r} pixels, which are not taken: send 8-bit grey, "
+                "RGB or RGBA (or 16-bit grey) JPEG or PNG."
+            )
+        frames = getattr(img, "n_frames", 1)
+        if frames > 1 and img.format not in _JPEG:  # a JPEG decodes its first picture only
+            raise ValueError(
+                f"image[{row}] is animated ({frames} frames); send a single still image."
+            )
+
+    def _check_decode(self, img: Image.Image, row: int) -> None:
+        """Refuse an image that would decode to more than ``max_decode_pixels`` pixels: after a
+        JPEG's draft (its size is then the reduced one), before a pixel is decoded."""
+        width, height = img.size
+        if width * height > self.max_decode_pixels:
+            raise ValueError(
+                f"image[{row}] would decode to {width}x{height} pixels ({width * height:,}); "
+                f"at most {self.max_decode_pixels:,} are decoded for a {img.format} file. Send "
+                "it scaled down (the model looks at 224 x 224), or as a JPEG, which is decoded "
+                "at a reduced scale."
+            )
+
 
 def _turned(img: Image.Image) -> bool:
     """True when the EXIF orientation tag asks for a turn or flip (most files have none)."""
@@ -150,13 +201,13 @@ def _turned(img: Image.Image) -> bool:
 
 def _rgb(img: Image.Image) -> Image.Image:
     """Any mode to 8-bit RGB: transparency over white, wide grey scaled rather than clipped."""
-    if img.mode in _WIDE_GREY:
-        wide = np.clip(np.asarray(img, dtype=np.int64), 0, 65535) >> 8
-        img = Image.fromarray(wide.astype(np.uint8), "L")
+    if img.mode in _WIDE_GREY:  # the high byte: 3 bytes a pixel on the way, not 24 as int64
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L")
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+        rgba = img if img.mode == "RGBA" else img.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba)  # over white by its alpha, with no RGBA copy of white
+        return white
     return img if img.mode == "RGB" else img.convert("RGB")
 
 

@@ -11,6 +11,14 @@ entries other workers left behind, and hands each over alone.
 ``burst``, no entry is pending on another consumer either. Those are answered by their holder
 or, once idle past ``claim_idle_ms`` (a worker that crashed), claimed here, so a burst worker
 does not exit while a dead worker's entries wait in the group.
+
+What a read brought is held no longer than its admission: admission drops the fields of what it
+refuses (an entry with fields other than ``rid`` and ``body``, a body over the limit), and this
+thread lets go of the read's entries before it reads again, so a flood of oversized entries costs
+the worker one read's bytes at its peak, not one read's bytes for as long as it waits for the next.
+After a read whose refused entries brought more than ``TRIM_AFTER_BYTES`` it reads one entry at
+a time until a read brings rows again, and hands the freed memory back to the system
+(``worker.intake.trim``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from worker.intake.layouts import Layouts
 from worker.intake.leases import Leases
 from worker.intake.reclaim import Reclaimer
 from worker.intake.settings import IntakeSettings
+from worker.intake.trim import TRIM_AFTER_BYTES, release_freed
 from worker.items import Admitted, Item
 from worker.redisio import cancels
 from worker.redisio.cancels import CancelCheck
@@ -63,6 +72,7 @@ class Reader(threading.Thread):
         self.layouts = Layouts() if settings.schema.axes.trivial else None
         self.idle = threading.Event()  # set when the stream is drained (module docstring)
         self.failure: BaseException | None = None
+        self._trims_owed = 0  # reads after which to hand freed memory back (trim.py)
         # Set when this reader's shard is retired: it stops reading, as on ``stop``.
         self.retired = retired or threading.Event()
         self._outage = OutageRetry(
@@ -83,6 +93,9 @@ class Reader(threading.Thread):
                 block_ms = 0 if reclaiming else self.settings.block_ms
                 entries = self._read(block_ms) if read_ahead is None else read_ahead
                 read_ahead = None
+                if self._trims_owed:
+                    self._trims_owed -= 1
+                    release_freed(self.stream.client)
                 if not entries:
                     if reclaiming:  # wait for the redelivered entry rather than spin on Redis
                         self.leases.wait_redelivered_done(_RECLAIM_WAIT_S)
@@ -94,14 +107,30 @@ class Reader(threading.Thread):
                 self.idle.clear()
                 self.events.point("after_read")
                 check = CancelCheck()
-                items = [self._admit(e, check) for e in entries]
-                self._fit_read_count(items)
+                items = self._admit_read(entries, check)
+                # Refused entries kept none of their fields, and this list must not hold them
+                # either, through the next read (or the read ahead, which comes back during
+                # the hand-over) while it blocks.
+                del entries
                 read_next = None if self._stopping() else (self.read_count, block_ms)
                 read_ahead = self._hand_over(items, check, read_next)
+                del items  # the batcher's now: hold none of it here while reading again
         except BaseException as exc:  # surfaced by the service, which stops the worker
             self.failure = exc
             log.exception("intake stopped on an unexpected error")
             self.stop.set()
+
+    def _admit_read(self, entries: list[RawEntry], check: CancelCheck) -> list[Item]:
+        """Admit a read, and fit the next read's count to it: after a read whose refused
+        entries brought more than ``TRIM_AFTER_BYTES``, one entry at a time (more of them may
+        follow) until a read brings rows, and the freed memory is handed back after the next
+        two reads (once a large reply's parser buffer is freed too: ``trim.py``)."""
+        items = [self._admit(e, check) for e in entries]
+        self._fit_read_count(items)
+        if _refused_bytes(entries, items) > TRIM_AFTER_BYTES:
+            self._trims_owed = 2
+            self.read_count = 1
+        return items
 
     def _stopping(self) -> bool:
         return self.stop.is_set() or self.retired.is_set()
@@ -221,3 +250,12 @@ class Reader(threading.Thread):
             raise
         self.leases.hold(e.entry_id for e in entries)
         return entries
+
+
+def _refused_bytes(entries: list[RawEntry], items: list[Item]) -> int:
+    """The bytes of fields the read's refused entries brought (admission dropped them)."""
+    return sum(
+        sum(map(len, entry.fields.values()))
+        for entry, item in zip(entries, items, strict=True)
+        if type(item) is not Admitted
+    )
