@@ -18,6 +18,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
@@ -27,7 +29,7 @@ import numpy as np
 import redis.asyncio
 from numpy.typing import ArrayLike
 
-from producer.client import driver, plans, steps
+from producer.client import driver, plans, sending, steps
 from producer.client.coalesce import Coalescer, ReplyHub
 from producer.client.mapwindow import MapPlan
 from producer.client.results import Chunk, Result
@@ -47,6 +49,10 @@ R = TypeVar("R")
 
 # The backlog wait's sleep; a module attribute so tests can see that a submit waited.
 _sleep = asyncio.sleep
+#: How long ``close()`` waits for the clean-ups of cancelled calls still under way.
+_ASIDE_WAIT_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIterator[Result]]):
@@ -69,6 +75,9 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
             self._send, retry_s=retry_s, unsent=self._unsent
         )
         self._replies = ReplyHub(self._shared_blpop, self._shared_lpop)
+        self._asides: set[asyncio.Task[None]] = set()  # clean-ups of interrupted calls
+        self._shared: dict[str, asyncio.Task[Any]] = {}  # Shared steps under way, by name
+        self._closed = False
 
     # -- submitting ------------------------------------------------------------------------
 
@@ -85,7 +94,7 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         """Queue one request and return its handle (its rid on the model's first shard, else
         ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        await self._run(plans.submit([sub]))
+        await self._run(plans.submit(self._session, [sub]))
         return sub.handle
 
     async def submit_many(
@@ -99,10 +108,11 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
     ) -> list[str]:
         """As ``Client.submit_many``: one pipelined round trip (shared with concurrent calls;
         on a cluster one per node, run concurrently), split evenly over the shards, in
-        transactions of up to 256 requests of one shard each; returns the handles."""
+        transactions of up to 256 requests of one shard each; returns the handles. One body
+        over the limits raises TooLarge with none sent, as in ``Client``."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
-            await self._run(plans.submit(subs))
+            await self._run(plans.submit(self._session, subs))
         return [sub.handle for sub in subs]
 
     async def _send(self, subs: list[Submission], until: float | None) -> None:
@@ -123,7 +133,9 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
 
     async def wait(self, handle: str, timeout_s: float) -> Result:
         """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout.
-        Concurrent waits share their round trips: one BLPOP watches many keys of a shard."""
+        Concurrent waits share their round trips: one BLPOP watches many keys of a shard. A
+        wait cancelled by asyncio (``task.cancel()``, ``asyncio.wait_for``) cancels the request,
+        as ``infer`` does: nobody is left to read its reply."""
         target = self._session.settings.target(handle)
         return await self._run(plans.wait(self._session, target, timeout_s, time.monotonic()))
 
@@ -145,7 +157,12 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         reply_ttl_s: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Submit, wait and return the outputs; raises the typed RequestFailed subclass. The
-        whole call, submit included, ends within ``timeout_s``, as ``Client.infer``'s does."""
+        whole call, submit included, ends within ``timeout_s``, as ``Client.infer``'s does.
+
+        Cancelled by asyncio (``task.cancel()``, ``asyncio.wait_for``'s timeout) once its
+        request may have been sent, it sets the request's cancel key (one try, in a task of its
+        own, so the cancellation is not held up), so that a worker skips it and no reply is
+        left unread; calls sharing its round trips carry on."""
         started = time.monotonic()
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
         return await self._run(plans.infer(self._session, sub, timeout_s, started))
@@ -223,7 +240,51 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
             return await self._submits(cmd.subs, cmd.until)
         if isinstance(cmd, steps.Sleep):
             return await _sleep(cmd.seconds)
+        if isinstance(cmd, steps.Aside):
+            self._aside(cmd.plan)
+            return None
+        if isinstance(cmd, steps.Shared):
+            return await self._run_shared(cmd)
         return await cmd.retry.acall(self._once, cmd)
+
+    async def _run_shared(self, cmd: steps.Shared) -> Any:
+        """``cmd``'s plan, run once in a task of its own (the client's retries) for every call
+        that asks for it while it runs, each waiting until its own deadline; a caller that
+        gives up leaves it running for the others."""
+        if self._closed:
+            raise RedbatchError("the client was closed.")
+        task = self._shared.get(cmd.name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._run(cmd.start(self._session.retry)))
+            self._shared[cmd.name] = task
+            task.add_done_callback(functools.partial(self._shared_done, cmd.name))
+        timeout_s = None if cmd.until is None else max(cmd.until - time.monotonic(), 0.0)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except TimeoutError:
+            raise sending.unread(self._session, cmd.limit) from None
+        except asyncio.CancelledError:
+            if task.cancelled():  # ended by close(), not by this caller's cancellation
+                raise RedbatchError("the client was closed.") from None
+            raise
+
+    def _shared_done(self, name: str, task: asyncio.Task[Any]) -> None:
+        if self._shared.get(name) is task:
+            del self._shared[name]
+        if not task.cancelled():
+            task.exception()  # its callers got it, or have all gone: not "never retrieved"
+
+    def _aside(self, plan: steps.Plan[None]) -> None:
+        """Run ``plan`` in a task of its own, not waited for (``close()`` waits for it)."""
+        task = asyncio.get_running_loop().create_task(self._quietly(plan))
+        self._asides.add(task)
+        task.add_done_callback(self._asides.discard)
+
+    async def _quietly(self, plan: steps.Plan[None]) -> None:
+        try:
+            await self._run(plan)
+        except RedbatchError as exc:  # best effort: the call it cleans up after has ended
+            log.debug("a clean-up after an interrupted call failed: %s", exc)
 
     async def _pop(self, cmd: steps.Pop) -> Any:
         """``cmd`` served by a BLPOP shared with other calls; ``tries`` says whether that was
@@ -275,7 +336,13 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
 
     async def close(self) -> None:
         """Close the connections, unless the Redis client was passed in; calls still waiting
-        raise RedbatchError."""
+        raise RedbatchError. Clean-ups still under way (cancel keys of cancelled calls) get a
+        moment to finish first."""
+        self._closed = True
+        if self._asides:
+            await asyncio.wait(list(self._asides), timeout=_ASIDE_WAIT_S)
+        for task in list(self._shared.values()):
+            task.cancel()
         self._submits.close()
         self._replies.close()
         await self._topology.close()

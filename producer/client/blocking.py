@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
@@ -30,6 +31,7 @@ from producer.client.results import Chunk, Result
 from producer.client.settings import check_ttl_s
 from producer.client.shell import DEFAULT_URL, BaseClient, Flavour
 from producer.client.waiting import ReplyWaiter
+from producer.protocol.errors import RedbatchError
 from producer.redisio import resp
 from producer.redisio.memory import info_memory
 from producer.redisio.retry import REDIS_ERRORS
@@ -95,9 +97,14 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         reply_ttl_s: int | None = None,
     ) -> str:
         """Queue one request and return its handle (its rid on the model's first shard, else
-        ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
+        ``T/R``); ``deadline_s`` is seconds from now (> 0).
+
+        A body Redis or the workers would refuse raises TooLarge at once, with nothing sent:
+        one over Redis's ``proto-max-bulk-len`` (read once per client; Redis's default, 512
+        MiB, when the user may not run ``CONFIG GET``), or over the smallest
+        ``limits.max_request_bytes`` of the live workers (their records, read every 30 s)."""
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
-        self._run(plans.send(self._session, [sub]))
+        self._run(plans.submit(self._session, [sub]))
         return sub.handle
 
     def submit_many(
@@ -114,10 +121,15 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         order. They are split evenly over the shards, and go in transactions of up to 256
         requests (or about 1 MiB) of one shard each, each added whole or not at all: an error
         raised by a larger call (Redis refusing for memory part-way, an outage) may leave its
-        first transactions queued."""
+        first transactions queued.
+
+        A body over the limits (see ``submit``) raises TooLarge naming its index, and then
+        none of the requests is sent: the call returns no handles when it raises, so requests
+        sent beside a refused one would run with nobody holding their handles. Fix or split
+        that request and submit the list again."""
         subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
         if subs:
-            self._run(plans.send(self._session, subs))
+            self._run(plans.submit(self._session, subs))
         return [sub.handle for sub in subs]
 
     # -- replies ---------------------------------------------------------------------------
@@ -128,7 +140,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         return self._run(plans.poll(self._session, self._session.settings.target(handle)))
 
     def wait(self, handle: str, timeout_s: float) -> Result:
-        """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout."""
+        """Block for the reply of ``handle`` (or rid) and consume it; raises WaitTimeout.
+        Interrupted (KeyboardInterrupt), it cancels the request, as ``infer`` does."""
         target = self._session.settings.target(handle)
         return self._run(plans.wait(self._session, target, timeout_s, time.monotonic()))
 
@@ -147,7 +160,9 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
 
         The whole call, submit included, ends within ``timeout_s``: WaitTimeout when no reply
         came, RedisUnavailable when Redis was down then, BacklogFull when the backlog never
-        dropped (with ``wait_for_backlog``; the request was not sent).
+        dropped (with ``wait_for_backlog``; the request was not sent). Interrupted
+        (KeyboardInterrupt) once its request may have been sent, it sets the request's cancel
+        key (one try) before the interruption goes on, so that no worker runs it for nobody.
         """
         started = time.monotonic()
         sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
@@ -206,6 +221,11 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
                 _sleep(cmd.seconds)
             elif isinstance(cmd, steps.Send):  # sent at once, by the plan it stands for
                 stepper.enter(plans.send(self._session, cmd.subs, cmd.until))
+            elif isinstance(cmd, steps.Shared):  # nobody to share it with: run now
+                stepper.enter(cmd.start(self._session.retry.until(cmd.until, cmd.limit)))
+            elif isinstance(cmd, steps.Aside):  # a clean-up: run now, its failure ignored
+                with contextlib.suppress(RedbatchError):
+                    self._run(cmd.plan)
             elif isinstance(cmd, steps.Pop):
                 stepper.answer(cmd.bounded().call(self._once, cmd))
             else:

@@ -26,7 +26,10 @@ close to that (docs/design.md has the figures).
   waits on a request already awaited waits with a ``BLPOP`` of its own: the two race for the
   one reply. A shared ``BLPOP`` that needed a retry, or a sweep that failed, may have lost a
   reply it popped: each call it watched is told so (``interrupted``), and its plan sends its
-  request again, as ``Client``'s does after its own ``BLPOP`` needed a retry.
+  request again, as ``Client``'s does after its own ``BLPOP`` needed a retry. A key of another
+  type than a list (someone set a reply key to a string) makes a ``BLPOP`` over it fail for all
+  the keys it watches; the sweep that follows then finds which key it is (its ``LPOP`` answers
+  ``WRONGTYPE`` alone), and that call alone gets the error as its answer.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, Generic, TypeVar
 
 from producer.client.results import as_bytes
 from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisUnavailable
+from producer.redisio.resp import is_wrong_type
 
 __all__ = ["Coalescer", "ReplyHub"]
 
@@ -280,6 +284,12 @@ class ReplyHub:
                 except RedisUnavailable as exc:  # an outage outlasted the first deadline
                     keys = self._fail_expired(keys, until, exc)
                     continue
+                except ConnectionFailed as exc:
+                    if not is_wrong_type(exc):
+                        raise
+                    await self._sweep(tag, keys)  # answers the key of another type its error
+                    keys = self._expire(self._live(keys))
+                    continue
                 if item:
                     key, raw = item
                     self._settle(as_bytes(key), raw)
@@ -321,9 +331,13 @@ class ReplyHub:
             self._waiting[key].future.set_result((None, True))
 
     def _settle(self, key: bytes, raw: Any) -> None:
+        """Answer ``key``'s call with ``raw``: the element popped, or the key's WRONGTYPE
+        error (never kept for a later call: the key still holds it)."""
         waiting = self._waiting.get(key)
         if waiting is not None and not waiting.future.done():
             waiting.future.set_result(([key, raw], False))
+            return
+        if isinstance(raw, Exception):
             return
         # Its callers gave up while the BLPOP or LPOP that popped it was on the wire.
         self._orphans[key] = (raw, time.monotonic() + _ORPHAN_TTL_S)

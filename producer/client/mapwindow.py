@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from producer.client.limits import BodyLimit
 from producer.client.maprows import RowFeed
-from producer.client.results import WAIT_TIMEOUT, Chunk, Result
+from producer.client.results import WAIT_TIMEOUT, Chunk, Result, failed_result
 from producer.client.settings import Settings
 from producer.client.submission import Submission, build_submission
 from producer.client.waiting import ReplyWaiter, Target
@@ -37,6 +38,11 @@ class MapPlan:
     them never sent (a job whose workers are gone ends after one timeout, not one per window).
     A send refused because Redis is full (``refused``) stops it the same way, whatever
     ``stop_on_timeout`` says, and ``run_map`` raises the refusal once the plan is finished.
+
+    With a body limit (``use_body_limit``: Redis's bulk limit and the workers'
+    ``max_request_bytes``), a request whose body would be over it is split in halves until each
+    part fits, and later requests take no more rows than fitted; a single row over it is never
+    sent: its chunk fails with TOO_LARGE, and the others carry on.
     """
 
     def __init__(
@@ -70,6 +76,7 @@ class MapPlan:
         self.stopped = False  # a reply came late under stop_on_timeout: nothing more is sent
         self.refusal: RedisFull | None = None  # Redis was full: nothing more is sent
         self.waiter = ReplyWaiter(settings, timeout_s, late_fails=True)
+        self._limit: BodyLimit | None = None
         if rows_per_request is not None:
             self.use_row_limit(rows_per_request)
 
@@ -96,6 +103,10 @@ class MapPlan:
             )
         self._rows_per_request = rows_per_request
 
+    def use_body_limit(self, limit: BodyLimit) -> None:
+        """Keep each request's body within ``limit.max_bytes`` (read at each take)."""
+        self._limit = limit
+
     @property
     def in_flight(self) -> list[Target]:
         """The requests taken and not yet answered, as (tag, rid), to cancel when the caller
@@ -120,16 +131,38 @@ class MapPlan:
         room = min(self._concurrency - len(self._in_flight), 2 * self._concurrency - self._held)
         subs = []
         while room > 0 and (inputs := self._feed.take(self._rows_per_request)) is not None:
-            start = self._next_start
-            stop = start + len(next(iter(inputs.values())))
-            sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
-            self._in_flight[sub.rid] = (start, stop)
-            self._rows_of[sub.rid] = inputs
-            self._next_start = stop
-            self._held += 1
-            subs.append(sub)
-            room -= 1
+            for rows, sub in self._fitted(inputs, now_s):
+                start = self._next_start
+                stop = start + len(next(iter(rows.values())))
+                self._next_start = stop
+                self._held += 1
+                room -= 1
+                if isinstance(sub, Result):  # one row over the body limit: never sent
+                    self._answered[start] = Chunk(start, stop, sub.rid, None, sub.error, sub, 0.0)
+                    continue
+                self._in_flight[sub.rid] = (start, stop)
+                self._rows_of[sub.rid] = rows
+                subs.append(sub)
         return subs
+
+    def _fitted(
+        self, inputs: dict[str, np.ndarray], now_s: float
+    ) -> list[tuple[dict[str, np.ndarray], Submission | Result]]:
+        """``inputs`` as one request, or as several whose bodies each fit the body limit (in
+        row order), each with its rows; a row alone over the limit is a failed Result."""
+        sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
+        if self._limit is None or len(sub.body) <= self._limit.max_bytes:
+            return [(inputs, sub)]
+        rows = len(next(iter(inputs.values())))
+        if rows == 1:
+            message = self._limit.message(len(sub.body))
+            model = self.waiter.model
+            return [(inputs, failed_result(sub.rid, model, "TOO_LARGE", message, False))]
+        half = rows // 2
+        self._rows_per_request = min(self._rows_per_request, half)  # later takes fit at once
+        first = {name: array[:half] for name, array in inputs.items()}
+        second = {name: array[half:] for name, array in inputs.items()}
+        return self._fitted(first, now_s) + self._fitted(second, now_s)
 
     def sent(self, subs: Iterable[Submission], now: float) -> None:
         """Start the reply clock of requests that reached the stream (``now`` is monotonic)."""

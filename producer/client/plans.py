@@ -32,33 +32,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 from producer.client import steps
-from producer.client.backlog import BacklogGate
 from producer.client.mapwindow import MapPlan
-from producer.client.results import Result, parse_reply
-from producer.client.session import Session
-from producer.client.settings import INFER_LIMIT, check_timeout_s
-from producer.client.steps import Batch, Call, Plan, Send, Sleep
-from producer.client.submission import Submission, build_submission, build_submissions
-from producer.client.waiting import ReplyWaiter, Target
-from producer.client.workers import WorkerRoster, check_rows_per_request, row_limit
-from producer.protocol.errors import (
-    BacklogFull,
-    RedbatchError,
-    RedisFull,
-    RedisUnavailable,
-    WaitTimeout,
+from producer.client.results import Result, parse_reply, wrong_type_result
+from producer.client.sending import (
+    admit,
+    read_backlog,
+    read_bulk_limit,
+    read_shards,
+    request,
+    requests,
+    resend,
+    send,
+    unsent,
 )
+from producer.client.session import Session
+from producer.client.settings import check_timeout_s
+from producer.client.steps import Aside, Batch, Call, Plan, Send
+from producer.client.submission import Submission
+from producer.client.waiting import ReplyWaiter, Target
+from producer.client.workers import check_rows_per_request, read_workers, row_limit
+from producer.protocol.errors import ConnectionFailed, RedbatchError, RedisFull
 from producer.redisio.connection import block_s
-from producer.redisio.memory import parse_info_memory
+from producer.redisio.resp import is_wrong_type
 from producer.redisio.retry import RetryPolicy
-from producer.redisio.shards import Shards
 
 __all__ = [
     "backlog",
@@ -84,171 +86,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------
-# The shard list
-
-
-def _shards(session: Session, retry: RetryPolicy) -> Plan[Shards]:
-    """The model's shards: read at first use, then again once ``shards.REFRESH_S`` old (the
-    callers check ``spread.stale`` first: no generator on the hot path)."""
-    spread = session.spread
-    (found,) = yield Batch("LRANGE", retry, [steps.shard_list(session)])
-    spread.seen(found, time.monotonic())
-    return spread.shards
-
-
-# ---------------------------------------------------------------------------------------------
-# Submitting
-
-
-def request(
-    inputs: Mapping[str, ArrayLike],
-    outputs: Sequence[str] | None,
-    deadline_s: float | None,
-    meta: Any,
-    rid: str | None,
-    reply_ttl_s: int | None,
-) -> Submission:
-    """One request, its ``deadline_s`` counted from now."""
-    return build_submission(
-        inputs,
-        outputs=outputs,
-        deadline_s=deadline_s,
-        meta=meta,
-        rid=rid,
-        reply_ttl_s=reply_ttl_s,
-        now_s=time.time(),
-    )
-
-
-def requests(
-    many: Sequence[Mapping[str, ArrayLike]],
-    outputs: Sequence[str] | None,
-    deadline_s: float | None,
-    meta: Any,
-    reply_ttl_s: int | None,
-) -> list[Submission]:
-    """Many requests sharing their options, each with a new rid."""
-    return build_submissions(
-        many,
-        outputs=outputs,
-        deadline_s=deadline_s,
-        meta=meta,
-        reply_ttl_s=reply_ttl_s,
-        now_s=time.time(),
-    )
-
-
-def send(
-    session: Session,
-    subs: Sequence[Submission],
-    until: float | None = None,
-    accepted: list[Submission] | None = None,
-) -> Plan[bool]:
-    """XADD ``subs`` once the backlog and Redis memory allow, each to its shard (one chosen by
-    ``ShardSpread`` for those without). ``until`` (monotonic), an ``infer``'s deadline, ends
-    the wait (BacklogFull, RedisFull) and the retries (RedisUnavailable). ``accepted`` gets
-    the submissions in Redis when the send ends, also when it fails (a shard that had room
-    took its part, which is never sent again).
-
-    Returns True when the XADDs needed a retry: Redis went away meanwhile, and what it had
-    acknowledged before may be gone with it (a master failed over before its replica had the
-    writes: replication is asynchronous), so a caller awaiting earlier requests sends them
-    again (``resend``)."""
-    settings = session.settings
-    gate = BacklogGate(settings.max_backlog, settings.wait_for_backlog, until)
-    xadd: Batch | None = None
-    try:
-        if session.spread.stale(time.monotonic()):
-            yield from _shards(session, session.retry.until(until, INFER_LIMIT))
-        while True:
-            while (delay_s := (yield from _no_room_s(session, gate, until))) is not None:
-                yield Sleep(delay_s)
-            retry = session.retry.until(until, INFER_LIMIT)
-            if xadd is None:
-                xadd = steps.xadd(session, session.spread.assign(subs), retry)
-            else:  # after a refusal for memory: the parts not yet in Redis, on a fresh budget
-                xadd.retry = retry
-            tried = xadd.tries
-            try:
-                yield xadd
-            except RedisFull as exc:  # Redis's own OOM: past the watermark between readings
-                session.full_seen = session.memory.refused(exc.refused or "")
-                yield Sleep(gate.refused(session.full_seen, time.monotonic()))
-                continue
-            session.memory.sent(sum(len(sub.body) for sub in subs))
-            return xadd.tries - tried > 1  # this attempt (not a refusal for memory) retried
-    finally:
-        session.backlog_seen = session.full_seen = None
-        if accepted is not None and xadd is not None:
-            accepted.extend(sub for part in xadd.parts if part.done for sub in part.items)
-
-
-def _no_room_s(session: Session, gate: BacklogGate, until: float | None) -> Plan[float | None]:
-    """None when the backlog and Redis memory leave room; else how long to sleep before looking
-    again (or the gate raises BacklogFull or RedisFull). Notes what holds the send up."""
-    if gate.active:
-        backlog = yield from _backlog(session, until)
-        delay_s = gate.delay_s(backlog, time.monotonic())
-        if delay_s is not None:
-            session.backlog_seen = backlog
-            return delay_s
-    memory = session.memory
-    if memory.stale(time.monotonic()):
-        # Each shard's node (on a cluster each master has its own memory), the fullest counts
-        retry = session.retry.until(until, INFER_LIMIT)
-        readings = []
-        for tag in session.spread.shards.send:
-            info = yield Call("INFO", session.info_memory, retry, tag)
-            if info is None:
-                memory.cannot_read()
-                break
-            readings.append(parse_info_memory(info))
-        else:
-            memory.seen(memory.tightest(readings), time.monotonic())
-    session.full_seen = memory.full()
-    if session.full_seen is None:
-        return None
-    return gate.refused(session.full_seen, time.monotonic())
-
-
-def _backlog(session: Session, until: float | None) -> Plan[int]:
-    """The model's backlog: the sum of ``XLEN`` over the shards it has (listed and retiring),
-    checked against ``max_backlog`` as one figure, as ``redbatch status`` and the scalers
-    see it."""
-    retry = session.retry.until(until, INFER_LIMIT)
-    return sum((yield steps.xlen(session, session.spread.shards.serve, retry)))
-
-
-def unsent(session: Session) -> RedbatchError:
-    """The error of an ``infer`` whose timeout_s ran out while its submit waited behind an
-    earlier one: the cause that held that one up, as if the infer had met it itself."""
-    settings = session.settings
-    if session.backlog_seen is not None and settings.max_backlog is not None:
-        return BacklogFull(session.backlog_seen, settings.max_backlog, waited=True)
-    if session.full_seen is not None:
-        return session.full_seen.waited_out()
-    if session.retry.outage.active:
-        return RedisUnavailable(
-            f"Could not talk to Redis at {session.where} within {INFER_LIMIT}, while "
-            "an earlier submit was retrying; the request was not sent."
-        )
-    return WaitTimeout(
-        f"{INFER_LIMIT} ran out while an earlier submit was being sent; the request was not sent."
-    )
-
-
-def resend(session: Session, subs: Sequence[Submission], retry: RetryPolicy) -> Plan[None]:
-    """Send awaited requests again, same rids and shards, after a command needed a retry: a
-    reply popped in flight was lost with its connection, or a Redis restarted without
-    persistence forgot the stream. A worker answers a copy whose reply is gone (and one whose
-    reply was read meanwhile: that reply expires unread), and writes nothing for one whose
-    reply is still there. No backlog gate: these are counted in it, or were lost."""
-    if subs:
-        log.info("sending %d awaited request(s) again after a Redis interruption", len(subs))
-        yield steps.xadd(session, session.spread.assign(subs), retry)
-
 
 # ---------------------------------------------------------------------------------------------
 # Waiting for replies
@@ -286,7 +123,12 @@ def wait_round(session: Session, waiter: ReplyWaiter) -> Plan[list[Result]]:
     results = waiter.take_popped(*steps.popped(by_tag, answers))
     if results:
         return results
-    item = yield from _pop(waiter, steps.blpop(session, waiter, _retry_for(session, waiter)))
+    try:
+        item = yield from _pop(waiter, steps.blpop(session, waiter, _retry_for(session, waiter)))
+    except ConnectionFailed as exc:
+        if not is_wrong_type(exc):
+            raise
+        return []  # a key turned into another type since the LPOPs: the next ones say which
     return waiter.take_blpopped(item, time.monotonic())
 
 
@@ -306,27 +148,54 @@ def wait(
 ) -> Plan[Result]:
     """``wait`` for ``target`` (tag, rid), its ``timeout_s`` counted from ``since``
     (monotonic). ``sent``, the request itself (``infer``), is sent again after an
-    interruption."""
+    interruption. A reply key of another type is a failed Result that says so. A wait
+    interrupted (asyncio's cancellation, KeyboardInterrupt) cancels its request, so that no
+    worker runs it for a reply nobody reads (``_interrupted``)."""
     waiter = ReplyWaiter(session.settings, timeout_s)
     tag, rid = target
     key = waiter.add(rid, since, tag)
     until, limit = waiter.deadline, _limit(waiter)
-    while True:
-        # Its retry policy is built only if the shell runs this BLPOP itself (Pop.bounded). The
-        # hot path of every wait and infer: ``_pop``'s bookkeeping inline, one generator fewer.
-        pop = steps.pop_reply(session, key, tag, until, limit)
-        item = yield pop
-        waiter.interrupted = waiter.interrupted or pop.tries > 1
-        results = waiter.take_blpopped(item, time.monotonic())
-        if results:
-            return results[0]
-        if sent is not None and waiter.interrupted:
-            waiter.interrupted = False
-            yield from resend(session, [sent], _retry_for(session, waiter))
+    try:
+        while True:
+            # Its retry policy is built only if the shell runs this BLPOP itself
+            # (Pop.bounded). The hot path of every wait and infer: ``_pop``'s bookkeeping
+            # inline, one generator fewer.
+            pop = steps.pop_reply(session, key, tag, until, limit)
+            try:
+                item = yield pop
+            except ConnectionFailed as exc:
+                if not is_wrong_type(exc):
+                    raise
+                item = [key, exc]  # the key holds another type: this request's Result says so
+            waiter.interrupted = waiter.interrupted or pop.tries > 1
+            results = waiter.take_blpopped(item, time.monotonic())
+            if results:
+                return results[0]
+            if sent is not None and waiter.interrupted:
+                waiter.interrupted = False
+                yield from resend(session, [sent], _retry_for(session, waiter))
+    except BaseException as exc:
+        if _interrupted(exc):
+            yield _cancel_aside(session, target)
+        raise
 
 
-def submit(subs: Sequence[Submission], until: float | None = None) -> Plan[None]:
-    """``submit`` and ``submit_many``: one ``Send`` (see ``send``)."""
+def _interrupted(exc: BaseException) -> bool:
+    """True for an interruption from outside the plan (asyncio's CancelledError,
+    KeyboardInterrupt): not an error of the call, and not the plan being closed."""
+    return not isinstance(exc, (Exception, GeneratorExit))
+
+
+def _cancel_aside(session: Session, target: Target) -> Aside:
+    """Set ``target``'s cancel key on the side (``Aside``), one try: a call interrupted must not
+    wait for it."""
+    return Aside(cancel(session, [target], retry=session.retry.once()))
+
+
+def submit(session: Session, subs: Sequence[Submission], until: float | None = None) -> Plan[None]:
+    """``submit`` and ``submit_many``: refuse what Redis or the workers would (``admit``:
+    TooLarge, with none of ``subs`` sent), then one ``Send`` (see ``send``)."""
+    yield from admit(session, subs, until)
     yield Send(subs, until)
 
 
@@ -334,8 +203,16 @@ def infer(
     session: Session, sub: Submission, timeout_s: float, started: float
 ) -> Plan[dict[str, np.ndarray]]:
     """``infer``: submit, then ``wait``; the whole call ends within ``timeout_s`` of
-    ``started``."""
-    yield Send([sub], started + check_timeout_s(timeout_s))
+    ``started``. Interrupted once its request may have gone out, it cancels it (see
+    ``wait``)."""
+    until = started + check_timeout_s(timeout_s)
+    yield from admit(session, [sub], until)
+    try:
+        yield Send([sub], until)
+    except BaseException as exc:
+        if sub.tag and _interrupted(exc):  # a shard was chosen: it may have been sent
+            yield _cancel_aside(session, (sub.tag, sub.rid))
+        raise
     return outputs((yield from wait(session, (sub.tag, sub.rid), timeout_s, started, sent=sub)))
 
 
@@ -377,7 +254,12 @@ def poll(
     key = session.settings.reply_key(rid, tag)
     raw = None if kept is None else kept(key.encode())
     if raw is None:
-        raw = yield Call("LINDEX", lambda r: r.lindex(key, 0), session.retry, tag)
+        try:
+            raw = yield Call("LINDEX", lambda r: r.lindex(key, 0), session.retry, tag)
+        except ConnectionFailed as exc:
+            if not is_wrong_type(exc):
+                raise
+            return wrong_type_result(rid, session.settings.model, key.encode(), exc, tag)
     return None if raw is None else parse_reply(rid, raw, tag)
 
 
@@ -386,11 +268,20 @@ def poll(
 
 
 def fit_rows(session: Session, plan: MapPlan) -> Plan[None]:
-    """Give ``plan`` the live workers' row limit, or check the caller's against it."""
+    """Give ``plan`` the live workers' row limit, or check the caller's against it, and the
+    largest body a request may have (``limits``: its requests are split to stay under it)."""
+    if not plan.has_rows:
+        return
+    records = yield from workers(session)
+    limits = session.limits
+    if limits.reading(time.monotonic()):  # the bulk limit, at the client's first use
+        yield from read_bulk_limit(session, session.retry)
+    limits.workers_seen(records, time.monotonic())
+    plan.use_body_limit(limits)
     if plan.needs_row_limit:
-        plan.use_row_limit(row_limit((yield from workers(session)), session.settings))
-    elif plan.has_rows:
-        check_rows_per_request(plan.rows_per_request, (yield from workers(session)))
+        plan.use_row_limit(row_limit(records, session.settings))
+    else:
+        check_rows_per_request(plan.rows_per_request, records)
 
 
 def run_map(session: Session, plan: MapPlan) -> Plan[None]:
@@ -463,20 +354,10 @@ def backlog(session: Session) -> Plan[int]:
     """Entries in the model's request streams, summed over its shards: queued plus in
     progress."""
     if session.spread.stale(time.monotonic()):
-        yield from _shards(session, session.retry)
-    return (yield from _backlog(session, None))
+        yield from read_shards(session, session.retry)
+    return (yield from read_backlog(session, None))
 
 
 def workers(session: Session) -> Plan[list[dict[str, Any]]]:
     """The live workers' validation records, by name; forgets workers whose record expired."""
-    settings, retry = session.settings, session.retry
-    key = settings.workers_key
-    members = yield Call("SMEMBERS", lambda r: r.smembers(key), retry)
-    roster = WorkerRoster.from_members(settings, members)
-    raws = []
-    if roster.record_keys:
-        raws = yield Call("MGET", lambda r: r.mget(roster.record_keys), retry)
-    records, stale = roster.read(raws)
-    if stale:
-        yield Call("SREM", lambda r: r.srem(key, *stale), retry)
-    return records
+    return (yield from read_workers(session, session.retry))

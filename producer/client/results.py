@@ -22,6 +22,7 @@ __all__ = [
     "handle_of",
     "parse_reply",
     "parse_reply_or_fail",
+    "wrong_type_result",
 ]
 
 #: The client-side code of a request whose reply did not come in time (map() and ``redbatch
@@ -139,6 +140,27 @@ def failed_result(
         timings_ms={},
         shard=shard,
     )
+
+
+def wrong_type_result(
+    rid: str, model: str, key: bytes, error: BaseException, shard: str = ""
+) -> Result:
+    """A failed Result (INTERNAL, not retryable as is) for a request whose reply key holds
+    another type of value than a list: something other than a worker wrote it, and Redis
+    answered ``error`` (WRONGTYPE) when the client read it."""
+    name = key.decode("utf-8", "replace")
+    message = (
+        f"the reply key {name!r} holds a value that is not a list ({_first_line(error)}): "
+        "something other than a worker wrote it, so this request's reply cannot be read. "
+        f"An operator can look at it (TYPE {name}) and remove it (DEL {name}); then send the "
+        "request again."
+    )
+    return failed_result(rid, model, "INTERNAL", message, False, shard)
+
+
+def _first_line(error: BaseException) -> str:
+    cause = error if error.__cause__ is None else error.__cause__
+    return str(cause).rpartition("caused error: ")[2].splitlines()[0].rstrip(".")
 
 
 def as_bytes(value: bytes | str) -> bytes:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer.client.limits import BodyLimit
 from producer.client.routing import ShardSpread
 from producer.client.settings import Settings
 from producer.protocol.errors import RedisFull
@@ -21,7 +22,7 @@ class Session:
 
     ``backlog_seen`` and ``full_seen`` say what holds up the send under way (the backlog, Redis
     memory): the asyncio shell names it to a call whose time ran out behind that send.
-    ``spread`` holds the model's shards.
+    ``spread`` holds the model's shards, ``limits`` the largest body a submit may send.
     """
 
     settings: Settings
@@ -34,6 +35,8 @@ class Session:
     backlog_seen: int | None = None
     full_seen: RedisFull | None = None
     spread: ShardSpread = field(init=False)
+    limits: BodyLimit = field(init=False)
 
     def __post_init__(self) -> None:
         self.spread = ShardSpread(self.settings.model)
+        self.limits = BodyLimit(self.where)

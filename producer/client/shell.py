@@ -117,7 +117,9 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
     def wait_many(self, handles: Sequence[str], timeout_s: float) -> ResultsT:
         """Yield replies as they arrive (consuming them); WaitTimeout for any left at the end.
         Takes what ``submit`` returned (or bare rids: the model's first shard); each Result's
-        ``handle`` says which it answers."""
+        ``handle`` says which it answers. A reply key holding another type than a list (set by
+        something other than a worker) is a failed Result (INTERNAL) naming the key; the
+        replies popped beside it are yielded as usual."""
         settings = self._session.settings
         waiter = ReplyWaiter(settings, timeout_s)
         now = time.monotonic()

@@ -2,10 +2,12 @@
 commands behind each step.
 
 A plan yields steps: ``Call`` (one redis-py command), ``Batch`` (many commands, one round trip
-per node), ``Sleep``, and two that concurrent calls of the asyncio shell share: ``Send`` (a
-submit, coalesced with others) and ``Pop`` (one call's BLPOP, served by a BLPOP that watches
-many calls' keys). The blocking shell runs ``Send`` as the ``plans.send`` plan and ``Pop`` as
-the BLPOP it is, so both shells run the same plans, and a plan cannot tell them apart.
+per node), ``Sleep``, ``Aside`` (a plan of clean-up commands the call does not wait for),
+``Shared`` (a plan concurrent calls run once between them), and two that concurrent calls of
+the asyncio shell share: ``Send`` (a submit, coalesced with others) and ``Pop`` (one call's
+BLPOP, served by a BLPOP that watches many calls' keys). The blocking shell runs ``Send`` as
+the ``plans.send`` plan and ``Pop`` as the BLPOP it is, so both shells run the same plans, and
+a plan cannot tell them apart.
 
 Every command names its shard tag (contract section 1): a ``Batch`` is made of one ``Part`` per
 shard, so that no transaction or multi-key command spans two slots. Each builder below gives
@@ -31,12 +33,14 @@ from producer.redisio.retry import RetryPolicy
 from producer.redisio.shards import parse_shards
 
 __all__ = [
+    "Aside",
     "Batch",
     "Call",
     "Part",
     "Plan",
     "Pop",
     "Send",
+    "Shared",
     "Sleep",
     "Step",
     "blpop",
@@ -140,8 +144,31 @@ class Sleep:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class Aside:
+    """Run ``plan`` on the side, its errors ignored: the asyncio shell starts it as a task of
+    its own and goes on at once (an interrupted call's clean-up must not hold up its
+    cancellation); the blocking shell runs it there and then. Answers None."""
+
+    plan: Plan[None]
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """Run the plan ``start(retry)`` makes, once for all the calls that ask for ``name`` while
+    it runs: the asyncio shell runs it in a task of its own (``close()`` ends it) with the
+    client's retry policy, and each call waits for it until its own ``until`` (monotonic; None:
+    no bound); the blocking shell runs it there and then, its retries ending at ``until``
+    (``limit`` names that bound). Answers what the plan returns, or raises its error."""
+
+    name: str
+    start: Callable[[RetryPolicy], Plan[Any]]
+    until: float | None = None
+    limit: str = ""
+
+
 #: What a shell runs: the steps a plan yields.
-Step = Call | Batch | Sleep | Send
+Step = Call | Batch | Sleep | Send | Aside | Shared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,11 +200,15 @@ def lpop(session: Session, by_tag: Mapping[str, list[bytes]], retry: RetryPolicy
 
 
 def lpop_part(session: Session, tag: str, keys_: list[bytes]) -> Part:
+    """``LPOP`` of each key; a key of another type answers its ``WRONGTYPE`` error in place,
+    so that the replies popped beside it are kept (``ReplyWaiter`` makes it a failed Result)."""
+
     def queue(pipe: Any) -> None:
         for key in keys_:
             pipe.lpop(key)
 
-    return Part(tag, queue, pack_lpops(keys_) if session.packed else None, items=keys_)
+    packer = pack_lpops(keys_) if session.packed else None
+    return Part(tag, queue, packer, resp.raise_first_error_but_wrong_type, items=keys_)
 
 
 def pack_lpops(keys_: Sequence[bytes]) -> resp.Packer:

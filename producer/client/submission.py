@@ -2,7 +2,9 @@
 
 ``build_submission`` encodes a request (``rid``, ``body``); ``pack_xadds`` packs submits as
 ``MULTI``/``EXEC`` transactions by hand (``producer.redisio.resp``), and ``check_xadds`` reads
-their replies.
+their replies. Every ``XADD`` is ``XADD stream * rid R body B``: never a trimming option
+(``MAXLEN``, ``MINID``) nor an explicit id, which would drop or block other producers'
+requests (contract section 2).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.typing import EncodableT, FieldT
 from producer.client.results import handle_of
 from producer.client.settings import check_ttl_s, deadline_ms
 from producer.protocol import codec, keys
+from producer.protocol.errors import StreamExhausted
 from producer.redisio import resp
 
 __all__ = [
@@ -27,7 +30,9 @@ __all__ = [
     "build_submission",
     "build_submissions",
     "check_xadds",
+    "is_exhausted",
     "pack_xadds",
+    "stream_exhausted",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,6 +124,24 @@ def check_xadds(xadds: Xadds, replies: Sequence[Any]) -> None:
             resp.raise_first_error(list(added))
             continue
         resp.raise_first_error([*added, done])
+
+
+def is_exhausted(exc: BaseException | None) -> bool:
+    """True for Redis's refusal of an ``XADD *`` to a stream whose last id is the largest
+    possible one."""
+    return exc is not None and "exhausted the last possible ID" in str(exc)
+
+
+def stream_exhausted(where: str, stream: str) -> StreamExhausted:
+    """The error for an ``XADD`` refused because ``stream``'s id space is used up."""
+    return StreamExhausted(
+        f"Redis at {where} refused to add a request to {stream}: the stream has exhausted the "
+        "last possible ID. Someone added an entry with the largest possible id (XADD with an "
+        "explicit id 18446744073709551615-18446744073709551615), and no XADD * can succeed "
+        "after it; nothing was sent, and retrying will not help. An operator must repair the "
+        "stream: delete that entry, set the stream's last id back with XSETID, then the "
+        f"group's with XGROUP SETID {stream} workers (docs/operations.md, 'A damaged stream')."
+    )
 
 
 def _warn_no_multi(exc: Exception) -> None:

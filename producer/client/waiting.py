@@ -8,6 +8,7 @@ answers, so the logic exists once, for both shells, and can be tested without Re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from producer.client.results import (
     WAIT_TIMEOUT,
@@ -16,6 +17,7 @@ from producer.client.results import (
     failed_result,
     handle_of,
     parse_reply_or_fail,
+    wrong_type_result,
 )
 from producer.client.settings import Settings, check_timeout_s
 from producer.protocol.errors import WaitTimeout
@@ -43,8 +45,9 @@ class ReplyWaiter:
     A BLPOP that comes back empty after a deadline has passed raises WaitTimeout, so every
     request gets at least one look; with ``late_fails`` it instead returns a failed Result
     (code WAIT_TIMEOUT) for each late request and lists them in ``late``, for the plan to
-    cancel. A reply that cannot be decoded is a failed Result (code INTERNAL), never an
-    exception that would lose its neighbours.
+    cancel. A reply that cannot be decoded, or a reply key of another type (an answer that is
+    the key's WRONGTYPE error), is a failed Result (code INTERNAL), never an exception that
+    would lose its neighbours.
     """
 
     def __init__(self, settings: Settings, timeout_s: float, *, late_fails: bool = False) -> None:
@@ -126,23 +129,26 @@ class ReplyWaiter:
         return min(deadline for _, deadline, _ in self._pending.values())
 
     def take_popped(
-        self, keys_: Sequence[bytes], raws: Sequence[bytes | str | None]
+        self, keys_: Sequence[bytes], raws: Sequence[bytes | str | Exception | None]
     ) -> list[Result]:
-        """Results for the keys whose LPOP returned an element, in the order of ``keys_``."""
+        """Results for the keys whose LPOP returned an element (or an error), in the order of
+        ``keys_``."""
         return [
             self._take(key, raw) for key, raw in zip(keys_, raws, strict=True) if raw is not None
         ]
 
-    def take_blpopped(self, item: Sequence[bytes | str] | None, now: float) -> list[Result]:
+    def take_blpopped(self, item: Sequence[Any] | None, now: float) -> list[Result]:
         """The Result in a BLPOP answer (``[key, element]``); if it timed out, none, or
         WaitTimeout when a deadline has passed by ``now``."""
         if not item:
             return self._late(now)
-        key, raw = item
+        key, raw = item  # raw: the element, or the key's WRONGTYPE error
         return [self._take(as_bytes(key), raw)]
 
-    def _take(self, key: bytes, raw: bytes | str) -> Result:
+    def _take(self, key: bytes, raw: bytes | str | Exception) -> Result:
         rid, _, tag = self._pending.pop(key)
+        if isinstance(raw, Exception):
+            return wrong_type_result(rid, self._settings.model, key, raw, tag)
         return parse_reply_or_fail(rid, raw, self._settings.model, tag)
 
     def _late(self, now: float) -> list[Result]:

@@ -2,6 +2,7 @@
 
 Workers register a JSON record under their own key and their name in the model's worker set;
 a record that expired leaves its name behind, which the reader removes (``WorkerRoster.read``).
+``read_workers`` is the plan (``producer.client.plans``) that reads them.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer.client.results import as_bytes
+from producer.client.session import Session
 from producer.client.settings import Settings
+from producer.client.steps import Call, Plan
 from producer.protocol import keys
 from producer.protocol.errors import NoWorkerInfo
+from producer.redisio.retry import RetryPolicy
 
-__all__ = ["WorkerRoster", "check_rows_per_request", "row_limit"]
+__all__ = ["WorkerRoster", "check_rows_per_request", "read_workers", "row_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,20 @@ class WorkerRoster:
             else:
                 log.warning("worker %s has a record that is not a JSON object; skipped", name)
         return records, stale
+
+
+def read_workers(session: Session, retry: RetryPolicy) -> Plan[list[dict[str, Any]]]:
+    """The live workers' validation records, by name; forgets workers whose record expired."""
+    key = session.settings.workers_key
+    members = yield Call("SMEMBERS", lambda r: r.smembers(key), retry)
+    roster = WorkerRoster.from_members(session.settings, members)
+    raws = []
+    if roster.record_keys:
+        raws = yield Call("MGET", lambda r: r.mget(roster.record_keys), retry)
+    records, stale = roster.read(raws)
+    if stale:
+        yield Call("SREM", lambda r: r.srem(key, *stale), retry)
+    return records
 
 
 def _row_limits(records: Iterable[Mapping[str, Any]]) -> list[int]:

@@ -26,7 +26,9 @@ __all__ = [
     "InFlight",
     "Packer",
     "command",
+    "is_wrong_type",
     "raise_first_error",
+    "raise_first_error_but_wrong_type",
     "round_trip",
     "round_trip_async",
     "send",
@@ -95,6 +97,27 @@ def raise_first_error(replies: list[Any]) -> list[Any]:
                 if isinstance(inner, Exception):
                     raise inner
     return replies
+
+
+def raise_first_error_but_wrong_type(replies: list[Any]) -> list[Any]:
+    """``raise_first_error``, except that a ``WRONGTYPE`` error stays in place: it concerns
+    one key (a reply key someone set to another type), and must not lose the answers of the
+    commands beside it (the other replies a sweep of many keys popped)."""
+    for reply in replies:
+        if isinstance(reply, Exception) and not is_wrong_type(reply):
+            raise reply
+    return replies
+
+
+def is_wrong_type(exc: BaseException | None) -> bool:
+    """True for Redis's ``WRONGTYPE`` refusal (a key holding another type of value), also as
+    the cause of the error a client raised for it."""
+    if exc is not None and not isinstance(exc, redis.ResponseError):
+        exc = exc.__cause__
+    if not isinstance(exc, redis.ResponseError):
+        return False
+    # A pipeline that raised it prefixes where: "Command # 1 (...) of pipeline caused error: "
+    return str(exc).rpartition("caused error: ")[2].startswith("WRONGTYPE")
 
 
 def round_trip(client: redis.Redis, packer: Packer) -> list[Any]:
