@@ -35,6 +35,7 @@ from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
+from worker.answer.pressure import MemoryPressure
 from worker.answer.writer import ReplyWriter
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
@@ -141,6 +142,9 @@ class Worker:
             ),
             self.shards,
         )
+        # Redis memory as the answer path sees it: error replies compact and short-lived past
+        # half of maxmemory, error-only batches held past 1.25 x (worker/answer/pressure.py)
+        pressure = MemoryPressure(lambda tag: self.shards.stream(tag).client)
         self.answers = Answerer(
             self.model,
             self.schema,
@@ -150,6 +154,8 @@ class Worker:
             self.events,
             self.stuck,
             self.pipeline,
+            max_reply_bytes=cfg.limits.max_reply_bytes,
+            pressure=pressure,
         )
         self.writer = ReplyWriter(
             Finisher(self.shards),
@@ -158,6 +164,7 @@ class Worker:
             events=self.events,
             on_retry=self.topology.follow,
             record=self.registry,
+            pressure=pressure,
         )
         self._memory_alarm = MemoryAlarm()
         self.metrics.describe(prepared.record)

@@ -234,6 +234,11 @@ class ReplyEncoder:
             raise not_utf8("reply", exc) from exc
         return replies
 
+    def tensor_bytes(self, name: str, array: Any) -> int:
+        """The bytes output ``name`` takes in a reply, header included: what bounds a reply
+        (worker/answer/replybound.py) is known before the reply is joined."""
+        return sum(len(part) for part in self._tensor(name, array))
+
     def _tensor(self, name: str, array: Any) -> list[bytes | memoryview]:
         """The output's name, tensor map and bin header, packed once per (name, dtype, shape),
         then its data as a buffer (no copy when contiguous)."""

@@ -6,8 +6,10 @@ answered when it has a rid); an admitted one is answered CANCELLED or DEADLINE_E
 that is already known, else run with the requests of its shape (``worker.answer.run``) and answered
 with its outputs or the error it alone caused. The ok replies of one run are encoded together,
 so what they share is packed once; when that fails, each alone, and a reply UTF-8 cannot encode
-(an output holding a lone surrogate) is answered INFERENCE_FAILED on its own. The writer then
-finishes the whole batch in one round trip.
+(an output holding a lone surrogate) is answered INFERENCE_FAILED on its own. A reply over the
+bound its Redis takes (``worker.answer.replybound``) is answered TOO_LARGE on its own; error
+replies go compact and short-lived while Redis memory is high (``worker.answer.pressure``). The
+writer then finishes the whole batch in one round trip.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import redis
 
 from producer.protocol.codec import ErrorInfo
 from producer.protocol.errors import WireFormatError
 from producer.protocol.replies import ReplyEncoder
 from worker.answer.assemble import FeedBuffers
+from worker.answer.pressure import COMPACT_MESSAGE_CHARS, COMPACT_TTL_S, MemoryPressure
+from worker.answer.replybound import ReplyBound, too_large
 from worker.answer.run import run_batch
 from worker.answer.writer import Batch
 from worker.errors import Rejected
@@ -53,6 +58,8 @@ class Answerer:
         events: Events,
         stuck: Stuck,
         pipeline: Pipeline | None = None,
+        max_reply_bytes: int = 0,
+        pressure: MemoryPressure | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
@@ -63,6 +70,14 @@ class Answerer:
         self.events = events
         self.buffers = FeedBuffers(max(schema.max_batch_size, schema.fixed_batch or 0))
         self.stuck = stuck  # the service's: marks each run, for the lease keepers
+
+        # the largest reply each shard's Redis takes (limits.max_reply_bytes, or learned)
+        def client_of(tag: str) -> redis.Redis | None:
+            return None if stream_of is None else stream_of(tag).client
+
+        self.bound = ReplyBound(client_of, max_reply_bytes)
+        # Redis memory: error replies go compact past a watermark (worker/answer/pressure.py)
+        self.pressure = pressure or MemoryPressure(client_of)
 
     def answer(self, batch: Sequence[Item]) -> Batch:
         """The batch's finish steps, with what metrics want to know once it is written."""
@@ -171,6 +186,15 @@ class Answerer:
         """The ok replies of one run, encoded together. Only when that fails (an output holds
         a string UTF-8 cannot encode) is each encoded alone, so that the request at fault is
         answered with its own error and its run-mates as usual."""
+        finishes = []
+        fitting = []
+        for outcome in done:  # one too large for Redis is answered before it is joined
+            over = self._over_bound(outcome.item, outcome.outputs or {})
+            if over is None:
+                fitting.append(outcome)
+            else:
+                finishes.append(self._refusal(outcome.item, over, started_ms, outcome.inference_ms))
+        done = fitting
         requests = [
             (o.item.rid, o.outputs or {}, _queued_ms(o.item.entry, started_ms), o.item.meta_raw)
             for o in done
@@ -182,14 +206,13 @@ class Answerer:
             )
         except WireFormatError:
             replies = [self._encode_alone(request, rows, inference_ms) for request in requests]
-        finishes = []
         for outcome, reply in zip(done, replies, strict=True):
             item = outcome.item
             if reply is None:
                 error = _unencodable("the model's", outcome.outputs or {}, item.rid)
                 finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
             else:
-                finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
+                finishes.append(self._ok(item, reply, outcome.outputs or {}, started_ms))
         return finishes
 
     def _encode_alone(
@@ -244,8 +267,50 @@ class Answerer:
                 error = _unencodable("the pipeline's postprocess", result, item.rid)
                 finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
                 continue
-            finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
+            finishes.append(self._ok(item, reply, result, started_ms))
         return finishes
+
+    # -- the reply bound -------------------------------------------------------------------------
+
+    def _ok(
+        self, item: Admitted, reply: bytes, outputs: Mapping[str, Any], started_ms: float
+    ) -> Finish:
+        """``item`` answered with its ok ``reply``, or TOO_LARGE when Redis would not take it."""
+        bound = self.bound.of(item.entry.shard)
+        if len(reply) <= bound.nbytes:
+            return self._finish(item, reply, "OK", item.reply_ttl_s)
+        error = too_large(len(reply), bound, self._output_sizes(outputs))
+        return self._refusal(item, self._too_large_logged(item, error), started_ms)
+
+    def _over_bound(self, item: Admitted, outputs: Mapping[str, Any]) -> Rejected | None:
+        """TOO_LARGE when ``outputs`` alone are over the reply bound, so that such a reply is
+        never built (its bytes would be joined only to be refused); None when they fit."""
+        bound = self.bound.of(item.entry.shard)
+        if _numeric_bytes(outputs) + _HEADROOM_BYTES <= bound.nbytes:
+            return None  # the common case, without encoding anything
+        sizes = self._output_sizes(outputs)
+        size = sum(sizes.values()) + len(item.meta_raw or b"")
+        if size <= bound.nbytes:
+            return None
+        return self._too_large_logged(item, too_large(size, bound, sizes))
+
+    def _output_sizes(self, outputs: Mapping[str, Any]) -> dict[str, int]:
+        """Each output's bytes in a reply; 0 for one the encoder refuses (answered apart)."""
+        sizes = {}
+        for name, array in outputs.items():
+            try:
+                sizes[name] = self.encoder.tensor_bytes(name, array)
+            except (WireFormatError, UnicodeEncodeError, ValueError, TypeError):
+                sizes[name] = 0
+        return sizes
+
+    @staticmethod
+    def _too_large_logged(item: Admitted, error: Rejected) -> Rejected:
+        log.warning(
+            "a reply is too large for Redis; answering TOO_LARGE",
+            extra={"fields": {"rid": item.rid, "error": error.message}},
+        )
+        return error
 
     # -- replies without outputs ---------------------------------------------------------------
 
@@ -263,6 +328,11 @@ class Answerer:
         started_ms: float,
         inference_ms: float = 0.0,
     ) -> Finish:
+        if self.pressure.compact(item.entry.shard):  # no meta, a short message and TTL
+            reply = self._error_reply(
+                item.rid, item.entry, None, _cut(error), started_ms, inference_ms
+            )
+            return self._finish(item, reply, error.code, _short_ttl(item.reply_ttl_s))
         reply = self._error_reply(
             item.rid, item.entry, item.meta_raw, error, started_ms, inference_ms
         )
@@ -282,8 +352,11 @@ class Answerer:
         if item.rid is None:  # no reply key can be named: the dead-letter stream is its answer
             return self._finish(item, None, "DEAD_LETTER", dead_reason=item.reason)
         assert error is not None
+        ttl_s = None
+        if self.pressure.compact(item.entry.shard):
+            error, ttl_s = _cut(error), COMPACT_TTL_S
         reply = self._error_reply(item.rid, item.entry, None, error, started_ms, 0.0)
-        return self._finish(item, reply, error.code, dead_reason=item.reason)
+        return self._finish(item, reply, error.code, ttl_s, dead_reason=item.reason)
 
     def _finish(
         self,
@@ -327,6 +400,34 @@ class Answerer:
         """The reply's TTL: the request's own when it asks for less than the worker's."""
         own = self.reply_ttl_s
         return min(requested_s, own) if requested_s else own
+
+
+#: What a reply holds besides its outputs' data, at most: meta (4 KiB), rid, names, headers.
+_HEADROOM_BYTES = 64 * 1024
+
+
+def _numeric_bytes(outputs: Mapping[str, Any]) -> float:
+    """The outputs' data bytes; infinity when one is not a numeric array (its encoded size
+    is only known by encoding it)."""
+    total = 0
+    for array in outputs.values():
+        if type(array) is not np.ndarray or array.dtype.kind in "OUSV":
+            return float("inf")
+        total += array.nbytes
+    return total
+
+
+def _cut(error: Rejected) -> Rejected:
+    """``error`` with its message cut short, for a compact reply (``worker.answer.pressure``)."""
+    if len(error.message) <= COMPACT_MESSAGE_CHARS:
+        return error
+    message = error.message[: COMPACT_MESSAGE_CHARS - 3] + "..."
+    return Rejected(error.code, message, retryable=error.retryable)
+
+
+def _short_ttl(requested_s: int | None) -> int:
+    """A compact reply's TTL: the request's own when shorter still."""
+    return min(requested_s, COMPACT_TTL_S) if requested_s else COMPACT_TTL_S
 
 
 def _queued_ms(entry: RawEntry, started_ms: float) -> float:

@@ -8,6 +8,10 @@ When no batch waits to run, there is nothing to overlap with, and handing the wr
 thread only adds a wake-up and a turn of the GIL to the batch's path: with a small model, most
 of the path. The caller then writes the batch itself (``submit(batch, here=True)``).
 
+A batch of only error replies waits while Redis memory is past a ceiling over ``maxmemory``
+(``worker.answer.pressure``), so that a flood of malformed requests cannot inflate a full Redis;
+it is written on this thread, so that the serving thread goes on meanwhile.
+
 A written batch is the end of the worker's path: its leases are released (``Finisher``), the
 metrics told (``Events.batch_done``) and what was served counted in the worker's record.
 """
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 import redis
 
 from worker.answer.finisher import Finisher
+from worker.answer.pressure import MemoryPressure
 from worker.errors import WorkerError
 from worker.events import NO_EVENTS, Events
 from worker.redisio.retry import OutageRetry
@@ -62,7 +67,8 @@ class ReplyWriter(threading.Thread):
 
     Each batch, once in Redis, is counted in ``served`` (and the ``record``) on the thread that
     wrote it; a write that fails for good sets ``stop``, and the batches not written stay
-    pending. ``give_up`` (a second stop signal) ends the retries of an outage.
+    pending. ``give_up`` ends the retries of an outage: set by a stop signal that found the
+    worker making no progress for a few seconds (``worker.ops.progress``), or by a second one.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class ReplyWriter(threading.Thread):
         events: Events = NO_EVENTS,
         on_retry: Callable[[BaseException], object] | None = None,
         record: Record | None = None,
+        pressure: MemoryPressure | None = None,
     ) -> None:
         super().__init__(name="redbatch-writer", daemon=True)
         self.finisher = finisher
@@ -85,6 +92,9 @@ class ReplyWriter(threading.Thread):
             "writing replies", give_up=give_up, events=events, on_retry=on_retry
         )
         self.failure: BaseException | None = None
+        # Redis memory: a batch of only error replies waits while it is past the ceiling
+        self.pressure = pressure or MemoryPressure(functools.partial(_client_of, finisher))
+        self.held_s = 0.0  # seconds batches waited for memory in all (worker/answer/pressure.py)
         # Moving average of a write's seconds, over writes that needed no retry (an outage
         # says nothing about how long writes take); 0 until the first.
         self.typical_s = 0.0
@@ -99,7 +109,7 @@ class ReplyWriter(threading.Thread):
         one at a time and in order. Called from one thread only (the serving thread's
         ``Worker.process``): that is what keeps a write here from overlapping one on the
         writer's thread (``Finisher``)."""
-        if here and self.idle():
+        if here and self.idle() and _has_ok(batch):  # one that may wait for memory waits there
             self._write_here(batch)
         else:
             self._put(batch)
@@ -148,6 +158,8 @@ class ReplyWriter(threading.Thread):
             raise WorkerError(f"the reply writer stopped: {exc}") from exc
 
     def _write(self, batch: Batch) -> None:
+        if not _has_ok(batch):
+            self._hold(batch)
         started = time.perf_counter()
         self.events.point("before_finish")
         self._outage.interrupted = False
@@ -160,10 +172,27 @@ class ReplyWriter(threading.Thread):
         self.events.point("after_finish")
         self._written(batch, elapsed)
 
+    def _hold(self, batch: Batch) -> None:
+        """Wait while Redis is past the memory ceiling, for a batch of only error replies and
+        dead letters: written now, they would grow a full Redis without bound. Its leases are
+        renewed meanwhile (the lease keeper), so no other worker claims its entries. A stop
+        ends the wait (what this worker holds is then written), and so does a batch with ok
+        replies queued behind it: ok replies never wait for memory."""
+        tags = {finish.shard or self.finisher.shards.model for finish in batch.finishes}
+        give_up = self._outage.give_up
+        stops = (self.stop,) if give_up is None else (self.stop, give_up)
+        self.held_s += self.pressure.hold(tags, *stops, release=self._ok_waiting)
+
+    def _ok_waiting(self) -> bool:
+        """Whether a batch with an ok reply waits in the queue."""
+        with self._queue.mutex:
+            waiting = list(self._queue.queue)
+        return any(batch is not None and _has_ok(batch) for batch in waiting)
+
     def _written(self, batch: Batch, write_s: float) -> None:
         """A batch is in Redis: release its leases, tell the metrics, count what it served."""
         self.finisher.release(batch.finishes)
-        codes = [f.code for f, done in zip(batch.finishes, batch.finished, strict=True) if done]
+        codes = self.finisher.outcomes(batch.finishes, batch.finished)  # refused: DEAD_LETTER
         self.events.batch_done(
             codes=codes,
             queued_s=batch.queued_s,
@@ -180,8 +209,8 @@ class ReplyWriter(threading.Thread):
         self.failure = exc
         told = self._outage.give_up is not None and self._outage.give_up.is_set()
         if told and isinstance(exc, redis.RedisError):
-            # asked for (a second stop signal during an outage): one line, not a traceback
-            log.error(
+            # asked for (a stop signal during an outage): one line, not a traceback
+            log.warning(
                 "reply writer gave up on Redis as told (%s: %s); the unwritten entries stay "
                 "pending, for a worker to claim",
                 type(exc).__name__,
@@ -190,3 +219,14 @@ class ReplyWriter(threading.Thread):
         else:
             log.exception("reply writer stopped; the unwritten entries stay pending")
         self.stop.set()
+
+
+def _client_of(finisher: Finisher, tag: str) -> redis.Redis | None:
+    """Shard ``tag``'s client, for memory readings; None once the shard was dropped."""
+    shard = finisher.shards.get(tag)
+    return None if shard is None else shard.stream.client
+
+
+def _has_ok(batch: Batch) -> bool:
+    """Whether ``batch`` answers any request with an ok reply (never held for memory)."""
+    return any(finish.code == "OK" for finish in batch.finishes)

@@ -19,6 +19,7 @@ __all__ = [
     "LISTEN_HOST",
     "MODEL_NAME",
     "PREFIX",
+    "REPLY_BYTES",
     "SHA256",
     "SHAPE",
     "VERSION",
@@ -103,6 +104,17 @@ BATCH_AXIS = kind(
     'Use the axis that holds the rows (0 to 31; 0 is the default) or "none" for an input or '
     "output without rows.",
     lambda v: None if v == "none" else v,
+)
+
+
+#: The smallest ``limits.max_reply_bytes``: an error reply (meta is up to 4 KiB) must still fit.
+MIN_REPLY_BYTES = 65536
+#: ``limits.max_reply_bytes``: 0 learns Redis's ``proto-max-bulk-len``.
+REPLY_BYTES = kind(
+    f"0 or an integer >= {MIN_REPLY_BYTES}",
+    lambda v: type(v) is int and (v == 0 or MIN_REPLY_BYTES <= v <= 2**62),
+    f"Use 0 (the worker reads Redis's proto-max-bulk-len) or the largest reply in bytes, "
+    f"{MIN_REPLY_BYTES} or more, at most the server's proto-max-bulk-len.",
 )
 
 

@@ -158,6 +158,9 @@ class LimitsConfig:
     max_element_bytes: int = setting(
         _16_MIB, INT, "Longer string or bytes elements are TOO_LARGE.", min=1, max=2**31
     )
+    max_reply_bytes: int = setting(
+        0, kinds.REPLY_BYTES, "Larger replies are TOO_LARGE; 0: Redis's proto-max-bulk-len."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ import logging
 
 from producer.protocol.units import format_bytes
 from producer.redisio.memory import MemoryReading
+from worker.answer.pressure import CEILING, COMPACT_TTL_S
 
 __all__ = ["MemoryAlarm"]
 
@@ -32,10 +33,13 @@ class MemoryAlarm:
             log.warning(
                 "Redis is past maxmemory (used_memory %s of %s): producers are refused and "
                 "writes outside the workers' scripts fail; workers keep draining, and the "
-                "replies they write hold memory until read or reply_ttl_s "
+                "replies they write hold memory until read or reply_ttl_s (error replies "
+                "only %d s, and they wait while Redis is past %.2fx maxmemory) "
                 "(docs/operations.md, 'A full Redis')",
                 used,
                 limit,
+                COMPACT_TTL_S,
+                CEILING,
             )
         else:
             log.warning("Redis is back under maxmemory (used_memory %s of %s)", used, limit)
