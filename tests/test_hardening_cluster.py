@@ -18,6 +18,8 @@ import pytest
 import redis
 from eventually import eventually
 from harness import PREFIX, running_worker, write_config
+from test_hardening_replies import WIDTH
+from test_hardening_replies import _config as tile_config
 
 from producer.client.blocking import Client
 from producer.protocol.codec import decode_reply, encode_request
@@ -157,6 +159,37 @@ def test_an_oversized_body_is_refused_before_sending_on_a_cluster(
             assert time.monotonic() - started < 2.0
             out = client.infer({"x": np.ones((2, 128), dtype=np.float32)}, timeout_s=30)
             assert next(iter(out.values())).shape[0] == 2
+    finally:
+        for node in cluster.masters():
+            node.client().config_set("proto-max-bulk-len", 512 * 1024 * 1024)
+
+
+def test_a_reply_over_a_shards_bulk_limit_is_too_large_there_alone(
+    cluster: LocalCluster, topology: Topology, tmp_path: Path
+) -> None:
+    # Given every master refusing bulk strings over 1 MiB, a model whose reply grows with its
+    # rows (tests/test_hardening_replies.py), three shards, and on the second one a request
+    # whose reply would be 1.3 MiB queued with two small ones
+    model = "demo"
+    tags = chaos.place_shards(cluster, topology.client(model), model, 3, PREFIX)
+    victim = tags[1]
+    shard = topology.client(victim)
+    stream = request_stream(PREFIX, victim)
+    rows = {"big": 5, "small-0": 1, "small-1": 1}
+    for rid, n in rows.items():
+        shard.xadd(stream, {"rid": rid, "body": encode_request({"x": np.ones((n, WIDTH), "f4")})})
+    for node in cluster.masters():
+        node.client().config_set("proto-max-bulk-len", 1024 * 1024)
+    try:
+        config = tile_config(tmp_path, cluster.url)
+        with running_worker(config, name="bulk"):
+            # Then the big one is TOO_LARGE, naming the shard's limit, and the others served
+            big = _reply(topology, victim, "big")
+            assert big.error.code == "TOO_LARGE"
+            assert "(Redis proto-max-bulk-len)" in big.error.message
+            for rid in ("small-0", "small-1"):
+                assert _reply(topology, victim, rid).ok
+            eventually(lambda: shard.xlen(stream) == 0, what="the shard's stream drained")
     finally:
         for node in cluster.masters():
             node.client().config_set("proto-max-bulk-len", 512 * 1024 * 1024)
