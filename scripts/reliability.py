@@ -6,8 +6,10 @@ here at full size: 10 SIGKILLs among 4 workers over 2,000+ requests, kills at ea
 Redis killed and restarted with AOF always and everysec, CLIENT KILL every second, FLUSHALL
 mid-run, a crash pill, batches slower than claim_idle_ms, SIGTERM mid-batch, a Redis filled to
 maxmemory while the workers are stopped, producers at full speed against a small maxmemory, and
-100,000 fuzzed requests (tests/fuzzing). Each scenario's oracle verdict and figures go into one
-table; the exit status is 1 when any scenario failed.
+100,000 fuzzed requests (tests/fuzzing), and the hostile producers and refusing Redis of
+scripts/reliability_hostile.py (each the fast tier's test of that fault, in its own process).
+Each scenario's oracle verdict and figures go into one table; the exit status is 1 when any
+scenario failed.
 
 Run some scenarios alone with --only (keys from --list, by spaces or commas) and write their
 report elsewhere, so that docs/reliability.md stays the whole tier's:
@@ -44,6 +46,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
 
 import chaos  # noqa: E402  (tests/ is put on the path just above)
 import reliability_cluster  # noqa: E402  (and scripts/)
+import reliability_hostile  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ def _steps(fuzz_n: int) -> list[Step]:
             ),
         ),
     ]
+    steps += [_hostile(h) for h in reliability_hostile.SINGLE]
     if fuzz_n:
         steps.append(
             Step(
@@ -165,6 +169,10 @@ def _steps(fuzz_n: int) -> list[Step]:
             )
         )
     return steps
+
+
+def _hostile(scenario: reliability_hostile.Hostile) -> Step:
+    return Step(scenario.key, scenario.title, functools.partial(reliability_hostile.run, scenario))
 
 
 def _phase(workdir: Path, seed: int, *, point: str) -> chaos.Result:
@@ -456,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = _steps(args.fuzz)
     if args.cluster:
         steps = [Step(*step) for step in reliability_cluster.steps()]
+        steps += [_hostile(h) for h in reliability_hostile.CLUSTER]
     if args.list:
         for step in steps:
             print(f"{step.key:28} {step.title}")

@@ -92,6 +92,7 @@ def test_an_oversized_infer_fails_at_once_while_30_concurrent_infers_succeed(
         outs, elapsed_s = asyncio.run(scenario())
     finally:
         replier.stop()
+    print(f"\nFIGURE too_large_s={elapsed_s:.3f}")
     assert elapsed_s < 2
     for i, out in enumerate(outs):
         np.testing.assert_array_equal(out["y"], (xs(1) + i) * 2)

@@ -168,6 +168,9 @@ def test_a_flood_of_big_extra_fields_leaves_the_worker_rss_where_it_was(
             timeout_s=10,
             what=f"the worker's RSS back near {before:.0f} MiB",
         )
+        print(
+            f"\nFIGURE rss_before_mib={before:.0f}\nFIGURE rss_after_mib={_rss_mib(proc.pid):.0f}"
+        )
     finally:
         proc.terminate()
         proc.wait(30)

@@ -299,7 +299,8 @@ def test_a_malformed_flood_keeps_redis_within_the_margin_and_producers_return(
     tmp_path: Path, full_redis: LocalRedis
 ) -> None:
     ratio, readmitted_s, taken = flood_once(tmp_path, full_redis.url)
-    print(f"peak {ratio:.2f}x maxmemory; readmitted after {readmitted_s:.1f} s; {taken} sent")
+    print(f"\nFIGURE peak_x_maxmemory={ratio:.2f}\nFIGURE readmitted_s={readmitted_s:.1f}")
+    print(f"FIGURE malformed_sent={taken}")
     assert taken > 10_000
     assert ratio < 1.5
     assert readmitted_s < 60
