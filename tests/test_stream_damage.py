@@ -24,9 +24,10 @@ from producer.ops.watch import render
 from producer.ops.watchstats import take_snapshot
 from producer.protocol import keys
 from producer.protocol.errors import RedbatchError
+from producer.redisio.streaminfo import MAX_ID
 from worker.events import Events
 from worker.ops.metrics import Metrics
-from worker.redisio.group import MAX_ID, StreamGroup
+from worker.redisio.group import StreamGroup
 
 MODEL = "demo"
 STREAM = keys.request_stream(PREFIX, MODEL)
@@ -85,6 +86,33 @@ def test_a_trim_of_undelivered_entries_is_reported_once_with_what_was_lost(
     assert "trimmed" in line
     assert STREAM in line
     assert 'A damaged stream"' in line
+
+
+def test_a_trim_is_not_told_again_as_held_entries_are_read_and_acknowledged(
+    rconn: redis.Redis,
+) -> None:
+    # Given 10 held entries and 20 undelivered ones, trimmed up to the 3rd undelivered one
+    events = Recorder()
+    group = _group(rconn, events)
+    held = _queue(rconn, undelivered=20, held=10)
+    group.stats()
+    first_kept = rconn.xrange(STREAM, count=14)[-1][0]
+    rconn.execute_command("XTRIM", STREAM, "MINID", first_kept)
+    group.stats()
+    assert [k for _, k, _ in events.damaged] == ["trimmed"]
+    # When workers go on reading and acknowledging (the count dips and comes back)
+    for entry_id in held:
+        rconn.xack(STREAM, keys.CONSUMER_GROUP, entry_id)
+        rconn.xdel(STREAM, entry_id)
+        group.stats()
+    got = rconn.xreadgroup(keys.CONSUMER_GROUP, "w1", {STREAM: ">"}, count=5)
+    for entry_id, _ in got[0][1]:
+        group.stats()
+        rconn.xack(STREAM, keys.CONSUMER_GROUP, entry_id)
+        rconn.xdel(STREAM, entry_id)
+        group.stats()
+    # Then the one trim is told once
+    assert [(k, lost) for _, k, lost in events.damaged] == [("trimmed", 3)]
 
 
 def test_a_trim_is_counted_in_the_metrics(rconn: redis.Redis) -> None:

@@ -16,10 +16,9 @@ from typing import Any
 import redis
 
 from producer.protocol import keys
+from producer.redisio.streaminfo import MAX_ID, REPAIR, is_exhausted, undelivered_lost
 
 __all__ = [
-    "MAX_ID",
-    "REPAIR",
     "DamageNote",
     "damage_json",
     "damage_lines",
@@ -27,10 +26,6 @@ __all__ = [
     "worker_damage",
 ]
 
-#: The largest stream id: once a stream holds it, every ``XADD *`` fails.
-MAX_ID = "18446744073709551615-18446744073709551615"
-#: Where an operator reads what a damage means and how to repair it.
-REPAIR = 'docs/operations.md, "A damaged stream"'
 
 #: Kinds that block the queue now: ``redbatch status`` exits 1 while one is seen.
 BLOCKING = frozenset({"exhausted", "wrong_type"})
@@ -67,7 +62,7 @@ def stream_damage(conn: redis.Redis, requests_key: str, dead_key: str) -> tuple[
         groups = conn.xinfo_groups(requests_key)
     except redis.ResponseError:  # no such key, or refused
         return tuple(found)
-    if _text(stream.get("last-generated-id")) == MAX_ID:
+    if is_exhausted(stream):
         found.append(
             DamageNote(
                 "exhausted",
@@ -78,7 +73,7 @@ def stream_damage(conn: redis.Redis, requests_key: str, dead_key: str) -> tuple[
             )
         )
     group = next((g for g in groups if _text(g.get("name")) == keys.CONSUMER_GROUP), None)
-    lost = _undelivered_lost(stream, group)
+    lost = undelivered_lost(stream, group)
     if lost:
         found.append(
             DamageNote(
@@ -105,21 +100,6 @@ def _wrong_type(conn: redis.Redis, key: str) -> DamageNote | None:
         f"the {what} key holds a {kind}, not a stream: nothing can be queued or dead-lettered "
         "there until it is renamed or deleted (after saving what it holds)",
     )
-
-
-def _undelivered_lost(stream: Any, group: Any) -> int | None:
-    """``entries-added - entries-read - length`` (at least that many undelivered entries were
-    deleted); None when the group's ``entries-read`` is unknown."""
-    if not isinstance(stream, dict) or not isinstance(group, dict):
-        return None
-    added, read, length = (
-        stream.get("entries-added"),
-        group.get("entries-read"),
-        stream.get("length"),
-    )
-    if isinstance(added, int) and isinstance(read, int) and isinstance(length, int):
-        return max(0, added - read - length)
-    return None
 
 
 def worker_damage(workers: Any) -> tuple[DamageNote, ...]:

@@ -24,16 +24,13 @@ import redis
 
 from producer.protocol.keys import CONSUMER_GROUP
 from producer.redisio.memory import MemoryReading, parse_info_memory
+from producer.redisio.streaminfo import MAX_ID, REPAIR, is_exhausted, undelivered_lost
 from worker.events import NO_EVENTS, Events
 
-__all__ = ["MAX_ID", "REPAIR", "StreamGroup", "StreamStats", "undelivered_lost"]
+__all__ = ["StreamGroup", "StreamStats"]
 
 log = logging.getLogger(__name__)
 
-#: The largest stream id: once a stream holds it, every ``XADD *`` fails.
-MAX_ID = "18446744073709551615-18446744073709551615"
-#: Where an operator reads what a damage means and how to repair it.
-REPAIR = 'docs/operations.md, "A damaged stream"'
 _DAMAGE_KEPT = 10  # the newest damage notes a stream keeps for the worker's record
 
 # XGROUP CREATE grows memory, so a full Redis refuses it outside a script flagged allow-oom,
@@ -77,26 +74,6 @@ def _oldest_ms(oldest: Any) -> int | None:
         return None
     entry_id = oldest[0][0]
     return int((entry_id if isinstance(entry_id, bytes) else entry_id.encode()).split(b"-")[0])
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
-
-
-def undelivered_lost(stream: Any, group: Any) -> int | None:
-    """Undelivered entries deleted from the stream (at least): ``entries-added - entries-read -
-    length`` of ``XINFO STREAM`` and the group's ``XINFO GROUPS`` row; None when Redis does not
-    know the group's ``entries-read`` (a group just created or moved, an AOF reload)."""
-    if not isinstance(stream, dict) or not isinstance(group, dict):
-        return None
-    added, read, length = (
-        stream.get("entries-added"),
-        group.get("entries-read"),
-        stream.get("length"),
-    )
-    if isinstance(added, int) and isinstance(read, int) and isinstance(length, int):
-        return max(0, added - read - length)
-    return None
 
 
 class StreamGroup:
@@ -143,10 +120,7 @@ class StreamGroup:
             "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
             self.key,
         )
-        try:
-            info: Any = self.client.xinfo_stream(self.key)
-        except redis.ResponseError:  # no such key
-            info = None
+        info = self._probe()
         created = self.ensure()
         added = info.get("entries-added") if isinstance(info, dict) else None
         if info is None or (
@@ -227,17 +201,22 @@ class StreamGroup:
         """Report what this sample shows that the last did not: undelivered entries deleted
         (trimmed), or the largest id reached (exhausted)."""
         lost = undelivered_lost(stream, group)
-        if lost is not None and lost > (self._lost_seen or 0):
+        seen = self._lost_seen or 0
+        if lost is not None and lost > seen:
             since = "" if self._lost_seen is None else " since the last sample"
             self._report(
                 "trimmed",
-                lost - (self._lost_seen or 0),
+                lost - seen,
                 f"undelivered entries were deleted{since} (XTRIM, XADD with MAXLEN or MINID, or "
                 "XDEL): no worker will answer them; producers must resend requests with no "
                 "reply by their deadline",
             )
-        self._lost_seen = lost
-        exhausted = stream is not None and _text(stream.get("last-generated-id")) == MAX_ID
+        # The count reads low by the held entries still in the stream, so it dips and comes
+        # back as they are read and acknowledged: keep the highest, unless nothing is held,
+        # when it is exact (and an operator's XGROUP SETID may have cleared it).
+        pending = int(group.get("pending") or 0) if group else 0
+        self._lost_seen = lost if lost is None or pending == 0 else max(seen, lost)
+        exhausted = is_exhausted(stream)
         if exhausted and not self._exhausted:
             self._report(
                 "exhausted",
