@@ -97,6 +97,9 @@ class Worker:
         self.topology = topology or Topology(client)
         self.metrics = metrics or Metrics()
         self.progress = Progress()
+        if self.pipeline is not None:
+            pool = self.pipeline.pool
+            self.progress.hooks_busy = lambda: pool.busy
         self.events: Events = Fanout(self.metrics, self.progress, *([faults] if faults else []))
         self.finished = threading.Event()  # set when run() returns or raises
         self._gave_up = False

@@ -184,7 +184,10 @@ class ReplyWriter(threading.Thread):
         self.held_s += self.pressure.hold(tags, *stops, release=self._ok_waiting)
 
     def _ok_waiting(self) -> bool:
-        """Whether a batch with an ok reply waits in the queue."""
+        """Whether a batch with an ok reply waits in the queue. Asked on every turn of a hold,
+        which is the worker moving (Redis answers, memory is being watched), so /healthz and a
+        stop's grace hear of it (``memory_hold``)."""
+        self.events.point("memory_hold")
         with self._queue.mutex:
             waiting = list(self._queue.queue)
         return any(batch is not None and _has_ok(batch) for batch in waiting)

@@ -3,10 +3,11 @@
 A worker that holds requests while Redis refuses or cannot be reached looks alive (its threads
 run, its retries log nothing between outage lines), yet it answers nothing, and its leases keep
 other workers from taking what it holds. ``Progress`` hears the events that mean the path moved
-(a batch written, entries read, a model run starting or ending, a hook call) and says how long
-it has been since the last one; a run in progress counts as moving (a hung run is ``Stuck``'s
-to judge). The service (worker/service.py) fails ``/healthz`` past ``claim_idle_ms`` of that
-while it holds work, and after a stop signal gives up on Redis past a short grace.
+(a batch written, entries read, a model run starting or ending, a hook call, a turn of a wait
+on Redis memory) and says how long it has been since the last one; a model run or hook call in
+progress counts as moving (a hung one is ``Stuck``'s or the hook pool's to judge). The service
+(worker/service.py) fails ``/healthz`` past ``claim_idle_ms`` of that while it holds work, and
+after a stop signal gives up on Redis past a short grace.
 """
 
 from __future__ import annotations
@@ -29,13 +30,18 @@ class Progress(Events):
         self.clock = clock
         self.last = clock()
         self.running = False  # a model run is in progress (``RunClock``)
+        # whether pipeline hook calls are in progress (a hung one is the hook pool's to judge)
+        self.hooks_busy: Callable[[], bool] = lambda: False
 
     def moved(self) -> None:
         self.last = self.clock()
 
     def stalled_s(self) -> float:
-        """Seconds since the last step forward; 0 while a model run is in progress."""
-        return 0.0 if self.running else max(self.clock() - self.last, 0.0)
+        """Seconds since the last step forward; 0 while a model run or a hook call is in
+        progress."""
+        if self.running or self.hooks_busy():
+            return 0.0
+        return max(self.clock() - self.last, 0.0)
 
     def stalled(self, claim_idle_ms: int, held: int | bool) -> str | None:
         """Why /healthz fails when the worker holds work (``held`` entries, or True for work
@@ -59,7 +65,7 @@ class Progress(Events):
         self.moved()
 
     def point(self, name: str) -> None:
-        if name == "after_read":
+        if name in ("after_read", "memory_hold"):  # a read, or a wait on Redis memory
             self.moved()
 
     def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:

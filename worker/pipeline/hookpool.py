@@ -59,6 +59,7 @@ class HookPool:
         self.timeout_s = timeout_s
         self.name = name
         self.stuck = 0
+        self.running = 0  # calls a thread is running now, hung ones included
         # (priority, order, call): postprocess calls, which the model's thread waits on, go
         # before queued preprocess calls, which only the next batches wait on.
         self._calls: queue.PriorityQueue[tuple[int, int, Call | None]] = queue.PriorityQueue()
@@ -85,6 +86,11 @@ class HookPool:
         """Let the live threads end once the calls before this are done."""
         for _ in range(self.threads):
             self._calls.put((2, next(self._order), None))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call that has not hung is running now (the worker is moving)."""
+        return self.running > self.stuck
 
     @property
     def healthy(self) -> bool:
@@ -134,12 +140,17 @@ class HookPool:
         while (call := self._calls.get()[2]) is not None:
             call.started = time.monotonic()
             cpu = time.thread_time()
+            with self._lock:
+                self.running += 1
             try:
                 result = call.fn(*call.args)
             except BaseException as exc:  # the hook's own: every error is its request's
                 outcome: tuple[bool, Any] = (False, exc)
             else:
                 outcome = (True, result)
+            finally:
+                with self._lock:
+                    self.running -= 1
             call.cpu_s = time.thread_time() - cpu
             call.wall_s = time.monotonic() - call.started
             with self._lock:
