@@ -37,7 +37,10 @@ __all__ = [
 PROBE_TIMEOUT_S = 1.0
 
 # OpenSSL's words for a handshake answered by something that does not speak TLS.
-_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "UNEXPECTED_EOF", "HTTP_REQUEST")
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST")
+# A handshake cut short: a plain server, or a TLS one (or load balancer) going away, which is an
+# outage; only a plain PING answered there tells them apart.
+_CUT_SHORT = ("UNEXPECTED_EOF",)
 # A plain connection the server dropped at once: what a TLS port does with plain RESP.
 _DROPPED = ("Connection reset by peer", "Connection closed by server", "Broken pipe")
 
@@ -76,6 +79,8 @@ def misconfiguration(exc: BaseException, where: str) -> str | None:
             "the URL)."
         )
     if scheme == "rediss" and any(word in text for word in _NOT_TLS):
+        return _use_plain(host, port)
+    if scheme == "rediss" and any(w in text for w in _CUT_SHORT) and speaks_plain_redis(host, port):
         return _use_plain(host, port)
     return None
 
