@@ -108,10 +108,14 @@ def test_a_worker_refuses_extra_fields_and_serves_their_batch_mates(
         pipe.xadd(stream, {"rid": "honest-0", "body": body})
         pipe.xadd(stream, {"rid": "tenant", "body": body, "tenant": "acme"})
         pipe.xadd(stream, {"rid": "huge", "body": body, "junk": b"\0" * (1 << 20)})
+        # a field named twice, which a dict of the fields would hide: 1 MiB under one "body"
+        big = b"\0" * (1 << 20)
+        pipe.execute_command("XADD", stream, "*", "rid", "twice", "body", big, "body", body)
         pipe.xadd(stream, {"rid": "honest-1", "body": body})
         pipe.execute()
         tenant = wait_reply(rconn, "tenant", model="demo")
         huge = wait_reply(rconn, "huge", model="demo")
+        twice = wait_reply(rconn, "twice", model="demo")
         honest = [wait_reply(rconn, f"honest-{i}", model="demo") for i in range(2)]
         send(rconn, "demo", "later", FEATURES)
         later = wait_reply(rconn, "later")
@@ -122,6 +126,9 @@ def test_a_worker_refuses_extra_fields_and_serves_their_batch_mates(
     assert huge.error.code == "MALFORMED"
     assert "'junk' (1,048,576 bytes)" in huge.error.message
     assert "over the limit of 69,632" in huge.error.message
+    assert twice.error is not None
+    assert twice.error.code == "MALFORMED", twice.error
+    assert "a field name repeated" in twice.error.message
     assert all(reply.ok for reply in [*honest, later])
     eventually(lambda: rconn.xlen(stream) == 0, what="the refused entries deleted")
 

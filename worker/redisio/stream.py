@@ -86,6 +86,19 @@ _STAGE = (
 )
 
 
+#: The field a read adds to an entry that named a field twice, which a dict would hide: the
+#: entry is then MALFORMED (contract section 2, v3: exactly ``rid`` and ``body``).
+REPEATED_FIELD = b"(a field name repeated)"
+
+
+def _entry(entry_id: bytes, flat: list[bytes], shard: str) -> RawEntry:
+    """An entry from its flat field list; one that repeats a name is marked for admission."""
+    fields = dict(zip(flat[::2], flat[1::2], strict=True))
+    if 2 * len(fields) != len(flat):
+        fields[REPEATED_FIELD] = b""
+    return RawEntry(entry_id, fields, shard)
+
+
 def _id_order(entry_id: bytes) -> tuple[int, int]:
     """A stream id as the pair Redis orders it by: (milliseconds, sequence)."""
     ms, _, seq = entry_id.partition(b"-")
@@ -209,11 +222,7 @@ class RequestStream:
             return []
         # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
         entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        return [
-            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), self.tag)
-            for eid, flat in entries
-            if flat is not None
-        ]
+        return [_entry(eid, flat, self.tag) for eid, flat in entries if flat is not None]
 
     def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
         """A read's error (``StreamGroup.gone``): the group recreated when it was gone, and
