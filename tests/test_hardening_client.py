@@ -228,8 +228,11 @@ def test_an_async_infer_cancelled_sets_its_cancel_key(
                     await asyncio.wait_for(call, 0.5)
             else:
                 task = asyncio.create_task(call)
-                while not rconn.xlen(STREAM):  # sent: no worker takes it
+                for _ in range(2000):  # until sent (no worker takes it), at most 20 s
+                    if rconn.xlen(STREAM):
+                        break
                     await asyncio.sleep(0.01)
+                assert rconn.xlen(STREAM), "the request was never sent"
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task

@@ -250,7 +250,7 @@ def test_a_worker_stuck_on_a_paused_redis_fails_healthz_and_exits_on_sigterm(
             proc.send_signal(signal.SIGTERM)
             _, stderr = proc.communicate(timeout=30)
             print(f"\nFIGURE sigterm_exit_s={time.monotonic() - stopped:.1f}")
-            assert time.monotonic() - stopped < 7, stderr
+            assert time.monotonic() - stopped < 12, stderr  # 3 s of grace, then 1 s at most
             assert proc.returncode == 0, stderr
             assert "stay pending" in stderr
         finally:

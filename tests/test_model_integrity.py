@@ -9,7 +9,7 @@ import pytest
 from harness import write_config
 
 from tools.synthetic import save
-from worker import service
+from worker import warmup
 from worker.cli import main
 from worker.config import load_config, parse_config
 from worker.errors import ConfigError
@@ -90,13 +90,13 @@ def test_a_file_swapped_while_the_worker_loads_it_is_refused(
     config_path.write_text(
         config_path.read_text().replace('version = "7"', f'version = "7"\nsha256 = "{pinned}"')
     )
-    real_model = service.OnnxModel
+    real_model = warmup.OnnxModel
 
     def swapping(model_config, max_batch_size):  # When another model lands during the load
         save("tiny", model_path)
         return real_model(model_config, max_batch_size)
 
-    monkeypatch.setattr(service, "OnnxModel", swapping)
+    monkeypatch.setattr(warmup, "OnnxModel", swapping)
     # Then the worker refuses to serve it
     with pytest.raises(ConfigError, match=r"'model\.sha256'"):
-        service.prepare(load_config(config_path), "w1")
+        warmup.prepare(load_config(config_path), "w1")
