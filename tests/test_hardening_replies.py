@@ -23,9 +23,10 @@ from eventually import eventually
 from harness import send, serve_in_thread, wait_reply, write_config
 
 from producer import Client, RedisFull
+from producer.redisio.bulklimit import REDIS_DEFAULT_BULK_BYTES
 from tools.localredis import LocalRedis
 from worker.answer.pressure import COMPACT_MESSAGE_CHARS, COMPACT_TTL_S
-from worker.answer.replybound import REDIS_DEFAULT_BULK_BYTES, ReplyBound
+from worker.answer.replybound import ReplyBound
 from worker.config import LimitsConfig, load_config
 from worker.config.table import Table
 from worker.errors import ConfigError

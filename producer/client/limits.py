@@ -24,15 +24,13 @@ from typing import Any
 from producer.client.submission import Submission
 from producer.protocol.errors import TooLarge
 from producer.protocol.units import format_bytes
+from producer.redisio.bulklimit import REDIS_DEFAULT_BULK_BYTES
 
-__all__ = ["DEFAULT_BULK_BYTES", "REFRESH_S", "BodyLimit", "parse_bulk_limit"]
+__all__ = ["REFRESH_S", "BodyLimit"]
 
-#: Redis's own default ``proto-max-bulk-len``: assumed when ``CONFIG GET`` is refused.
-DEFAULT_BULK_BYTES = 512 * 1024 * 1024
 #: How often the workers' ``max_request_bytes`` is read again (a worker with a smaller limit
 #: may join; until then the worker itself answers TOO_LARGE).
 REFRESH_S = 30.0
-_BULK_KEY = "proto-max-bulk-len"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +137,8 @@ class BodyLimit:
     def _default_bulk(self, *, read: bool) -> _Bound:
         why = "Redis refused CONFIG GET, so its default is assumed" if read else "not read yet"
         return _Bound(
-            DEFAULT_BULK_BYTES,
-            f"Redis's default proto-max-bulk-len ({format_bytes(DEFAULT_BULK_BYTES)}; {why}) "
+            REDIS_DEFAULT_BULK_BYTES,
+            f"Redis's default proto-max-bulk-len ({format_bytes(REDIS_DEFAULT_BULK_BYTES)}; {why}) "
             f"at {self._where}",
             "Redis would close the connection on it, failing every command sharing it",
             "or raise proto-max-bulk-len in the Redis configuration (docs/security.md)",
@@ -150,22 +148,3 @@ class BodyLimit:
         bounds = [b for b in (self._bulk, self._workers) if b is not None] or [self._bound]
         self._bound = min(bounds, key=lambda b: b.max_bytes)
         self.max_bytes = self._bound.max_bytes
-
-
-def parse_bulk_limit(answer: Any) -> int | None:
-    """``proto-max-bulk-len`` from a ``CONFIG GET`` answer (redis-py's dict, or a flat list of
-    name and value); None when it is not there."""
-    if isinstance(answer, dict):
-        pairs = list(answer.items())
-    elif isinstance(answer, list):
-        pairs = list(zip(answer[::2], answer[1::2], strict=False))
-    else:
-        return None
-    for key, value in pairs:
-        name = key.decode() if isinstance(key, bytes) else str(key)
-        if name == _BULK_KEY:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                return None
-    return None

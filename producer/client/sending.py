@@ -25,7 +25,6 @@ from numpy.typing import ArrayLike
 
 from producer.client import steps
 from producer.client.backlog import BacklogGate
-from producer.client.limits import parse_bulk_limit
 from producer.client.session import Session
 from producer.client.settings import INFER_LIMIT
 from producer.client.steps import Batch, Call, Plan, Shared, Sleep
@@ -47,6 +46,7 @@ from producer.protocol.errors import (
     RedisUnavailable,
     WaitTimeout,
 )
+from producer.redisio.bulklimit import parse_bulk_limit
 from producer.redisio.memory import parse_info_memory
 from producer.redisio.retry import RetryPolicy
 from producer.redisio.shards import Shards

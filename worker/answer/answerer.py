@@ -76,6 +76,7 @@ class Answerer:
             return None if stream_of is None else stream_of(tag).client
 
         self.bound = ReplyBound(client_of, max_reply_bytes)
+        self._least = 0  # the batch's smallest bound (``answer``)
         # Redis memory: error replies go compact past a watermark (worker/answer/pressure.py)
         self.pressure = pressure or MemoryPressure(client_of)
 
@@ -84,6 +85,10 @@ class Answerer:
         started_ms = time.time() * 1000.0
         runs: list[tuple[int, float]] = []
         try:
+            # the smallest reply bound of the batch's shards: one check per reply against it
+            self._least = min(
+                (self.bound.of(t).nbytes for t in {i.entry.shard for i in batch}), default=0
+            )
             finishes = self._answer(batch, started_ms, runs)
         except Exception:  # a bug here must not stop the worker or leave requests unanswered
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
@@ -276,6 +281,8 @@ class Answerer:
         self, item: Admitted, reply: bytes, outputs: Mapping[str, Any], started_ms: float
     ) -> Finish:
         """``item`` answered with its ok ``reply``, or TOO_LARGE when Redis would not take it."""
+        if len(reply) <= self._least:  # the common case: one compare
+            return self._finish(item, reply, "OK", item.reply_ttl_s)
         bound = self.bound.of(item.entry.shard)
         if len(reply) <= bound.nbytes:
             return self._finish(item, reply, "OK", item.reply_ttl_s)
@@ -285,9 +292,11 @@ class Answerer:
     def _over_bound(self, item: Admitted, outputs: Mapping[str, Any]) -> Rejected | None:
         """TOO_LARGE when ``outputs`` alone are over the reply bound, so that such a reply is
         never built (its bytes would be joined only to be refused); None when they fit."""
+        if _numeric_bytes(outputs) + _HEADROOM_BYTES <= self._least:
+            return None  # the common case, without encoding anything
         bound = self.bound.of(item.entry.shard)
         if _numeric_bytes(outputs) + _HEADROOM_BYTES <= bound.nbytes:
-            return None  # the common case, without encoding anything
+            return None
         sizes = self._output_sizes(outputs)
         size = sum(sizes.values()) + len(item.meta_raw or b"")
         if size <= bound.nbytes:

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import redis
 
 from producer.protocol.units import format_bytes
+from producer.redisio.bulklimit import BULK_KEY, REDIS_DEFAULT_BULK_BYTES, parse_bulk_limit
 from worker.errors import Rejected
 
-__all__ = ["REDIS_DEFAULT_BULK_BYTES", "Bound", "ReplyBound", "too_large"]
+__all__ = ["Bound", "ReplyBound", "too_large"]
 
 log = logging.getLogger(__name__)
 
 #: Redis's own default ``proto-max-bulk-len`` (512 MiB), assumed when it cannot be read.
-REDIS_DEFAULT_BULK_BYTES = 512 * 1024 * 1024
 _SERVER = "Redis proto-max-bulk-len"
 _CONFIGURED = "limits.max_reply_bytes"
 _RETRY_S = 5.0
@@ -103,20 +103,12 @@ def _server_limit(client: redis.Redis) -> int | None:
     """``proto-max-bulk-len`` as the server reports it; None when refused (an ACL without
     +config|get, a managed Redis that renames CONFIG) or not reported."""
     try:
-        got = client.config_get("proto-max-bulk-len")
+        got = client.config_get(BULK_KEY)
     except (redis.ConnectionError, redis.TimeoutError):
         raise
     except redis.RedisError:
         return None
-    for name, value in dict(got).items():
-        if _text(name) == "proto-max-bulk-len":
-            text = _text(value)
-            return int(text) if text.isdigit() else None
-    return None
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return parse_bulk_limit(got)
 
 
 def too_large(size: int, bound: Bound, output_sizes: Mapping[str, int]) -> Rejected:
