@@ -222,7 +222,14 @@ class RequestStream:
             return []
         # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
         entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        return [_entry(eid, flat, self.tag) for eid, flat in entries if flat is not None]
+        tag = self.tag
+        return [
+            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), tag)
+            if len(flat) == 4  # rid and body: the only entry a request is (a repeat is short)
+            else _entry(eid, flat, tag)
+            for eid, flat in entries
+            if flat is not None
+        ]
 
     def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
         """A read's error (``StreamGroup.gone``): the group recreated when it was gone, and
