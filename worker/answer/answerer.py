@@ -26,8 +26,14 @@ from producer.protocol.codec import ErrorInfo
 from producer.protocol.errors import WireFormatError
 from producer.protocol.replies import ReplyEncoder
 from worker.answer.assemble import FeedBuffers
-from worker.answer.pressure import COMPACT_MESSAGE_CHARS, COMPACT_TTL_S, MemoryPressure
-from worker.answer.replybound import ReplyBound, too_large
+from worker.answer.pressure import MemoryPressure, compact_error, compact_ttl
+from worker.answer.replybound import (
+    HEADROOM_BYTES,
+    ReplyBound,
+    numeric_bytes,
+    run_fits,
+    too_large,
+)
 from worker.answer.run import run_batch
 from worker.answer.writer import Batch
 from worker.errors import Rejected
@@ -192,14 +198,17 @@ class Answerer:
         a string UTF-8 cannot encode) is each encoded alone, so that the request at fault is
         answered with its own error and its run-mates as usual."""
         finishes = []
-        fitting = []
-        for outcome in done:  # one too large for Redis is answered before it is joined
-            over = self._over_bound(outcome.item, outcome.outputs or {})
-            if over is None:
-                fitting.append(outcome)
-            else:
-                finishes.append(self._refusal(outcome.item, over, started_ms, outcome.inference_ms))
-        done = fitting
+        fits = not done or run_fits(done[0].outputs or {}, rows, self._least)  # the common case
+        if not fits:
+            fitting = []
+            for outcome in done:  # one too large for Redis is answered before it is joined
+                over = self._over_bound(outcome.item, outcome.outputs or {})
+                if over is None:
+                    fitting.append(outcome)
+                else:
+                    error, taken = over, outcome.inference_ms
+                    finishes.append(self._refusal(outcome.item, error, started_ms, taken))
+            done = fitting
         requests = [
             (o.item.rid, o.outputs or {}, _queued_ms(o.item.entry, started_ms), o.item.meta_raw)
             for o in done
@@ -216,6 +225,8 @@ class Answerer:
             if reply is None:
                 error = _unencodable("the model's", outcome.outputs or {}, item.rid)
                 finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
+            elif fits:
+                finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
             else:
                 finishes.append(self._ok(item, reply, outcome.outputs or {}, started_ms))
         return finishes
@@ -292,10 +303,10 @@ class Answerer:
     def _over_bound(self, item: Admitted, outputs: Mapping[str, Any]) -> Rejected | None:
         """TOO_LARGE when ``outputs`` alone are over the reply bound, so that such a reply is
         never built (its bytes would be joined only to be refused); None when they fit."""
-        if _numeric_bytes(outputs) + _HEADROOM_BYTES <= self._least:
+        if numeric_bytes(outputs) + HEADROOM_BYTES <= self._least:
             return None  # the common case, without encoding anything
         bound = self.bound.of(item.entry.shard)
-        if _numeric_bytes(outputs) + _HEADROOM_BYTES <= bound.nbytes:
+        if numeric_bytes(outputs) + HEADROOM_BYTES <= bound.nbytes:
             return None
         sizes = self._output_sizes(outputs)
         size = sum(sizes.values()) + len(item.meta_raw or b"")
@@ -339,9 +350,9 @@ class Answerer:
     ) -> Finish:
         if self.pressure.compact(item.entry.shard):  # no meta, a short message and TTL
             reply = self._error_reply(
-                item.rid, item.entry, None, _cut(error), started_ms, inference_ms
+                item.rid, item.entry, None, compact_error(error), started_ms, inference_ms
             )
-            return self._finish(item, reply, error.code, _short_ttl(item.reply_ttl_s))
+            return self._finish(item, reply, error.code, compact_ttl(item.reply_ttl_s))
         reply = self._error_reply(
             item.rid, item.entry, item.meta_raw, error, started_ms, inference_ms
         )
@@ -363,7 +374,7 @@ class Answerer:
         assert error is not None
         ttl_s = None
         if self.pressure.compact(item.entry.shard):
-            error, ttl_s = _cut(error), COMPACT_TTL_S
+            error, ttl_s = compact_error(error), compact_ttl(None)
         reply = self._error_reply(item.rid, item.entry, None, error, started_ms, 0.0)
         return self._finish(item, reply, error.code, ttl_s, dead_reason=item.reason)
 
@@ -409,34 +420,6 @@ class Answerer:
         """The reply's TTL: the request's own when it asks for less than the worker's."""
         own = self.reply_ttl_s
         return min(requested_s, own) if requested_s else own
-
-
-#: What a reply holds besides its outputs' data, at most: meta (4 KiB), rid, names, headers.
-_HEADROOM_BYTES = 64 * 1024
-
-
-def _numeric_bytes(outputs: Mapping[str, Any]) -> float:
-    """The outputs' data bytes; infinity when one is not a numeric array (its encoded size
-    is only known by encoding it)."""
-    total = 0
-    for array in outputs.values():
-        if type(array) is not np.ndarray or array.dtype.kind in "OUSV":
-            return float("inf")
-        total += array.nbytes
-    return total
-
-
-def _cut(error: Rejected) -> Rejected:
-    """``error`` with its message cut short, for a compact reply (``worker.answer.pressure``)."""
-    if len(error.message) <= COMPACT_MESSAGE_CHARS:
-        return error
-    message = error.message[: COMPACT_MESSAGE_CHARS - 3] + "..."
-    return Rejected(error.code, message, retryable=error.retryable)
-
-
-def _short_ttl(requested_s: int | None) -> int:
-    """A compact reply's TTL: the request's own when shorter still."""
-    return min(requested_s, COMPACT_TTL_S) if requested_s else COMPACT_TTL_S
 
 
 def _queued_ms(entry: RawEntry, started_ms: float) -> float:

@@ -27,6 +27,7 @@ import redis
 
 from producer.protocol.units import format_bytes
 from producer.redisio.memory import MemoryReading, parse_info_memory
+from worker.errors import Rejected
 
 __all__ = [
     "CEILING",
@@ -35,6 +36,8 @@ __all__ = [
     "COMPACT_TTL_S",
     "HOLD_MAX_S",
     "MemoryPressure",
+    "compact_error",
+    "compact_ttl",
 ]
 
 log = logging.getLogger(__name__)
@@ -150,3 +153,16 @@ def _wait_any(stops: tuple[threading.Event, ...], seconds: float) -> bool:
     else:
         time.sleep(seconds)
     return any(stop.is_set() for stop in stops)
+
+
+def compact_error(error: Rejected) -> Rejected:
+    """``error`` with its message cut short, for a compact reply."""
+    if len(error.message) <= COMPACT_MESSAGE_CHARS:
+        return error
+    message = error.message[: COMPACT_MESSAGE_CHARS - 3] + "..."
+    return Rejected(error.code, message, retryable=error.retryable)
+
+
+def compact_ttl(requested_s: int | None) -> int:
+    """A compact reply's TTL: the request's own when shorter still."""
+    return min(requested_s, COMPACT_TTL_S) if requested_s else COMPACT_TTL_S

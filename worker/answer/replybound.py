@@ -13,14 +13,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import redis
 
 from producer.protocol.units import format_bytes
 from producer.redisio.bulklimit import BULK_KEY, REDIS_DEFAULT_BULK_BYTES, parse_bulk_limit
 from worker.errors import Rejected
 
-__all__ = ["Bound", "ReplyBound", "too_large"]
+__all__ = ["HEADROOM_BYTES", "Bound", "ReplyBound", "numeric_bytes", "run_fits", "too_large"]
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +127,32 @@ def too_large(size: int, bound: Bound, output_sizes: Mapping[str, int]) -> Rejec
         "proto-max-bulk-len and limits.max_reply_bytes."
     )
     return Rejected("TOO_LARGE", message, retryable=False)
+
+
+#: What a reply holds besides its outputs' data, at most: meta (4 KiB), rid, names, headers.
+HEADROOM_BYTES = 64 * 1024
+
+
+def numeric_bytes(outputs: Mapping[str, Any]) -> float:
+    """The outputs' data bytes; infinity when one is not a numeric array (its encoded size
+    is only known by encoding it)."""
+    total = 0
+    for array in outputs.values():
+        if type(array) is not np.ndarray or array.dtype.kind in "OUSV":
+            return float("inf")
+        total += array.nbytes
+    return total
+
+
+def run_fits(first: Mapping[str, Any], rows: int, bound: int) -> bool:
+    """Whether every reply of a run of ``rows`` rows is surely under ``bound``: that many rows
+    of ``first`` (a request's numeric outputs), per row, plus the envelope, fit. One look per
+    run rather than one per reply; False sends each reply through checks of its own."""
+    per_row = 0
+    for array in first.values():
+        if type(array) is not np.ndarray or array.dtype.kind in "OUSV" or not array.ndim:
+            return False
+        if not array.shape[0]:
+            return False
+        per_row += array.nbytes // array.shape[0]
+    return per_row * rows + HEADROOM_BYTES <= bound
