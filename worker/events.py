@@ -10,7 +10,7 @@ costs one call to an empty method.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -82,10 +82,16 @@ NO_EVENTS = Events()
 
 
 class Fanout(Events):
-    """Hands every event to each of ``sinks``, in order."""
+    """Hands every event to each of ``sinks`` that observes it, in order.
+
+    A sink observes an event when its class overrides the method; the others (``Events``'s
+    no-ops) are left out when the fan-out is built, so an event only ``Metrics`` hears costs
+    one call, as without a fan-out.
+    """
 
     def __init__(self, *sinks: Events) -> None:
         self.sinks = sinks
+        self._to = {name: _observers(sinks, name) for name in _EVENTS}
 
     def batch_done(
         self,
@@ -95,47 +101,57 @@ class Fanout(Events):
         runs: Iterable[tuple[int, float]],
         write_s: float,
     ) -> None:
-        # materialised once: each sink iterates them
-        codes, decode_s, runs = list(codes), list(decode_s), list(runs)
-        for sink in self.sinks:
-            sink.batch_done(codes, queued_s, decode_s, runs, write_s)
+        to = self._to["batch_done"]
+        if len(to) > 1:  # materialised once: each sink iterates them
+            codes, decode_s, runs = list(codes), list(decode_s), list(runs)
+        for handle in to:
+            handle(codes, queued_s, decode_s, runs, write_s)
 
     def redis_down(self, during: str) -> None:
-        for sink in self.sinks:
-            sink.redis_down(during)
+        for handle in self._to["redis_down"]:
+            handle(during)
 
     def stream_damaged(self, shard: str, kind: str, lost: int) -> None:
-        for sink in self.sinks:
-            sink.stream_damaged(shard, kind, lost)
+        for handle in self._to["stream_damaged"]:
+            handle(shard, kind, lost)
 
     def claimed(self, kind: str) -> None:
-        for sink in self.sinks:
-            sink.claimed(kind)
+        for handle in self._to["claimed"]:
+            handle(kind)
 
     def leases_renewed(self, count: int) -> None:
-        for sink in self.sinks:
-            sink.leases_renewed(count)
+        for handle in self._to["leases_renewed"]:
+            handle(count)
 
     def consumers_forgotten(self, count: int) -> None:
-        for sink in self.sinks:
-            sink.consumers_forgotten(count)
+        for handle in self._to["consumers_forgotten"]:
+            handle(count)
 
     def cancelled_after_run(self) -> None:
-        for sink in self.sinks:
-            sink.cancelled_after_run()
+        for handle in self._to["cancelled_after_run"]:
+            handle()
 
     def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
-        for sink in self.sinks:
-            sink.hook_ran(stage, requests, wall_s, cpu_s)
+        for handle in self._to["hook_ran"]:
+            handle(stage, requests, wall_s, cpu_s)
 
     def point(self, name: str) -> None:
-        for sink in self.sinks:
-            sink.point(name)
+        for handle in self._to["point"]:
+            handle(name)
 
     def run_starts(self, feeds: Mapping[str, np.ndarray]) -> None:
-        for sink in self.sinks:
-            sink.run_starts(feeds)
+        for handle in self._to["run_starts"]:
+            handle(feeds)
 
     def executed(self, requests: Sequence[Ran]) -> None:
-        for sink in self.sinks:
-            sink.executed(requests)
+        for handle in self._to["executed"]:
+            handle(requests)
+
+
+_EVENTS = tuple(name for name, value in vars(Events).items() if callable(value) and name[0] != "_")
+
+
+def _observers(sinks: Sequence[Events], name: str) -> tuple[Callable[..., None], ...]:
+    """The bound ``name`` methods of the sinks whose class overrides it."""
+    quiet = getattr(Events, name)
+    return tuple(getattr(s, name) for s in sinks if getattr(type(s), name) is not quiet)
