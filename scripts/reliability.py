@@ -404,6 +404,23 @@ and workers answer, acknowledge and delete (scripts flagged `allow-oom`) even pa
 
 The fast tier runs both at small sizes in CI: `.venv/bin/python -m pytest tests/test_overload.py`.
 
+## Hostile producers and a refusing Redis
+
+The rows from `reply_over_bulk_limit` to `cancelled_calls` are the faults a hostile producer, a
+careless operator or a refusing Redis brings (contract version 3, sections 2 and 4;
+`scripts/reliability_hostile.py`). Each runs the fast tier's tests of that fault
+(`tests/test_hardening_*.py`, `tests/test_stream_damage.py`, `tests/test_image_bounds.py`) in a
+pytest process of its own, each test with its own redis-server and real workers, asserting the
+behaviour: a reply Redis will not take answered alone and the worker alive, wrong-type keys
+dead-lettered or failed alone without a crash loop, a damaged stream logged, counted, shown and
+repaired, oversized bodies refused before sending, extra fields refused without keeping their
+bytes, Redis memory bounded during a malformed flood, misconfigurations stopping at once,
+SIGTERM and `/healthz` with Redis paused, duplicate names refused, cancelled calls leaving no
+orphan. The request columns stay 0 there (the tests count their own); the notes carry the
+figures the tests print (`peak_x_maxmemory`, `readmitted_s`, `rss_after_mib`, `too_large_s`)
+and their pytest summary. The cluster tier runs the same faults on a model's second shard
+(`tests/test_hardening_cluster.py`).
+
 ## Fault points and what cannot be interrupted
 
 The worker's reply, acknowledgement and deletion are one Lua script, so "after the reply,
