@@ -93,6 +93,8 @@ class Finisher:
     def outcomes(self, finishes: Sequence[Finish], finished: Sequence[bool]) -> list[str]:
         """The outcome code of each finish finished here, for metrics: its planned code, or
         ``DEAD_LETTER`` where the last write's Redis refused its reply (``refusals``)."""
+        if not self.refusals:  # the common case
+            return [finish.code for finish, done in zip(finishes, finished, strict=True) if done]
         refused = {id(finish) for finish, _ in self.refusals}
         return [
             "DEAD_LETTER" if id(finish) in refused else finish.code

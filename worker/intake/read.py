@@ -126,8 +126,8 @@ class Reader(threading.Thread):
         follow) until a read brings rows, and the freed memory is handed back after the next
         two reads (once a large reply's parser buffer is freed too: ``trim.py``)."""
         items = [self._admit(e, check) for e in entries]
-        self._fit_read_count(items)
-        if _refused_bytes(entries, items) > TRIM_AFTER_BYTES:
+        sized = self._fit_read_count(items)
+        if sized < len(items) and _refused_bytes(entries, items) > TRIM_AFTER_BYTES:
             self._trims_owed = 2
             self.read_count = 1
         return items
@@ -135,15 +135,18 @@ class Reader(threading.Thread):
     def _stopping(self) -> bool:
         return self.stop.is_set() or self.retired.is_set()
 
-    def _fit_read_count(self, items: list[Item]) -> None:
+    def _fit_read_count(self, items: list[Item]) -> int:
         """Read about one batch of rows at a time: ``max_batch_size`` entries of one row, fewer
         of several (from this read's mean), so that the worker holds a few batches of rows
-        whatever the requests' size, and a drain at shutdown is as short as documented."""
+        whatever the requests' size, and a drain at shutdown is as short as documented.
+        Returns how many items bring rows (the others were refused)."""
         rows = sum(item.rows for item in items)
-        if rows:
-            sized = sum(1 for item in items if item.rows)
-            most = self.settings.read_count
-            self.read_count = max(1, min(most, most * sized // rows))
+        if not rows:
+            return 0
+        sized = sum(1 for item in items if item.rows)
+        most = self.settings.read_count
+        self.read_count = max(1, min(most, most * sized // rows))
+        return sized
 
     def _left_elsewhere(self) -> bool:
         """In burst mode, after an empty read: whether entries are still pending on other
