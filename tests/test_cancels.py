@@ -180,7 +180,9 @@ def test_no_read_goes_out_after_a_stop(
         # The queue's one taker (the serving thread) is held in a run: this put blocks until
         # the stop. The reader sends a read behind a check only after its put, and takes that
         # read's reply before its next put, so every read it sent has been served by now.
-        if running.is_set() and worker.queue.full():
+        # (A put that finds the queue full before the first run starts waits for that run:
+        # held, it cannot take from the queue, so the queue is still full then.)
+        if worker.queue.full() and running.wait(20) and worker.queue.full():
             blocked.set()
         put(items, *args, **kwargs)
 

@@ -20,9 +20,11 @@ import onnx
 import pytest
 import redis
 from eventually import eventually
-from harness import send, serve_in_thread, wait_reply, write_config
+from harness import PREFIX, send, serve_in_thread, wait_reply, write_config
 
 from producer import Client, RedisFull
+from producer.protocol.codec import encode_request
+from producer.protocol.keys import request_stream
 from producer.redisio.bulklimit import REDIS_DEFAULT_BULK_BYTES
 from tools.localredis import LocalRedis
 from worker.answer.pressure import COMPACT_MESSAGE_CHARS, COMPACT_TTL_S
@@ -340,28 +342,36 @@ def test_error_replies_past_the_watermark_are_compact_and_short_lived(
         assert 0 < filled.ttl(key) <= COMPACT_TTL_S
 
 
+# An XADD past maxmemory, as no client can make: so that a request reaches a worker only once
+# Redis is already past the ceiling (a CONFIG SET after a plain XADD would race the worker).
+_ADD_PAST_MAXMEMORY = """#!lua flags=allow-oom
+return redis.call('XADD', KEYS[1], '*', 'rid', ARGV[1], 'body', ARGV[2])
+"""
+
+
+def _send_past_maxmemory(r: redis.Redis, rid: str, body: bytes) -> str:
+    r.eval(_ADD_PAST_MAXMEMORY, 1, request_stream(PREFIX, MODEL), rid, body)
+    return rid
+
+
 def test_error_only_batches_wait_past_the_ceiling_and_ok_ones_do_not(
     tmp_path: Path, full_redis: LocalRedis, filled: redis.Redis
 ) -> None:
     # Given a worker reading one request at a time, and Redis past 1.25x its maxmemory
     config = write_config(tmp_path, MODEL, full_redis.url, batching="max_batch_size = 1")
     with _running(config):
-        # When a malformed request comes (sent while Redis still took writes)
-        send(filled, MODEL, "bad", body=MALFORMED_BODY)
         filled.config_set("maxmemory", 7 << 20)
+        # When a malformed request comes
+        _send_past_maxmemory(filled, "bad", MALFORMED_BODY)
         # Then its error reply waits
         with pytest.raises(AssertionError, match="no reply"):
             wait_reply(filled, "bad", timeout_s=1)
         # And a valid request after it is answered at once, the malformed one with it
-        filled.config_set("maxmemory", MAXMEMORY)
-        good = send(filled, MODEL, "good", {"features": np.zeros((1, 16), np.float32)})
-        filled.config_set("maxmemory", 7 << 20)
-        assert wait_reply(filled, good, timeout_s=5).ok
+        good = encode_request({"features": np.zeros((1, 16), np.float32)})
+        assert wait_reply(filled, _send_past_maxmemory(filled, "good", good), timeout_s=5).ok
         assert wait_reply(filled, "bad", timeout_s=1).error is not None
         # And a malformed one alone is answered once memory falls below the ceiling
-        filled.config_set("maxmemory", MAXMEMORY)
-        send(filled, MODEL, "bad-2", body=MALFORMED_BODY)
-        filled.config_set("maxmemory", 7 << 20)
+        _send_past_maxmemory(filled, "bad-2", MALFORMED_BODY)
         with pytest.raises(AssertionError, match="no reply"):
             wait_reply(filled, "bad-2", timeout_s=1)
         filled.config_set("maxmemory", MAXMEMORY)

@@ -18,6 +18,7 @@ worker to claim, says how many, and exits 0.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -356,6 +357,8 @@ class Worker:
                 log.info("stopped while starting; nothing was read")
                 return False
             starting.call(self._sample_stream)
+            for lane in self.lanes:  # the reply bound, read now rather than at a first batch
+                starting.call(functools.partial(self.answers.bound.of, lane.tag))
         except (redis.RedisError, OSError) as exc:
             if not (self.stop.is_set() and is_transient(exc)):
                 raise  # a refusal (a wrong password, a missing permission) is not an outage
