@@ -15,6 +15,7 @@ import redis
 
 from producer.protocol.codec import Reply, decode_reply, encode_request
 from producer.protocol.keys import reply_key, request_stream
+from tools.localredis import TlsFiles
 from tools.synthetic import save
 from worker.config import load_config
 from worker.ops.metrics import Metrics
@@ -146,3 +147,17 @@ def stream_is_empty(r: redis.Redis, model: str) -> bool:
     key = request_stream(PREFIX, model)
     groups = r.xinfo_groups(key)
     return r.xlen(key) == 0 and all(g["pending"] == 0 for g in groups)
+
+
+def tls_files(where: Path) -> TlsFiles:
+    """A certificate for 127.0.0.1 and localhost, its key, and the CA that signed it (made
+    with trustme, for a TLS-only test server)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = TlsFiles(where / "server.pem", where / "server.key", where / "ca.pem")
+    cert.cert_chain_pems[0].write_to_path(files.cert)
+    cert.private_key_pem.write_to_path(files.key)
+    ca.cert_pem.write_to_path(files.ca)
+    return files

@@ -21,13 +21,13 @@ import redis
 import redis.exceptions as rex
 import trustme
 from eventually import eventually
-from harness import running_worker, send, wait_reply, write_config
+from harness import running_worker, send, tls_files, wait_reply, write_config
 
 from producer import Client
 from producer.protocol.errors import Misconfigured
 from producer.protocol.keys import request_stream
 from producer.redisio.retry import is_transient
-from tools.localredis import LocalRedis, TlsFiles, free_port
+from tools.localredis import LocalRedis, free_port
 from worker import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,12 +119,7 @@ def test_a_worker_rides_out_misconf_and_answers_once_redis_persists_again(
 def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalRedis, Path]]:
     """A TLS-only server, and the PEM of a CA that did not sign its certificate."""
     where = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    files = TlsFiles(where / "server.pem", where / "server.key", where / "ca.pem")
-    cert.cert_chain_pems[0].write_to_path(files.cert)
-    cert.private_key_pem.write_to_path(files.key)
-    ca.cert_pem.write_to_path(files.ca)
+    files = tls_files(where)
     other = where / "other-ca.pem"
     trustme.CA().cert_pem.write_to_path(other)
     server = LocalRedis(tls=files)

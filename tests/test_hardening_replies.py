@@ -7,7 +7,6 @@ tiny malformed requests answered with error replies pushed Redis far past ``maxm
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -20,7 +19,7 @@ import onnx
 import pytest
 import redis
 from eventually import eventually
-from harness import PREFIX, send, serve_in_thread, wait_reply, write_config
+from harness import PREFIX, running_worker, send, wait_reply, write_config
 
 from producer import Client, RedisFull
 from producer.protocol.codec import encode_request
@@ -29,10 +28,9 @@ from producer.redisio.bulklimit import REDIS_DEFAULT_BULK_BYTES
 from tools.localredis import LocalRedis
 from worker.answer.pressure import COMPACT_MESSAGE_CHARS, COMPACT_TTL_S
 from worker.answer.replybound import ReplyBound
-from worker.config import LimitsConfig, load_config
+from worker.config import LimitsConfig
 from worker.config.table import Table
 from worker.errors import ConfigError
-from worker.service import Worker, prepare
 
 MODEL = "demo"
 WIDTH = 64
@@ -109,25 +107,6 @@ def no_config_get() -> Iterator[LocalRedis]:
         yield server
 
 
-@contextlib.contextmanager
-def _running(config_path: Path) -> Iterator[Worker]:
-    """A worker serving ``config_path`` on a thread, stopped on exit; it must not have failed."""
-    config = load_config(config_path)
-    client = redis.Redis.from_url(config.redis.url)
-    worker = Worker(prepare(config, "w1"), client)
-    thread, failure = serve_in_thread(worker)
-    try:
-        eventually(lambda: worker.ready.is_set() or failure, 30, "the worker's start")
-        assert not failure, failure
-        yield worker
-    finally:
-        worker.request_stop()
-        thread.join(timeout=15)
-        client.close()
-    assert not thread.is_alive(), "the worker did not stop"
-    assert not failure, failure
-
-
 def _rows(n: int, value: float = 1.0) -> dict[str, np.ndarray]:
     return {"x": np.full((n, WIDTH), value, np.float32)}
 
@@ -139,7 +118,7 @@ def _serves_oversized_with_its_batch(config: Path, url: str, source: str) -> Non
         # Given four requests queued before the worker starts, so that one read takes them all
         small = [send(r, MODEL, f"small-{i}", _rows(1, float(i))) for i in range(3)]
         big = send(r, MODEL, "big", _rows(5))
-        with _running(config):
+        with running_worker(config):
             # Then the big one is TOO_LARGE, naming its largest output and the limit
             reply = wait_reply(r, big, timeout_s=15)
             assert reply.error is not None
@@ -291,7 +270,7 @@ def flood_once(tmp_path: Path, url: str) -> tuple[float, float, int]:
     """A worker, a malformed flood and a producer after it: (peak used_memory / maxmemory,
     seconds to re-admission after the flood, requests the flood queued)."""
     config = write_config(tmp_path, MODEL, url)
-    with _running(config):
+    with running_worker(config):
         peak = _Peak(url)
         taken = _flood(url)
         readmitted_s = _readmitted_s(url, within_s=60)
@@ -327,7 +306,7 @@ def test_error_replies_past_the_watermark_are_compact_and_short_lived(
 ) -> None:
     # Given Redis past half its maxmemory
     config = write_config(tmp_path, MODEL, full_redis.url)
-    with _running(config):
+    with running_worker(config):
         # When a bad request with meta arrives
         rid = send(filled, MODEL, "bad", {"features": np.zeros((1, 3), np.float32)}, meta="m" * 300)
         reply = wait_reply(filled, rid, timeout_s=15)
@@ -359,7 +338,7 @@ def test_error_only_batches_wait_past_the_ceiling_and_ok_ones_do_not(
 ) -> None:
     # Given a worker reading one request at a time, and Redis past 1.25x its maxmemory
     config = write_config(tmp_path, MODEL, full_redis.url, batching="max_batch_size = 1")
-    with _running(config):
+    with running_worker(config):
         filled.config_set("maxmemory", 7 << 20)
         # When a malformed request comes
         _send_past_maxmemory(filled, "bad", MALFORMED_BODY)

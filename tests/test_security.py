@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-import trustme
-from harness import direct_run, running_worker, send, wait_reply, write_config
+from harness import direct_run, running_worker, send, tls_files, wait_reply, write_config
 
 from producer import AsyncClient, Client
 from producer.cli.main import main as redbatch_main
@@ -34,7 +33,7 @@ from producer.protocol.keys import (
     workers_key,
 )
 from producer.redisio import shards
-from tools.localredis import LocalRedis, TlsFiles
+from tools.localredis import LocalRedis
 from worker.config import load_config
 from worker.errors import WorkerError
 from worker.service import Worker, prepare
@@ -451,12 +450,7 @@ def _lacks_tls(startup_error: str) -> bool:
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
     """A TLS-only server (no plain port) with the doc's users and a CA made for this module."""
     where = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    files = TlsFiles(where / "server.pem", where / "server.key", where / "ca.pem")
-    cert.cert_chain_pems[0].write_to_path(files.cert)
-    cert.private_key_pem.write_to_path(files.key)
-    ca.cert_pem.write_to_path(files.ca)
+    files = tls_files(where)
     server = LocalRedis(acl=SERVER_ACL, username=ADMIN, password=ADMIN_PASSWORD, tls=files)
     try:
         server.start()
