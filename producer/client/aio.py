@@ -58,7 +58,8 @@ log = logging.getLogger(__name__)
 class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIterator[Result]]):
     """Submit requests to one model's workers and collect their replies (asyncio).
 
-    ``url`` goes to ``redis.asyncio.Redis.from_url`` (on Redis Cluster, any node's), or pass
+    ``url`` goes to ``redis.asyncio.Redis.from_url`` (on Redis Cluster, any node's; none given:
+    ``$REDIS_URL``, else ``DEFAULT_URL``), or pass
     ``redis_client``, a ``redis.asyncio.Redis`` (then ``close()`` leaves it open). See
     ``Client`` for shards and handles, backpressure, ``retry_s`` and errors.
     """

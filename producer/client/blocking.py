@@ -48,8 +48,9 @@ _sleep = time.sleep
 class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     """Submit requests to one model's workers and collect their replies (blocking I/O).
 
-    ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work;
-    or pass ``redis_client``, a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (then
+    ``url`` goes to ``redis.Redis.from_url``, so ``rediss://``, passwords and ACL users work
+    (none given: ``$REDIS_URL`` as the CLI and the worker read it, else ``DEFAULT_URL``); or
+    pass ``redis_client``, a ``redis.Redis`` or a ``redis.cluster.RedisCluster`` (then
     ``close()`` leaves it open; turn its own retries off, ``retry=Retry(NoBackoff(), 0)``, or
     a pop it retries after losing a reply goes unseen and that request is not sent again: see
     ``producer.redisio.retry``). On Redis Cluster, any node's URL will do: the client finds each

@@ -9,6 +9,7 @@ iterators it returns, so that type checkers see each shell's own types.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,9 +35,17 @@ from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryWatch, check_w
 from producer.redisio.retry import DEFAULT_RETRY_S, RetryPolicy
 from producer.redisio.topology import seed_client
 
-__all__ = ["DEFAULT_URL", "BaseClient", "Flavour"]
+__all__ = ["DEFAULT_URL", "URL_ENV", "BaseClient", "Flavour", "default_url"]
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
+URL_ENV = "REDIS_URL"
+
+
+def default_url() -> str:
+    """The URL a client given none uses: ``$REDIS_URL``, as the CLI and the worker read it (so
+    a script and the worker it talks to agree without repeating the URL), else DEFAULT_URL."""
+    return os.environ.get(URL_ENV) or DEFAULT_URL
+
 
 RedisT = TypeVar("RedisT")
 ChunksT = TypeVar("ChunksT")
@@ -58,7 +67,8 @@ class Flavour:
 class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
     """The constructor and the no-I/O methods of both clients; see ``Client`` for the settings.
 
-    ``url`` goes to the flavour's ``Redis.from_url``, or pass ``redis_client`` (then ``close()``
+    ``url`` goes to the flavour's ``Redis.from_url`` (none: ``$REDIS_URL``, else
+    ``DEFAULT_URL``), or pass ``redis_client`` (then ``close()``
     leaves it open): a client of the flavour, or its ``RedisCluster``. Either way it is only a
     seed: the client finds each shard's node itself (``producer.redisio.topology``), at first use.
     """
@@ -68,7 +78,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
     def __init__(
         self,
         model: str,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
         prefix: str = DEFAULT_PREFIX,
         max_backlog: int | None = None,
@@ -82,6 +92,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         flavour = self._flavour
         redis: Any = redis_client
         if redis is None:
+            url = default_url() if url is None else url
             redis = flavour.redis_class.from_url(url, decode_responses=False)
             where = redact_url(url)
         else:
