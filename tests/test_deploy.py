@@ -434,7 +434,7 @@ def test_compose_services_profiles_and_health_checks() -> None:
         test = worker["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "-c"]  # the slim image has no curl
         assert "http://127.0.0.1:9100/healthz" in test[3]
-        assert worker["command"][:2] == ["--config", "configs/compose.toml"]
+        assert worker["command"][:2] == ["--config", "${REDBATCH_CONFIG:-configs/compose.toml}"]
         assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
         assert worker["stop_grace_period"]
     assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0][
@@ -452,6 +452,33 @@ def test_compose_services_profiles_and_health_checks() -> None:
     for service in everything.values():
         for port in service.get("ports", ()):
             assert str(port).startswith("127.0.0.1:"), port
+
+
+def test_compose_leaves_a_local_redis_its_port_and_mounts_models_and_configs() -> None:
+    """A developer's own Redis on 6379 does not stop `docker compose up`; a worker serves a model
+    from ./models with a config from ./configs without an image build; the build context leaves
+    out the checkout's .venv and fetched models (718 MB before)."""
+    services = _compose()["services"]
+    (port,) = services["redis"]["ports"]
+    assert port == "127.0.0.1:${REDBATCH_REDIS_PORT:-6380}:6379"
+    for name in ("worker", "worker-gpu", "worker-cluster"):
+        volumes = services[name]["volumes"]
+        assert "${REDBATCH_MODELS:-./models}:/models:ro" in volumes
+        assert "./configs:/app/configs:ro" in volumes
+    header = (ROOT / "compose.yaml").read_text(encoding="utf-8").split("services:")[0]
+    assert "REDIS_URL=redis://127.0.0.1:6380/0" in header
+    assert "REDBATCH_CONFIG=configs/mine.toml" in header
+
+    ignored = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+    assert ignored[ignored.index("*") :][:1] == ["*"]  # everything out, then what COPY needs back
+    allowed = {line[1:].rstrip("/") for line in ignored if line.startswith("!")}
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    copied = set()
+    for line in dockerfile.splitlines():
+        if line.startswith("COPY "):
+            copied.update(line.split()[1:-1])
+    assert copied == allowed, (copied, allowed)
+    assert not {".venv", "models", "tests", ".git"} & allowed
 
 
 def test_compose_cluster_profile_runs_a_six_node_cluster() -> None:
