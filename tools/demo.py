@@ -44,14 +44,27 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only produce: use REDIS_URL and the workers already serving 'demo'",
     )
-    parser.add_argument("--out", default=None, help="folder for the input and output files")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="keep the input and output files in this folder (default: a temporary folder, "
+        "removed at the end)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out = Path(args.out or tempfile.mkdtemp(prefix="redbatch-demo-"))
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return _demo(args, out, kept=True)
+    with tempfile.TemporaryDirectory(prefix="redbatch-demo-") as folder:
+        return _demo(args, Path(folder), kept=False)
+
+
+def _demo(args: argparse.Namespace, out: Path, kept: bool) -> int:
+    """The job in ``out``; ``kept``: the caller chose the folder, so it stays."""
     features = _features(args.requests)
     np.save(out / "features.npy", features)
     with contextlib.ExitStack() as stack:
@@ -63,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.enter_context(worker_process("demo", url, CONFIG, "demo", "demo-worker"))
         code = _produce(url, out, args.rows_per_request, args.concurrency)
     if code in (0, 1) and not args.external:
-        _check(out, features)
+        _check(out, features, kept)
     return code
 
 
@@ -94,7 +107,7 @@ def _produce(url: str, out: Path, rows_per_request: int, concurrency: int) -> in
     return subprocess.run(cmd, env=dict(os.environ, REDIS_URL=url), check=False).returncode
 
 
-def _check(out: Path, features: np.ndarray) -> None:
+def _check(out: Path, features: np.ndarray, kept: bool) -> None:
     """Compare the served answers with a bare onnxruntime session on the same rows."""
     import onnxruntime as ort
 
@@ -103,9 +116,10 @@ def _check(out: Path, features: np.ndarray) -> None:
     probs, label = session.run(["probs", "label"], {"features": features})
     same = np.allclose(served["probs"], probs, atol=1e-6) and np.array_equal(served["label"], label)
     verdict = "match" if same else "DO NOT match"
+    where = f"inputs and outputs in {out}" if kept else "pass --out DIR to keep the files"
     print(
         f"demo: served outputs {verdict} a direct onnxruntime run on all {len(features)} rows "
-        f"(inputs and outputs in {out})",
+        f"({where})",
         flush=True,
     )
 
