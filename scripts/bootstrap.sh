@@ -11,8 +11,10 @@ fi
 if [ ! -x "$root/.venv/bin/python" ]; then
   "$python" -m venv "$root/.venv"
 fi
+fresh() { [ -f "$1" ] && ! [ "$root/pyproject.toml" -nt "$1" ]; }
 stamp="$root/.venv/.redbatch-$extra"
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+# dev holds every other extra (pyproject.toml): after the tests, the demo and examples start at once.
+if ! fresh "$stamp" && ! fresh "$root/.venv/.redbatch-dev"; then
   "$root/.venv/bin/python" -m pip install -q --upgrade pip
   "$root/.venv/bin/python" -m pip install -q -e "$root[$extra]"
   touch "$stamp"
