@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 
 from worker.config import ProviderConfig, load_config
 from worker.errors import ConfigError, ModelError
+from worker.model import gpu
 from worker.model.binding import BoundRunner, buckets_for, check_graph_shapes
 from worker.model.schema import Schema
 from worker.model.session import TensorSpec, _provider_options
@@ -161,20 +162,25 @@ def test_binding_keys_must_be_booleans(tmp_path: Path, redis_url: str) -> None:
         load_config(_cuda_config(tmp_path, redis_url, 'io_binding = "yes"'), environ={})
 
 
-def test_without_cuda_a_worker_serves_unbound_with_one_warning(
+@pytest.mark.parametrize(("has_gpu", "level"), [(True, logging.WARNING), (False, logging.INFO)])
+def test_without_cuda_a_worker_serves_unbound_with_one_line(
     tmp_path: Path,
     redis_url: str,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    has_gpu: bool,
+    level: int,
 ) -> None:
+    """A warning where a GPU exists; without one, CUDA not running is expected: information."""
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    monkeypatch.setattr(gpu, "present", lambda: has_gpu)
     config = _cuda_config(tmp_path, redis_url, "cuda_graph = true")
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         prepared = prepare(load_config(config, environ={}), "w")
     assert prepared.record["runtime"]["binding"] == "off"
     assert prepared.record["runtime"]["batch_buckets"] == []
-    assert [r.getMessage() for r in caplog.records if "cuda_graph" in r.getMessage()] == [
-        "io_binding and cuda_graph need the CUDA provider; running without them"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if "cuda_graph" in r.msg] == [
+        (level, "io_binding and cuda_graph need the CUDA provider; running without them")
     ]
 
 

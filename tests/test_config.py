@@ -128,10 +128,11 @@ def test_inputs_table_for_an_unknown_input_is_refused(tmp_path: Path, redis_url:
 def test_missing_cuda_falls_back_with_one_log_line(
     tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """tests/test_worker_fit.py checks its level: INFO without a GPU, WARNING with one."""
     config = write_config(tmp_path, "demo", redis_url)
     text = config.read_text().replace('providers = ["cpu"]', 'providers = ["cuda", "cpu"]')
     config.write_text(text)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         prepared = prepare(load_config(config, environ={}), "w")
     assert prepared.record["runtime"]["providers"] == ["CPUExecutionProvider"]
     assert prepared.record["runtime"]["requested_providers"] == ["cuda", "cpu"]

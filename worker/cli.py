@@ -22,7 +22,16 @@ import redis
 from producer.ops.textformat import tensor_spec
 from producer.protocol.errors import Misconfigured
 from producer.protocol.keys import is_valid_name
-from worker.config import WorkerConfig, load_config, sections
+from producer.redisio.connection import redact_url
+from worker.config import (
+    URL_FROM_CONFIG,
+    URL_FROM_DEFAULT,
+    URL_FROM_ENV,
+    RedisConfig,
+    WorkerConfig,
+    load_config,
+    sections,
+)
 from worker.config.keys import describe
 from worker.errors import WorkerError
 from worker.ops.faults import FaultPoints
@@ -42,7 +51,8 @@ examples:
   redbatch-worker --config configs/demo.toml --burst        # drain the stream, then exit
 
 The config file is TOML; configs/reference.toml documents every key, and --help-config lists
-them with their defaults and bounds. REDIS_URL in the environment overrides redis.url.
+them with their defaults and bounds. REDIS_URL in the environment overrides redis.url; the
+worker logs, once at start, the URL it serves (password hidden) and where that came from.
 SIGTERM or SIGINT stops reading, answers every request already read and exits 0. When Redis
 refuses or cannot be reached, it waits 3 s for a step forward (a second signal: none), then
 exits 0 with a WARNING naming the requests it left pending, for another worker to claim.
@@ -211,6 +221,8 @@ def _serve(
     faults: FaultPoints | None,
     serving: list[Worker],
 ) -> int:
+    if not args.check:  # --check never touches Redis
+        _log_redis_url(config.redis)
     log.info(
         "loading the model",
         extra={
@@ -250,7 +262,7 @@ def _serve(
         log.error("%s", exc)
         return 1
     except redis.RedisError as exc:
-        log.error("Redis at %s failed: %s", _safe_url(config.redis.url), exc)
+        log.error("Redis at %s failed: %s", redact_url(config.redis.url), exc)
         return 1
     finally:
         worker.topology.close()
@@ -303,12 +315,23 @@ def _record_summary(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _safe_url(url: str) -> str:
-    """The URL without its password, for log lines."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+def _log_redis_url(redis_config: RedisConfig) -> None:
+    """Say once which Redis the worker serves and why that one: REDIS_URL set in a shell and
+    forgotten, or a config's redis.url it overrides, is otherwise invisible."""
+    source = {
+        URL_FROM_ENV: "REDIS_URL in the environment",
+        URL_FROM_CONFIG: "redis.url in the config",
+        URL_FROM_DEFAULT: "the default (neither REDIS_URL nor redis.url is set)",
+    }[redis_config.url_from]
+    if redis_config.url_overrode:
+        source += ", which overrides the config's redis.url"
+    url = redact_url(redis_config.url)
+    log.info(
+        "Redis at %s, from %s",
+        url,
+        source,
+        extra={"fields": {"redis": url, "redis_url_from": redis_config.url_from}},
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

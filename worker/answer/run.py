@@ -132,9 +132,10 @@ class _Runner:
         for name, out in zip(names, outputs, strict=True):
             got = out.shape[0] if out.ndim else None
             if got != expected:
+                has = "no axis (a scalar)" if got is None else f"{got} row{'s' if got != 1 else ''}"
                 raise _RunFailed(
-                    f"model output {name!r} has {got} rows for a batch of {expected}; outputs "
-                    "must keep the batch axis first."
+                    f"model output {name!r} has {has} for a batch of {expected} "
+                    f"row{'s' if expected != 1 else ''}; outputs must keep the batch axis first."
                 )
         # An output may alias its input (an Identity graph): copy it out of the reused buffer
         # before a bisection's next run overwrites it, and before the replies are encoded.

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from redis.connection import Connection, parse_url
 
-__all__ = ["URL_FORMS", "redis_url_problem"]
+__all__ = ["URL_FORMS", "redis_url_problem", "shown_url"]
 
 URL_FORMS = (
     "Use redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
@@ -28,7 +28,10 @@ def redis_url_problem(url: str) -> str | None:
     so the worker stops before it loads the model.
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        return "the scheme must be redis://, rediss:// or unix://"
+        guess = _guess(shown_url(url))
+        return "it does not start with redis://, rediss:// or unix://" + (
+            f" (did you mean {guess!r}?)" if guess else ""
+        )
     hint = "; a password with / ? # @ or : in it must be percent-encoded" if "@" in url else ""
     try:
         parts = urlsplit(url)
@@ -57,6 +60,34 @@ def redis_url_problem(url: str) -> str | None:
         return _scrub(f"the query option {option} is not a redis-py connection option here", url)
     except Exception as exc:  # redis-py's own checks: ?db=x, ?protocol=4
         return _scrub(str(exc).rstrip("."), url)
+    return None
+
+
+def shown_url(url: str) -> str:
+    """``url`` exactly as written but for its password, for messages about a URL that may not
+    parse: the password in the authority (everything before the last ``@`` but a user name)
+    and ``password=`` query values become ``***``."""
+    head, sep, rest = url.partition("://")
+    if not sep:  # redis//host, host:port: the authority starts after "//", or at the start
+        head, sep, rest = url.partition("//")
+        if not sep:
+            head, rest = "", url
+    if "@" in rest:
+        userinfo, _, host = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***@{host}" if colon else f"***@{host}"
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", head + sep + rest)
+
+
+def _guess(shown: str) -> str | None:
+    """The valid URL a near miss was likely meant to be: ``redis//h``, ``redis:/h``,
+    ``REDIS://h`` or a bare ``host:port``; None when there is no likely one."""
+    near = re.fullmatch(r"(?i)(rediss|redis|unix)(:/{0,3}|/{1,3})(?!/)(.+)", shown)
+    if near is not None:
+        scheme, rest = near.group(1).lower(), near.group(3)
+        return f"unix:///{rest}" if scheme == "unix" else f"{scheme}://{rest}"
+    if re.fullmatch(r"[\w.-]+:[0-9]{1,5}(/[0-9]+)?", shown):
+        return f"redis://{shown}"
     return None
 
 

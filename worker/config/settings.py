@@ -18,15 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from producer.protocol.keys import DEFAULT_PREFIX
-from producer.redisio.connection import redact_url
 from worker.config import kinds
 from worker.config.keys import BOOL, INT, NUMBER, STR, STR_LIST, Key, Kind, declared, key, setting
-from worker.config.redisurl import URL_FORMS, redis_url_problem
+from worker.config.redisurl import URL_FORMS, redis_url_problem, shown_url
 from worker.config.table import Table
 from worker.errors import ConfigError
 
 __all__ = [
     "PROVIDERS",
+    "URL_FROM_CONFIG",
+    "URL_FROM_DEFAULT",
+    "URL_FROM_ENV",
     "BatchingConfig",
     "DeliveryConfig",
     "InputConfig",
@@ -75,12 +77,18 @@ def _provider_names(names: Any) -> str | None:
 _PROVIDER_NAMES = Kind(f"list of {', '.join(PROVIDERS)}", _provider_names, list)
 
 
+#: Where ``RedisConfig.url`` came from, for the worker's start-up line.
+URL_FROM_ENV, URL_FROM_CONFIG, URL_FROM_DEFAULT = "REDIS_URL", "redis.url", "default"
+
+
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
     url: str = setting(
         "redis://127.0.0.1:6379/0", STR, "redis://, rediss:// (TLS) or unix://; REDIS_URL wins."
     )
     prefix: str = setting(DEFAULT_PREFIX, kinds.PREFIX, "Prefix of every key the worker uses.")
+    url_from: str = URL_FROM_DEFAULT  # not a key: REDIS_URL, redis.url or default
+    url_overrode: bool = False  # not a key: REDIS_URL replaced a redis.url the config set
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +131,7 @@ class ModelConfig:
     providers: tuple[ProviderConfig, ...] = setting(
         (ProviderConfig("cpu"),),
         _PROVIDER_NAMES,
-        "Execution providers by preference; CPU is the last fallback.",
+        "Execution providers by preference; without cpu listed, no CPU fallback.",
         shown=["cpu"],
         example=["cuda", "cpu"],
     )
@@ -215,7 +223,8 @@ class OutputConfig:
 
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
-    """``[pipeline]``: the handler whose hooks run before and after the model (contract 6)."""
+    """``[pipeline]``: the handler whose hooks run before and after the model (docs/protocol.md
+    section 11)."""
 
     handler: str = field(
         metadata=key(
@@ -304,17 +313,20 @@ def parse_config(
 
 
 def _redis(t: Table, url_override: str | None) -> RedisConfig:
+    in_config = "url" in t.data
     if url_override:
         t = Table({**t.data, "url": url_override}, t.dotted)
-    config = t.build(RedisConfig)
+    source = URL_FROM_ENV if url_override else URL_FROM_CONFIG if in_config else URL_FROM_DEFAULT
+    config = replace(
+        t.build(RedisConfig), url_from=source, url_overrode=bool(url_override) and in_config
+    )
     problem = redis_url_problem(config.url)
     if problem is not None:
-        where = (
-            "Environment variable REDIS_URL (it overrides config 'redis.url')"
-            if url_override
-            else "Config 'redis.url'"
-        )
-        raise ConfigError(f"{where} has value {redact_url(config.url)!r}: {problem}. {URL_FORMS}")
+        where = "Config 'redis.url'"
+        if url_override:
+            what = "it overrides" if in_config else "read in place of"
+            where = f"Environment variable REDIS_URL ({what} config 'redis.url')"
+        raise ConfigError(f"{where} has value {shown_url(config.url)!r}: {problem}. {URL_FORMS}")
     return config
 
 

@@ -95,7 +95,10 @@ class BoundRunner:
         for size in self.buckets:
             if size >= rows:
                 return size
-        raise ValueError(f"a batch of {rows} rows exceeds the largest bucket {self.buckets[-1]}")
+        raise ValueError(
+            f"a batch of {rows} row{'s' if rows != 1 else ''} exceeds the largest bucket "
+            f"{self.buckets[-1]}"
+        )
 
     def run(self, feeds: Mapping[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         """Copy ``feeds`` into the bucket's bound inputs, run, and return host copies of the

@@ -21,6 +21,7 @@ from producer.protocol.codec import STRING
 from worker.config import ModelConfig, ProviderConfig
 from worker.errors import ConfigError, ModelError
 from worker.model.binding import BoundRunner, buckets_for
+from worker.model.fallback import ORT_NAMES, check_fallback, log_unbound
 from worker.model.tensorspec import TensorSpec
 
 __all__ = [
@@ -36,11 +37,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CUDA = "CUDAExecutionProvider"
-_ORT_NAMES = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
 _ORT_TYPES: dict[str, Any] = {
     "tensor(bool)": "bool",
     "tensor(int8)": "int8",
@@ -137,6 +133,7 @@ class OnnxModel:
         # errors (and its per-node warnings) would only bury that line.
         ort.set_default_logger_severity(4)
         self.requested = [p.name for p in config.providers]
+        self._not_built: set[str] = set()  # listed, but not in this onnxruntime build
         if {"cuda", "tensorrt"} & set(self.requested):
             preload_cuda_libraries(ort)
         options = _session_options(ort, config)
@@ -149,7 +146,7 @@ class OnnxModel:
             raise ModelError(f"Cannot load model {config.path}: {exc}") from exc
         self.providers = list(self._session.get_providers())
         self._check_graph_refused(config, options)
-        self._check_fallback(config.providers)
+        check_fallback(config.providers, self.providers, self._not_built)
         self.inputs = tuple(_spec(a, "input") for a in self._session.get_inputs())
         self.outputs = tuple(_spec(a, "output") for a in self._session.get_outputs())
         self.runtime_version = ort.__version__
@@ -167,7 +164,7 @@ class OnnxModel:
         if cuda is None:
             return
         if _CUDA not in self.providers:
-            log.warning("io_binding and cuda_graph need the CUDA provider; running without them")
+            log_unbound()
             return
         fixed = {s.dims[0] for s in self.inputs if s.dims and isinstance(s.dims[0], int)}
         # A fixed-batch model runs one shape; any other, a few sizes up to max_batch_size.
@@ -189,7 +186,7 @@ class OnnxModel:
         available = set(self._ort.get_available_providers())
         chosen: list[Any] = []
         for p in providers:
-            ort_name = _ORT_NAMES[p.name]
+            ort_name = ORT_NAMES[p.name]
             if ort_name not in available:
                 if p.require:
                     raise ModelError(
@@ -197,7 +194,7 @@ class OnnxModel:
                         f"onnxruntime build has only {sorted(available)}. Install onnxruntime-gpu "
                         "or drop require."
                     )
-                log.warning("provider %s is not in this onnxruntime build; skipping it", p.name)
+                self._not_built.add(p.name)  # check_fallback says so, once the session runs
                 continue
             options = _provider_options(p)
             chosen.append((ort_name, options) if options else ort_name)
@@ -231,23 +228,6 @@ class OnnxModel:
                 "as one CUDA graph (a node the CUDA provider does not run, or control flow such "
                 "as If or Loop) and would have served it on the CPU. Set cuda_graph = false; "
                 "io_binding = true still works."
-            )
-
-    def _check_fallback(self, providers: tuple[ProviderConfig, ...]) -> None:
-        for p in providers:
-            if _ORT_NAMES[p.name] in self.providers:
-                continue
-            if p.require:
-                raise ModelError(
-                    f"Provider {p.name!r} is required (model.{p.name}.require = true) but "
-                    "onnxruntime could not start it on this machine (no GPU, or CUDA/cuDNN "
-                    "libraries missing). Fix the machine or drop require."
-                )
-            log.warning(
-                "provider %s could not start on this machine (no GPU, or CUDA/cuDNN libraries "
-                "missing); serving with %s",
-                p.name,
-                ", ".join(self.providers),
             )
 
     def padded_rows(self, rows: int) -> int:
