@@ -12,6 +12,7 @@ import redis
 
 from producer import AsyncClient, Client
 from producer.client.shell import DEFAULT_URL, default_url
+from producer.redisio.connection import redact_url
 
 ROW = {"x": np.zeros((1, 2), np.float32)}
 
@@ -54,3 +55,17 @@ def test_explicit_url_wins_over_redis_url(
     with Client("envmodel", redis_url, retry_s=1) as client:
         client.submit(ROW)
     assert rconn.xlen("redbatch:{envmodel}:requests") == 1
+
+
+@pytest.mark.parametrize(
+    ("written", "shown"),
+    [
+        ("redis//127.0.0.1:6379", "redis//127.0.0.1:6379"),  # was '://redis//127.0.0.1:6379'
+        ("redis//u:secret@127.0.0.1:6379", "redis//***@127.0.0.1:6379"),
+        ("redis:/10.0.0.9:7000", "redis:/10.0.0.9:7000"),  # was 'redis:///10.0.0.9:7000'
+        ("127.0.0.1:6379", "127.0.0.1:6379"),
+        ("redis://u:secret@h:6379/0", "redis://u@h:6379/0"),  # the user stays, the password not
+    ],
+)
+def test_a_url_is_shown_as_written_less_its_password(written: str, shown: str) -> None:
+    assert redact_url(written) == shown

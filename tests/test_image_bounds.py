@@ -114,3 +114,15 @@ def test_ordinary_images_of_every_mode_still_become_the_model_input() -> None:
     assert np.array_equal(x[4], x[1])  # 16-bit grey scaled to its high byte: as 8-bit grey
     assert np.abs(x[1:4] - x[0]).mean() < 0.05
     assert np.abs(x[6] - x[7]).max() < 1e-6  # transparent is white
+
+
+def test_a_file_that_is_no_image_is_named_by_its_first_bytes_not_pillows_stream() -> None:
+    """Pillow's own message names its stream (``<_io.BytesIO object at 0x...>``), which tells
+    the caller nothing; the reply shows how the data starts instead."""
+    handler = OrientationPipeline()
+    with pytest.raises(ValueError, match="it starts with") as refused:
+        handler.preprocess(_images(b"notanimage"))
+    assert "BytesIO" not in str(refused.value)
+    assert "image[0] is not a readable JPEG or PNG file (10 bytes): it starts with b'notanima'" in (
+        str(refused.value)
+    )

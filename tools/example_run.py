@@ -129,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             failures += 1
             continue
         want = direct(inputs)
-        print(f"request {result.rid[:8]} ran in a batch of {result.batch_rows} rows:", flush=True)
+        rows = f"{result.batch_rows} row{'s' if result.batch_rows != 1 else ''}"
+        print(f"request {result.rid[:8]} ran in a batch of {rows}:", flush=True)
         example.show(inputs, result.outputs, want)
         problems = same_outputs(result.outputs, want)
         for problem in problems:

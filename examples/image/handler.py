@@ -136,9 +136,12 @@ class OrientationPipeline:
                 f"{self.max_pixels:,} pixels are taken. Send it scaled down."
             ) from exc
         except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+            # Pillow's own words name the stream (<_io.BytesIO object at 0x...>), not the data
+            unknown = isinstance(exc, UnidentifiedImageError)
+            detail = f"it starts with {data[:8]!r}" if unknown else str(exc)
             raise ValueError(
                 f"image[{row}] is not a readable {' or '.join(self.formats)} file "
-                f"({len(data)} bytes): {exc}"
+                f"({len(data)} bytes): {detail}"
             ) from exc
         self._check_header(img, row)
         if img.format in _JPEG:  # decode at 1/2, 1/4 or 1/8 scale when that still suffices

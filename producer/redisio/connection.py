@@ -43,15 +43,14 @@ def block_cap_s(socket_timeout_s: float | None) -> float:
 
 def redact_url(url: str) -> str:
     """``url`` without its password (in the authority or a ``password=`` query value)."""
+    if "://" not in url:  # not a URL (redis//host, host:port): as written, less a password
+        return _as_written(url)
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = parts.port
     except ValueError:  # a bad port or host: shown as written, less what could be a password
-        scheme, sep, rest = url.partition("://")
-        if sep and "@" in rest:
-            rest = "***@" + rest.rpartition("@")[2]
-        return re.sub(r"([?&]password=)[^&#]*", r"\1***", scheme + sep + rest)
+        return _as_written(url)
     if ":" in host:
         host = f"[{host}]"
     netloc = host + (f":{port}" if port is not None else "")
@@ -59,6 +58,19 @@ def redact_url(url: str) -> str:
         netloc = f"{parts.username}@{netloc}"
     query = urlencode([(k, v) for k, v in parse_qsl(parts.query) if k != "password"])
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def _as_written(url: str) -> str:
+    """``url`` exactly as written but for what could be a password: everything before the
+    authority's last ``@``, and ``password=`` query values."""
+    head, sep, rest = url.partition("://")
+    if not sep:  # redis//host: the authority starts after "//"; host:port: at the start
+        head, sep, rest = url.partition("//")
+        if not sep:
+            head, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", head + sep + rest)
 
 
 def describe_connection(connection_kwargs: Mapping[str, Any], tls: bool) -> str:

@@ -167,7 +167,7 @@ def _check_fields(fields: dict[bytes, bytes], max_request_bytes: int) -> None:
         )
     raise Rejected(
         "MALFORMED",
-        f"{message}. A request is exactly those two fields (contract section 2); send the "
+        f"{message}. A request is exactly those two fields (docs/protocol.md section 2); send the "
         "request's data in 'body' only, as the client library does.",
     )
 

@@ -1,4 +1,4 @@
-"""Batch axes: where each model input and output keeps its rows (contract 6).
+"""Batch axes: where each model input and output keeps its rows (docs/protocol.md section 11).
 
 Most models keep rows on axis 0, and for them nothing here does anything (``Axes.trivial``).
 A model like Silero VAD keeps them elsewhere (its state is ``[2, N, 128]``) or takes inputs

@@ -1,4 +1,5 @@
-"""Loading a pipeline's handler (contract 6): import, construct, check what it declares.
+"""Loading a pipeline's handler (docs/protocol.md section 11): import, construct, check
+what it declares.
 
 Everything here runs once at start, before warmup and before Redis is touched, and anything
 wrong stops the worker with one line naming ``pipeline.handler`` and the fix. The handler's
@@ -209,7 +210,7 @@ def _hook(obj: Any, name: str) -> Callable[..., Any] | None:
 
 def _takes_model_inputs(hook: Callable[..., Any]) -> bool:
     """Whether ``postprocess`` takes a third argument, the request's model inputs (ours, beyond
-    contract 6: mean pooling needs the attention mask the tokenizer made)."""
+    docs/protocol.md section 11: mean pooling needs the attention mask the tokenizer made)."""
     try:
         params = list(inspect.signature(hook).parameters.values())
     except (TypeError, ValueError):

@@ -1,4 +1,5 @@
-"""The pipeline: a handler's hooks around the model, one request's failure its own (contract 6).
+"""The pipeline: a handler's hooks around the model, one request's failure its own
+(docs/protocol.md section 11).
 
 ``preprocess`` turns each admitted request's raw inputs (already checked against the handler's
 declared ``inputs``) into model inputs, which are then checked against the model's schema
