@@ -43,6 +43,9 @@ class FakeWorker(threading.Thread):
         self.stream = keys.request_stream(PREFIX, MODEL)
         self.stop_event = threading.Event()
         self.conn.xgroup_create(self.stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+        # a live record, as a real worker keeps one: redbatch run refuses a model without
+        self.conn.set(keys.worker_key(PREFIX, MODEL, name), json.dumps({"name": name}), ex=60)
+        self.conn.sadd(keys.workers_key(PREFIX, MODEL), name)
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -201,6 +204,13 @@ def test_run_npy_without_worker_or_input_name_is_a_usage_error(
     np.save(tmp_path / "x.npy", make_inputs(4, []))
     code = main(["--redis-url", redis_url, "run", "--model", MODEL, "--input",
                  str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "model 'demo' has no live worker" in err
+    assert len(err.strip().splitlines()) == 1
+    code = main(["--redis-url", redis_url, "run", "--model", MODEL, "--input",
+                 str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npz"),
+                 "--wait-for-worker"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2
     assert "--input-name" in err
@@ -388,6 +398,7 @@ def test_run_interrupted_writes_the_rows_answered_and_exits_130(
     )
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv.append("--wait-for-worker")  # no worker: map() is a stand-in, or none is meant
 
     code = main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"])
 
@@ -419,6 +430,7 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(
     previous = signals.signal(signals.SIGTERM, ours)
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv.append("--wait-for-worker")  # no worker: map() is a stand-in, or none is meant
     try:
         code = main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"])
         assert signals.getsignal(signals.SIGTERM) is ours  # the run put it back
@@ -446,6 +458,7 @@ def test_run_interrupted_before_any_answer_keeps_the_previous_files_as_a_pair(
         "producer.client.blocking.Client.map", lambda _self, arrays, **kw: client.map(arrays)
     )
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv.append("--wait-for-worker")  # no worker: map() is a stand-in, or none is meant
 
     assert main([*argv, "--input-name", "x", "--output", str(out), "--no-progress"]) == 130
 
@@ -536,6 +549,7 @@ def test_run_with_no_worker_stops_after_one_timeout(
     np.save(tmp_path / "x.npy", make_inputs(400, []))
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv.append("--wait-for-worker")  # no worker: map() is a stand-in, or none is meant
     argv += ["--input-name", "x", "--output", str(out), "--concurrency", "8", "--timeout-s", "0.5"]
 
     assert main([*argv, "--no-progress"]) == 1
@@ -825,6 +839,7 @@ def test_a_ctrl_c_after_the_job_still_writes_everything(
     monkeypatch.setattr("producer.cli.run._progress_bar", lambda *_a, **_kw: Bar())
     out = tmp_path / "y.npz"
     argv = ["--redis-url", redis_url, "run", "--model", MODEL, "--input", str(tmp_path / "x.npy")]
+    argv.append("--wait-for-worker")  # no worker: map() is a stand-in, or none is meant
 
     assert main([*argv, "--input-name", "x", "--output", str(out)]) == 130
 

@@ -82,6 +82,9 @@ class EchoWorker(threading.Thread):
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        # a live record, as a real worker keeps one: redbatch run refuses a model without
+        self.conn.set(keys.worker_key(PREFIX, model, "echo-1"), json.dumps({"name": "echo-1"}))
+        self.conn.sadd(keys.workers_key(PREFIX, model), "echo-1")
 
     def run(self) -> None:
         try:
@@ -437,7 +440,7 @@ def test_a_run_reads_its_input_only_as_far_as_it_sends(
     out = tmp_path / "out.parquet"
 
     args = ["--input", str(text), "--input-name", "s", "--output", str(out), "--timeout-s", "0.3"]
-    assert run(redis_url, *args, "--concurrency", "4") == 1
+    assert run(redis_url, *args, "--concurrency", "4", "--wait-for-worker") == 1
 
     # Then only a block of lines was read; the rest is listed as not sent, to the input's end
     summary = capsys.readouterr().out

@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 
 from producer.protocol import keys
-from producer.protocol.codec import DTYPES
+from producer.protocol.codec import WIRE_DTYPES
 from producer.protocol.errors import UsageError
 
 __all__ = [
@@ -91,13 +91,13 @@ def _number(text: str) -> float:
 
 
 def dtype_specs(text: str) -> list[tuple[str, str]]:
-    """``NAME=DTYPE[,NAME=DTYPE...]``: numeric wire dtypes for named inputs."""
+    """``NAME=DTYPE[,NAME=DTYPE...]``: wire dtypes for named inputs (numeric, string, bytes)."""
     specs = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, dtype = part.partition("=")
-        if not name.strip() or dtype.strip() not in DTYPES:
+        if not name.strip() or dtype.strip() not in WIRE_DTYPES:
             raise argparse.ArgumentTypeError(
-                f"{part!r} is not NAME=DTYPE with DTYPE one of {', '.join(DTYPES)}"
+                f"{part!r} is not NAME=DTYPE with DTYPE one of {', '.join(WIRE_DTYPES)}"
             )
         specs.append((name.strip(), dtype.strip()))
     if not specs:

@@ -31,8 +31,10 @@ from producer.jobs.blocks import Source, SourceOptions
 from producer.jobs.checks import check_against_workers, model_dtypes, single_input_name
 from producer.jobs.files import ErrorsFile
 from producer.jobs.job import RunSummary, format_summary, run_job
+from producer.jobs.preflight import live_records, require_worker
 from producer.jobs.sinks import Sink, open_sink
 from producer.jobs.sources import FORMATS, input_kind, open_source
+from producer.jobs.tables import pyarrow
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK
 
 __all__ = ["HELP", "add_arguments", "run_command"]
@@ -60,22 +62,32 @@ Inputs (the kind is told from the name; --format overrides):
                      columns via pyarrow (pip install 'redbatch[parquet]'): strings, binary,
                      numbers, and (fixed-size) lists of numbers as 2-D rows; dtypes as for
                      JSON lines; key: row (0-based), or --key
+The inputs and their dtypes are those requests carry: a worker with a [pipeline] takes its
+handler's raw inputs (the image example's 'image' bytes, the text example's 'text' string),
+not its model's tensors. Text is sent as the input takes it: --dtype NAME=string|bytes, else
+the live workers' dtype for that input, else as read (lines and JSON strings: string; files
+and binary columns: bytes); strings become bytes as UTF-8, and bytes that are not UTF-8 are
+not sent as a string (the record is skipped as UNREADABLE).
 Every input but arrays is read a block at a time as rows are sent, so an input far larger
 than memory streams through in bounded memory. A record that cannot be a row (a file that
 cannot be read, a line that is not UTF-8 or not an object with every input, a value of
 another type or shape than the first row's, a null) is skipped, listed as UNREADABLE, and the
 run goes on.
 
-Outputs: Y.npz (one array per output, plus the key array for inputs other than arrays) or
-Y.parquet (the key column, then one column per output; pyarrow). Both are written as the
-replies come, in bounded memory: a .parquet a row group at a time; an .npz through a
-temporary file per output beside it, zipped at the end (so it needs its size again in free
-disk meanwhile). Text outputs in an .npz are fixed-width arrays (NumPy drops trailing NUL
-bytes of bytes outputs: write a .parquet to keep them). Rows of failed requests are
-NaN (float outputs), 0 or empty in an .npz, null in a .parquet, and are listed in the errors
-file: one JSON line per failed request, or per range of rows that share one fate (never sent,
-not answered), with "start" and "stop" row numbers ("stop" null: to the end of an input that
-was never read to its end) and, for keyed inputs, the "key" and "last_key" of its rows.
+Outputs: Y.npz (one array per output, plus the key array for inputs other than arrays),
+Y.parquet (the key column, then one column per output; pyarrow) or Y.jsonl (one JSON object
+per row: the key, then each output's value: a number, a string, or lists for vectors). All are
+written as the replies come, in bounded memory: a .parquet a row group at a time, a .jsonl a
+line per row; an .npz through a temporary file per output beside it, zipped at the end (so it
+needs its size again in free disk meanwhile). Text outputs in an .npz are fixed-width arrays
+('<U' for string, 'S' for bytes: np.load reads them without allow_pickle; NumPy drops
+trailing NUL bytes of bytes outputs: write a .parquet to keep them); in a .jsonl, bytes
+outputs are base64 text. Rows of failed requests are NaN (float outputs), 0 or empty in an
+.npz, null in a .parquet and a .jsonl (as are NaN and infinite values there), and are listed
+in the errors file: one JSON line per failed request, or per range of rows that share one
+fate (never sent, not answered), with "start" and "stop" row numbers ("stop" null: to the end
+of an input that was never read to its end) and, for keyed inputs, the "key" and "last_key"
+of its rows.
 When a reply does not come within --timeout-s of its request, the run sends nothing more: the
 requests already in flight are still awaited, each late one is cancelled and listed with the
 client-side code WAIT_TIMEOUT, and so are the rows never sent. A crashed worker's requests are
@@ -83,19 +95,22 @@ taken over after the workers' claim_idle_ms (30 s by default), so keep --timeout
 Ctrl-C or SIGTERM stops the run too, writing the rows answered so far and listing the rest as
 NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's output and errors
 file stay as they were).
+Before anything is sent, the model must have a live worker: a model without one (a misspelled
+name, say) is refused at once, naming the models that have workers, unless --wait-for-worker
+queues the requests for a worker still to come. Redis must answer then within 3 s (or
+--retry-s, if shorter); once the run has started, it rides out outages of up to --retry-s.
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 
 examples:
-  redbatch run --model demo --input x.npy --output y.npz
-  redbatch run --model demo --input x.npy --input-name x --output y.npz --errors bad.jsonl
+  redbatch run --model demo --input features.npy --output predictions.npz
   redbatch run --model demo --input inputs.npz --output y.npz --rows-per-request 16 --no-progress
-  redbatch run --model vision --input 'images/**/*.jpg' --output labels.parquet
-  redbatch run --model embed --input sentences.txt --output vectors.parquet
-  redbatch run --model ranker --input queries.jsonl --key id --dtype features=float32 \\
-      --output scores.parquet
-  redbatch run --model ranker --input table.parquet --columns text,features --key id \\
-      --output scores.npz
+  redbatch run --model orientation --input 'images/**/*.jpg' --output labels.parquet
+  redbatch run --model minilm --input sentences.txt --output vectors.parquet
+  redbatch run --model minilm --input docs.jsonl --key id --output vectors.jsonl
+  redbatch run --model minilm --input table.parquet --columns text --key id --output vectors.npz
+  redbatch run --model minilm --input notes/ --input-name text --dtype text=string \\
+      --output vectors.parquet
 """
 
 
@@ -109,7 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an .npy, .npz, .txt, .jsonl, .parquet or .arrow file, a directory, or a quoted glob",
     )
     parser.add_argument(
-        "--output", required=True, metavar="Y.npz|Y.parquet", help="where to write outputs"
+        "--output",
+        required=True,
+        metavar="Y.npz|Y.parquet|Y.jsonl",
+        help="where to write outputs",
     )
     parser.add_argument(
         "--errors",
@@ -146,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="extend",
         default=[],
         metavar="NAME=DTYPE[,...]",
-        help=".jsonl, .parquet, .arrow: send a numeric input as this dtype (repeatable)",
+        help="send input NAME as this dtype: string or bytes (any input but arrays), or a "
+        "numeric dtype (.jsonl, .parquet, .arrow); repeatable",
     )
     parser.add_argument(
         "--keep-empty-lines",
@@ -195,6 +214,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when Redis is that full, wait for the workers to free room instead of stopping "
         "the run (exit 1, the rows not sent listed REDIS_FULL)",
     )
+    parser.add_argument(
+        "--wait-for-worker",
+        action="store_true",
+        help="send even when the model has no live worker, the requests waiting in the stream "
+        "until one starts (default: refuse, naming the models that have workers)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -236,6 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     output_path = Path(args.output)
     errors_path = Path(args.errors) if args.errors else Path(f"{output_path}.errors.jsonl")
     kind = _check_run_paths(args, output_path, errors_path)
+    records = live_records(args)
     summary = None
     written = _Written()
     try:
@@ -247,9 +273,8 @@ def _run(args: argparse.Namespace) -> int:
             wait_for_backlog=args.wait_for_room,
             memory_high_watermark=args.memory_high_watermark,
         ) as c:
-            records = [r for r in c.workers() if isinstance(r, dict)]
             source = _open_input(args, kind, records, (output_path, errors_path))
-            key_name = source.key_name if source.keyed or output_path.suffix == ".parquet" else None
+            key_name = source.key_name if source.keyed or output_path.suffix != ".npz" else None
             written.sink = open_sink(output_path, key_name)
             written.errors = ErrorsFile(errors_path)
             progress = _progress_bar(source.total, source.unit, disable=args.no_progress)
@@ -282,8 +307,14 @@ def _open_input(
     args: argparse.Namespace, kind: str, records: list[dict[str, Any]], exclude: tuple[Path, ...]
 ) -> Source:
     """The input opened, and its first rows checked against a live worker's record."""
+
+    def input_name() -> str:
+        if not args.input_name:
+            require_worker(args, records)  # a misspelled model, more likely than a missing name
+        return single_input_name(args, records)
+
     options = SourceOptions(
-        input_name=lambda: single_input_name(args, records),
+        input_name=input_name,
         format=kind,
         columns=tuple(args.columns) if args.columns else None,
         key=args.key,
@@ -293,6 +324,7 @@ def _open_input(
         exclude=exclude,
     )
     source = open_source(args.input, options)
+    require_worker(args, records)
     if source.arrays is not None:
         first = source.arrays
     else:  # the first block, read ahead and put back
@@ -301,7 +333,7 @@ def _open_input(
             return source
         source.blocks = itertools.chain([block], source.blocks)
         first = block.inputs if block.rows else {}
-    key_name = source.key_name if source.keyed or args.output.endswith(".parquet") else None
+    key_name = source.key_name if source.keyed or not args.output.endswith(".npz") else None
     if first:
         check_against_workers(args, first, records, source.kind, key_name)
     return source
@@ -395,12 +427,14 @@ def _check_run_paths(args: argparse.Namespace, output_path: Path, errors_path: P
     ):
         which = "--output" if errors_path.resolve() == output_path.resolve() else "--input"
         raise UsageError(f"--errors must not be the {which} file.")
-    if output_path.suffix not in (".npz", ".parquet"):
+    if output_path.suffix not in (".npz", ".parquet", ".jsonl"):
         raise UsageError(
             f"--output {str(output_path)!r}: outputs are written as an .npz (one array per "
-            "model output) or a .parquet (one column per output); give a name that ends in "
-            ".npz or .parquet."
+            "model output), a .parquet (one column per output) or a .jsonl (one object per "
+            "row); give a name that ends in .npz, .parquet or .jsonl."
         )
+    if output_path.suffix == ".parquet":
+        pyarrow()  # a missing extra is said before Redis is asked anything
     return kind
 
 

@@ -1,14 +1,15 @@
 """Parquet and Arrow IPC inputs, an input per column, read a record batch at a time.
 
 A Parquet file is read with ``iter_batches`` in batches of about ``BLOCK_BYTES`` (its row count
-from the metadata, for the progress bar), its pages streamed 1 MiB at a time: memory holds a
-batch and the pages being decoded, not a row group. An Arrow IPC file is read batch by batch
-(an IPC stream front to back), each record batch sliced into blocks without copying, so memory
-holds one of the file's record batches. Strings and binary become ``string`` and ``bytes``
-rows; numbers, and (fixed-size, or equal-length) lists of numbers, numeric rows, their shape
-fixed by the type or the first row; dtypes as ``producer.jobs.tables`` says. A row holding a null,
-or a list of another length, is skipped and listed; a column of another type (a timestamp, a
-struct) is refused at the start, naming ``--columns``.
+from the metadata, for the progress bar), its pages streamed 1 MiB at a time: memory holds a batch
+and the pages being decoded, not a row group. An Arrow IPC file is read batch by batch (an IPC
+stream front to back), each record batch sliced into blocks without copying, so memory holds one of
+the file's record batches. Strings and binary become ``string`` and ``bytes`` rows (or either, as
+``--dtype`` or the live workers say: ``producer.jobs.textwire``); numbers, and (fixed-size, or
+equal-length) lists of numbers, numeric rows, their shape fixed by the type or the first row;
+dtypes as ``producer.jobs.tables`` says. A row holding a null, or a list of another length, is
+skipped and listed; a column of another type (a timestamp, a struct) is refused at the start,
+naming ``--columns``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from producer.jobs.blocks import BLOCK_BYTES, Block, Skipped, Source, SourceOptions
 from producer.jobs.blocks import text_array as _text
 from producer.jobs.tables import cast, castable, pyarrow, select_inputs, target_dtype
+from producer.jobs.textwire import recode, text_wire
 from producer.protocol.errors import UsageError
 
 __all__ = ["open_arrow"]
@@ -154,8 +156,15 @@ class _ArrowColumn:
                 f"column {name!r} is {arrow_type}; redbatch run sends strings, binary, numbers "
                 "and (fixed-size) lists of numbers. Pick the columns to send with --columns."
             )
-        if self._text is not None and (depth or name in options.dtypes):
-            raise UsageError(f"column {name!r} is {arrow_type}: send text and binary as is.")
+        if self._text is not None and depth:
+            raise UsageError(
+                f"column {name!r} is {arrow_type}: a row of text or binary is one value, not a "
+                "list; pick the columns to send with --columns."
+            )
+        # the kind text is sent as: --dtype, else the live workers' (producer.jobs.textwire)
+        self._wire = self._text
+        if self._text is not None:
+            self._wire = text_wire(name, self._text, options.dtypes, options.model_dtypes)
         self._dtype: np.dtype[Any] | None = None
         if self._text is None:
             own = np.dtype(leaf.to_pandas_dtype())
@@ -175,6 +184,13 @@ class _ArrowColumn:
                 f"column {self._name!r} is null or not of shape {list(self._shape or ())}."
             )
         bad |= rows
+        if self._text == "bytes" and self._wire == "string":  # binary sent as strings
+            raw = column.to_numpy(zero_copy_only=False)
+            at = np.flatnonzero(~bad)
+            _, undecodable = recode(list(raw[at]), "string")
+            for pos, why in undecodable.items():
+                reasons[int(at[pos])] = f"column {self._name!r} {why}."
+                bad[at[pos]] = True
 
     def _first_shape(self, column: Any) -> tuple[int, ...]:
         for i in range(len(column)):
@@ -193,7 +209,11 @@ class _ArrowColumn:
         for _ in range(self._depth):
             column = column.flatten()
         if self._text is not None:
-            return _text(list(column.to_numpy(zero_copy_only=False)), self._text)
+            assert self._wire is not None
+            texts = list(column.to_numpy(zero_copy_only=False))
+            if self._wire != self._text:
+                texts = recode(texts, self._wire)[0]
+            return _text(texts, self._wire)
         flat = column.to_numpy(zero_copy_only=False)
         assert self._dtype is not None
         values = cast(flat, self._dtype)

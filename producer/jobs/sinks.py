@@ -14,7 +14,9 @@ ones (in Parquet: null).
   fixed-width arrays (``U``; ``bytes`` outputs ``S``, which drops trailing NUL bytes: write a
   .parquet to keep them).
 - ``ParquetSink``: a .parquet written a row group (about 16 MiB) at a time: the key column,
-  then one column per output (a row of shape [k] is a fixed-size list of k).
+  then one column per output (a row of shape [k] is a fixed-size list of k; text a string or
+  binary column).
+- ``producer.jobs.jsonlsink.JsonlSink``: a .jsonl, a JSON object per row as the rows come.
 
 ``commit()`` renames the file into place; ``discard()`` leaves any earlier file as it was.
 """
@@ -30,12 +32,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from producer.jobs.columns import Columns, fill, wire_of
 from producer.jobs.files import AtomicFile
+from producer.jobs.jsonlsink import JsonlSink
 from producer.jobs.npyspool import Spool
-from producer.protocol import codec
 from producer.protocol.codec import ErrorInfo
 
-__all__ = ["MemorySink", "NpzSink", "ParquetSink", "Sink", "open_sink"]
+__all__ = ["Columns", "MemorySink", "NpzSink", "ParquetSink", "Sink", "open_sink"]
 
 _ROW_GROUP_BYTES = 16 << 20
 _ROW_GROUP_ROWS = 65536
@@ -61,79 +64,13 @@ class Sink(Protocol):
 
 
 def open_sink(path: Path, key_name: str | None) -> Sink:
-    """The sink for ``path``'s suffix (.npz or .parquet); ``key_name`` names the key column
-    (None: no key is written)."""
+    """The sink for ``path``'s suffix (.npz, .parquet or .jsonl); ``key_name`` names the key
+    column (None: no key is written in an .npz; "row" in the others)."""
     if path.suffix == ".parquet":
         return ParquetSink(path, key_name or "row")
+    if path.suffix == ".jsonl":
+        return JsonlSink(path, key_name or "row")
     return NpzSink(path, key_name)
-
-
-# ---------------------------------------------------------------------------------------------
-# The outputs' columns
-
-
-def _wire(array: np.ndarray) -> str:
-    return codec.wire_dtype(array) or str(array.dtype)
-
-
-def _fill(dtype: np.dtype[Any], wire: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Rows of a failed request: NaN, 0, or empty text."""
-    if wire in ("string", "bytes"):
-        array = np.empty(shape, dtype=codec.STRING if wire == "string" else codec.BYTES)
-        array.fill("" if wire == "string" else b"")
-        return array
-    return np.full(shape, np.nan if np.issubdtype(dtype, np.inexact) else 0, dtype=dtype)
-
-
-class _Columns:
-    """The outputs' names, dtypes and row shapes, fixed by the first rows that succeed."""
-
-    def __init__(self, key_name: str | None = None) -> None:
-        self.key_name = key_name
-        self.spec: dict[str, tuple[np.dtype[Any], str, tuple[int, ...]]] | None = None
-
-    def fit(
-        self, start: int, stop: int, outputs: Mapping[str, Any]
-    ) -> tuple[dict[str, np.ndarray] | None, ErrorInfo | None]:
-        """The outputs as they are written, or an error saying why they do not fit."""
-        arrays = {name: codec.as_tensor(part) for name, part in outputs.items()}
-        if self.spec is None:
-            if self.key_name in arrays:
-                return None, ErrorInfo(
-                    "OUTPUT_MISMATCH",
-                    f"output {self.key_name!r} has the name of the key column; fetch the "
-                    "other outputs (--outputs), or name the key otherwise (--key).",
-                )
-            if any(a.ndim == 0 for a in arrays.values()):
-                return None, ErrorInfo("OUTPUT_MISMATCH", f"rows {start}:{stop} have no rows.")
-            self.spec = {n: (a.dtype, _wire(a), a.shape[1:]) for n, a in arrays.items()}
-        if set(arrays) != set(self.spec):
-            return None, ErrorInfo(
-                "OUTPUT_MISMATCH",
-                f"rows {start}:{stop} came back with outputs {sorted(arrays)}, but earlier rows "
-                f"had {sorted(self.spec)}; were workers of different model versions serving?",
-            )
-        fitted = {}
-        for name, part in arrays.items():
-            dtype, wire, shape = self.spec[name]
-            if part.shape != (stop - start, *shape) or (wire in ("string", "bytes")) != (
-                _wire(part) in ("string", "bytes")
-            ):
-                return None, ErrorInfo(
-                    "OUTPUT_MISMATCH",
-                    f"output {name!r} for rows {start}:{stop} has shape {part.shape} of "
-                    f"{_wire(part)}, which does not stack with rows of shape {list(shape)} of "
-                    f"{wire}.",
-                )
-            fitted[name] = part if part.dtype == dtype else part.astype(dtype)
-        return fitted, None
-
-    def fill(self, rows: int) -> dict[str, np.ndarray]:
-        assert self.spec is not None
-        return {n: _fill(d, w, (rows, *s)) for n, (d, w, s) in self.spec.items()}
-
-    def describe(self, rows: int) -> list[tuple[str, str, list[int]]]:
-        return [(n, w, [rows, *s]) for n, (_, w, s) in (self.spec or {}).items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +81,7 @@ class MemorySink:
     """The outputs as arrays in memory (``arrays``); keys are not kept."""
 
     def __init__(self) -> None:
-        self._columns = _Columns()
+        self._columns = Columns()
         self._parts: dict[str, list[np.ndarray]] = {}
         self._rows = 0
         self._failed_first = 0  # failed rows before the first success, written once it comes
@@ -208,7 +145,7 @@ class NpzSink:
             tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".parts", dir=path.parent)
         )
         self._key_name = key_name
-        self._columns = _Columns(key_name)
+        self._columns = Columns(key_name)
         self._spools: dict[str, Spool] = {}
         self._key: Spool | None = None
         self._failed_first = 0
@@ -246,7 +183,7 @@ class NpzSink:
 
     def _write_keys(self, keys: np.ndarray) -> None:
         if self._key is None:
-            self._key = Spool(self._dir / "key.part", keys.dtype, _wire(keys), ())
+            self._key = Spool(self._dir / "key.part", keys.dtype, wire_of(keys), ())
         self._key.write(keys)
 
     def describe(self) -> list[tuple[str, str, list[int]]]:
@@ -289,7 +226,7 @@ class ParquetSink:
 
         self._pa = pyarrow()
         self._key_name = key_name
-        self._columns = _Columns(key_name)
+        self._columns = Columns(key_name)
         self._target = AtomicFile(path)
         self._writer: Any = None
         self._buffer: list[tuple[np.ndarray, dict[str, np.ndarray] | None]] = []
@@ -330,7 +267,7 @@ class ParquetSink:
         assert self._columns.spec is not None
         dtype, wire, shape = self._columns.spec[name]
         filled = [
-            p if p is not None else _fill(dtype, wire, (n, *shape))
+            p if p is not None else fill(dtype, wire, (n, *shape))
             for p, n in zip(parts, rows, strict=True)
         ]
         values = np.concatenate(filled)

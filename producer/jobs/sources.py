@@ -12,7 +12,9 @@ kind's rows, and the key each row carries to the outputs:
 - ``.parquet``, ``.arrow`` / ``.feather``: one row per table row, an input per column; key
   ``row`` (0-based), or ``--key``.
 
-(The last two are ``producer.jobs.tables``' and ``producer.jobs.arrowtables``'.) Every reader but
+(The last two are ``producer.jobs.tables``' and ``producer.jobs.arrowtables``'.) Text of any kind
+is sent as the input takes it (``--dtype NAME=string|bytes``, else the live workers' dtype:
+``producer.jobs.textwire``), so a folder of .txt files feeds a ``string`` input. Every reader but
 the arrays' yields blocks (``blocks.Block``) of a few thousand rows (or a few MiB) at a time, so an
 input far larger than memory streams through a bounded window. A record the reader cannot turn
 into a row (a file it cannot read, a line that is not UTF-8, not JSON, or lacks an input, a
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +41,7 @@ from producer.jobs.blocks import (
 )
 from producer.jobs.files import load_inputs
 from producer.jobs.filewalk import has_glob, iter_files
+from producer.jobs.textwire import TEXT_WIRES, recode, text_wire
 from producer.protocol.errors import UsageError
 
 __all__ = ["FORMATS", "input_kind", "open_source"]
@@ -105,8 +109,17 @@ def _check_options(kind: str, options: SourceOptions) -> None:
     for flag, given in (("--columns", options.columns), ("--key", options.key)):
         if given and not tabular:
             raise UsageError(f"{flag} applies to .jsonl, .parquet and .arrow inputs, not {kind}.")
-    if options.dtypes and not tabular:
-        raise UsageError(f"--dtype applies to .jsonl, .parquet and .arrow inputs, not {kind}.")
+    if options.dtypes and kind in ("npy", "npz"):
+        raise UsageError(
+            f"--dtype applies to files, .txt, .jsonl, .parquet and .arrow inputs, not {kind}: "
+            "cast the arrays themselves."
+        )
+    numeric = sorted(n for n, d in options.dtypes.items() if d not in TEXT_WIRES)
+    if numeric and not tabular:
+        raise UsageError(
+            f"--dtype {numeric[0]}={options.dtypes[numeric[0]]}: {kind} inputs are text; give "
+            f"--dtype {numeric[0]}=string or {numeric[0]}=bytes."
+        )
     if options.keep_empty_lines and kind != "text":
         raise UsageError(f"--keep-empty-lines applies to .txt inputs, not {kind}.")
 
@@ -140,14 +153,27 @@ def _files(text: str, options: SourceOptions) -> Source:
     if not count:
         raise UsageError(f"no files match {text!r} (hidden files are left out).")
     name = options.input_name()
-    blocks = _file_blocks(iter_files(text, options.exclude), name)
+    wire = _single_wire(name, "bytes", options, text)
+    blocks = _file_blocks(iter_files(text, options.exclude), name, wire)
     return Source("files", [name], "path", blocks, count, count)
 
 
-def _file_blocks(paths: Iterator[str], name: str) -> Iterator[Block]:
+def _single_wire(name: str, own: str, options: SourceOptions, where: str) -> str:
+    """The kind a single-input kind's rows are sent as (``producer.jobs.textwire``)."""
+    unknown = sorted(set(options.dtypes) - {name})
+    if unknown:
+        raise UsageError(
+            f"--dtype {', '.join(unknown)}: not an input sent from {where!r}, whose rows are "
+            f"input {name!r}."
+        )
+    return text_wire(name, own, options.dtypes, options.model_dtypes)
+
+
+def _file_blocks(paths: Iterator[str], name: str, wire: str = "bytes") -> Iterator[Block]:
     """Files read one at a time, a few to a block (at most ``BLOCK_BYTES`` unless one file is
-    larger on its own)."""
-    data: list[bytes] = []
+    larger on its own); as ``string`` rows when ``wire`` says so (a file that is not UTF-8 is
+    then skipped)."""
+    data: list[Any] = []
     keys: list[str] = []
     skipped: list[Skipped] = []
     size = 0
@@ -158,14 +184,21 @@ def _file_blocks(paths: Iterator[str], name: str) -> Iterator[Block]:
         except OSError as exc:
             skipped.append(Skipped(len(data), path, f"cannot read {path!r}: {exc.strerror}."))
             continue
-        data.append(content)
+        if wire != "bytes":
+            [text], bad = recode([content], wire)
+            if bad:
+                skipped.append(Skipped(len(data), path, f"file {path!r} {bad[0]}."))
+                continue
+            data.append(text)
+        else:
+            data.append(content)
         keys.append(path)
         size += len(content)
         if len(data) >= 64 or size >= BLOCK_BYTES:
-            yield Block({name: text_array(data, "bytes")}, text_array(keys), skipped=skipped)
+            yield Block({name: text_array(data, wire)}, text_array(keys), skipped=skipped)
             data, keys, skipped, size = [], [], [], 0
     if data or skipped:
-        yield Block({name: text_array(data, "bytes")}, text_array(keys), skipped=skipped)
+        yield Block({name: text_array(data, wire)}, text_array(keys), skipped=skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,13 +207,17 @@ def _file_blocks(paths: Iterator[str], name: str) -> Iterator[Block]:
 
 def _text(path: Path, options: SourceOptions) -> Source:
     name = options.input_name()
-    blocks = _text_blocks(path, name, options.keep_empty_lines)
+    wire = _single_wire(name, "string", options, str(path))
+    blocks = _text_blocks(path, name, options.keep_empty_lines, wire)
     return Source("text", [name], "line", blocks, None, path.stat().st_size, "B")
 
 
-def _text_blocks(path: Path, name: str, keep_empty: bool) -> Iterator[Block]:
+def _text_blocks(path: Path, name: str, keep_empty: bool, wire: str = "string") -> Iterator[Block]:
     """One row per line, its newline ("\\n", or "\\r\\n") removed and nothing else; empty
-    lines are left out unless ``keep_empty``. Keys are 1-based line numbers."""
+    lines are left out unless ``keep_empty``. Keys are 1-based line numbers. Rows are
+    ``string``, or the lines' UTF-8 as ``bytes`` when ``wire`` says so."""
     for numbers, ends, lines, skipped in read_lines(path, keep_empty):
         keys = np.asarray(numbers, np.int64)
-        yield Block({name: text_array(lines)}, keys, np.asarray(ends, np.int64), skipped)
+        values = lines if wire == "string" else recode(lines, wire)[0]
+        block = {name: text_array(values, wire)}
+        yield Block(block, keys, np.asarray(ends, np.int64), skipped)

@@ -1,7 +1,8 @@
 """Inputs read as columns: JSON lines (an input per key) here, and the rules the Arrow tables of
 ``producer.jobs.arrowtables`` share with them: which columns are inputs, and each one's dtype.
 
-Values become rows as the wire carries them: text to ``string``, binary to ``bytes``, numbers
+Values become rows as the wire carries them: text to ``string``, binary to ``bytes`` (or either
+as ``--dtype NAME=string|bytes`` or the live workers say: ``producer.jobs.textwire``), numbers
 and (fixed-size) lists of numbers to numeric arrays, a row's shape fixed by the first row. A
 numeric input's dtype is ``--dtype NAME=DTYPE`` when given, else the dtype the live workers
 report for that input, else the values' own: for JSON, ``int64`` for integers, ``float32`` for
@@ -26,6 +27,7 @@ import numpy as np
 
 from producer.jobs.blocks import Block, Skipped, Source, SourceOptions, read_lines
 from producer.jobs.blocks import text_array as _text
+from producer.jobs.textwire import numeric_only, recode, text_wire
 from producer.protocol.errors import UsageError
 
 __all__ = ["cast", "castable", "open_jsonl", "pyarrow", "select_inputs", "target_dtype"]
@@ -67,7 +69,8 @@ def select_inputs(available: list[str], options: SourceOptions, where: str) -> l
 
 
 def target_dtype(name: str, options: SourceOptions, own: np.dtype[Any]) -> np.dtype[Any]:
-    """The dtype input ``name`` is sent as (see the module docstring)."""
+    """The dtype input ``name``, which holds numbers, is sent as (see the module docstring)."""
+    numeric_only(name, options.dtypes)
     if name in options.dtypes:
         return np.dtype(options.dtypes[name])
     model = options.model_dtypes.get(name)
@@ -133,8 +136,9 @@ def _first_object(path: Path) -> dict[str, Any]:
 class _Spec:
     """What every row of one input must be: text, or numbers of one shape (and the dtype)."""
 
-    dtype: np.dtype[Any] | None  # None: string
+    dtype: np.dtype[Any] | None  # None: text
     shape: tuple[int, ...] = ()
+    wire: str = "string"  # text sent as string, or as its UTF-8 bytes
 
 
 class _JsonColumns:
@@ -209,7 +213,9 @@ class _JsonColumns:
             for i, value in enumerate(values):
                 if not isinstance(value, str):
                     bad.setdefault(i, f"input {name!r} is {_json(value)}, not a string.")
-            return _text([v if isinstance(v, str) else "" for v in values])
+            texts = [v if isinstance(v, str) else "" for v in values]
+            wire = "string" if spec is None else spec.wire
+            return _text(texts if wire == "string" else recode(texts, wire)[0], wire)
         fast = _numbers(values, spec)
         if fast is not None:
             return fast
@@ -225,9 +231,8 @@ class _JsonColumns:
 
     def _spec_of(self, name: str, value: Any) -> _Spec:
         if isinstance(value, str):
-            if name in self._options.dtypes:
-                raise UsageError(f"--dtype {name}: input {name!r} holds strings, not numbers.")
-            return _Spec(None)
+            options = self._options
+            return _Spec(None, wire=text_wire(name, "string", options.dtypes, options.model_dtypes))
         try:
             array = np.asarray(value)
         except ValueError:
