@@ -387,7 +387,7 @@ def test_status_and_replay_go_to_each_shards_master(
     watch_argv = ["--redis-url", cluster_url, "status", "--model", MODEL, "--watch"]
     assert main([*watch_argv, "--iterations", "1"]) == 0
     frame = capsys.readouterr().out
-    assert "backlog 1 (waiting 1, held by workers 0)" in frame
+    assert "backlog 1 (waiting 1, held 0)" in frame
     assert "2 dead letters" in frame
     assert all(s["node"] in frame for s in report["shards"])  # the MASTER column
 

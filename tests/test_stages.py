@@ -296,15 +296,10 @@ def test_watch_shows_stage_costs_and_the_verdict_per_worker(
     lines = frame.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("stages "))
     header, row, verdict = lines[at + 1], lines[at + 2], lines[at + 3]
-    assert header.split() == [
-        "NAME", "THREADS", "BUSY", "PRE/REQ", "PRE", "CPU", "POST/REQ", "POST", "CPU",
-        "MODEL", "BUSY", "CPU", "REQ/S",
-    ]  # fmt: skip
-    assert row.split() == [
-        "cpu-0", "2", "97%", "47.5", "ms", "40.0", "ms", "1.0", "ms", "0.8", "ms", "15%",
-        "1.80", "40",
-    ]  # fmt: skip
-    assert verdict.startswith("  cpu-0: bound by preprocessing: pipeline threads 97% busy")
+    assert header.split() == ["NAME", "PRE/REQ", "PRE", "CPU", "POST/REQ", "POST", "CPU", "REQ/S"]
+    assert row.split() == ["cpu-0", "47.5", "ms", "40.0", "ms", "1.0", "ms", "0.8", "ms", "40"]
+    assert verdict.startswith("    bound by preprocessing: pipeline threads 97% busy")
+    assert all(len(line) <= 80 for line in lines)
 
 
 def test_watch_says_when_stage_rates_come(redis_url: str, rconn: redis.Redis) -> None:

@@ -186,14 +186,15 @@ def test_watch_shows_memory_growth_per_second_and_refused_producers(
     assert second.status.memory is not None
     grown_per_s = (second.status.memory.used_bytes - first.status.memory.used_bytes) / 2.0
     assert grown_per_s >= FILLER_BYTES / 2.0
-    memory_line = next(line for line in frame.splitlines() if line.startswith("memory "))
-    assert f"used {format_bytes(second.status.memory.used_bytes)} " in memory_line
-    assert f"(+{format_bytes(grown_per_s)}/s) of maxmemory " in memory_line
-    assert "policy noeviction" in memory_line
-    assert (
-        "            !! producers are refused (RedisFull) above 80% of maxmemory; "
-        "workers keep draining"
-    ) in frame.splitlines()
+    lines = frame.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("memory "))
+    assert f"used {format_bytes(second.status.memory.used_bytes)} " in lines[at]
+    assert f"(+{format_bytes(grown_per_s)}/s) of maxmemory " in lines[at]
+    assert re.fullmatch(r"         headroom [\d.]+ [KM]iB, policy noeviction", lines[at + 1])
+    assert lines[at + 2 : at + 4] == [
+        "         !! producers are refused (RedisFull) above 80% of maxmemory; workers",
+        "         keep draining",
+    ]
 
 
 def test_watch_first_frame_shows_memory_without_a_rate(redis_url: str, limits: redis.Redis) -> None:
@@ -202,12 +203,13 @@ def test_watch_first_frame_shows_memory_without_a_rate(redis_url: str, limits: r
 
     assert status_command.run_watch(_watch_args(redis_url), out=out) == 0
 
-    memory_line = next(line for line in out.getvalue().splitlines() if line.startswith("memory "))
+    lines = out.getvalue().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("memory "))
     figures = re.fullmatch(
-        r"memory      used [\d.]+ MiB of maxmemory [\d.]+ MiB \((\d+)%\), headroom [\d.]+ MiB; "
-        r"policy noeviction",
-        memory_line,
+        r"memory   used [\d.]+ MiB of maxmemory [\d.]+ MiB \((\d+)%\)", lines[at]
     )
+    memory_line = lines[at]
+    assert re.fullmatch(r"         headroom [\d.]+ MiB, policy noeviction", lines[at + 1])
     assert figures, memory_line
     assert 45 <= int(figures[1]) <= 55
     assert "producers are refused" not in out.getvalue()
@@ -219,7 +221,7 @@ def test_watch_without_info_permission_says_memory_unknown(
     with redis.Redis.from_url(no_info_url) as operator:
         frame = watch.render(None, watch.take_snapshot(operator, MODEL))
 
-    assert "memory      unknown (INFO refused: grant +info)" in frame.splitlines()
+    assert "memory   unknown (INFO refused: grant +info)" in frame.splitlines()
 
 
 def _watch_args(redis_url: str) -> argparse.Namespace:

@@ -8,11 +8,11 @@ import argparse
 import json
 from typing import Any
 
-import redis
-
 from producer.cli import argtypes
+from producer.cli.reach import open_redis
 from producer.ops.replay import ReplayReport, replay
 from producer.ops.textformat import printable, table
+from producer.ops.words import count
 
 __all__ = ["add_arguments", "format_report", "report_to_json", "run_command"]
 
@@ -70,7 +70,8 @@ def format_report(report: ReplayReport) -> str:
     sharded = len(report.shards) > 1
     ids = "same request ids" if report.same_ids else "new request ids"
     if sharded:
-        lines = [f"replay P:{{T}}:dead -> P:{{T}}:requests of {len(report.shards)} shards ({ids})"]
+        of = count(len(report.shards), "shard")
+        lines = [f"replay P:{{T}}:dead -> P:{{T}}:requests of {of} ({ids})"]
     else:
         lines = [f"replay {report.dead_key} -> {report.stream_key} ({ids})"]
     if report.dry_run:
@@ -87,14 +88,17 @@ def format_report(report: ReplayReport) -> str:
         lines += table(rows, indent="  ", right=frozenset({1, 2, 3}))
     removed = sum(r.reply_removed for r in report.resent)
     summary = (
-        f"examined {report.examined} dead letters: {verb} {len(report.resent)}, "
+        f"examined {count(report.examined, 'dead letter')}: {verb} {len(report.resent)}, "
         f"skipped {len(report.skipped)}"
     )
     if removed:
-        summary += f"; {'would remove' if report.dry_run else 'removed'} {removed} old replies"
+        old = count(removed, "old reply", "old replies")
+        summary += f"; {'would remove' if report.dry_run else 'removed'} {old}"
     if report.delete:
-        count = len(report.resent) if report.dry_run else report.deleted
-        summary += f"; {'would delete' if report.dry_run else 'deleted'} {count} dead letters"
+        gone = len(report.resent) if report.dry_run else report.deleted
+        summary += (
+            f"; {'would delete' if report.dry_run else 'deleted'} {count(gone, 'dead letter')}"
+        )
     lines.append(summary)
     shard = ["SHARD"] if sharded else []
     if report.resent:
@@ -186,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """``redbatch replay``: re-send, print the report; 0, or 1 when something was skipped."""
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=30)
+    conn = open_redis(args, socket_timeout=30)
     try:
         report = replay(
             conn,

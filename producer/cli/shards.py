@@ -11,10 +11,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
 from producer.cli import argtypes
 from producer.cli.argtypes import EXIT_FAILED, EXIT_OK
+from producer.cli.reach import open_redis
 from producer.ops.shards import (
     DEFAULT_TIMEOUT_S,
     DrainState,
@@ -29,6 +28,7 @@ from producer.ops.shards import (
 )
 from producer.ops.status import ShardAccess
 from producer.ops.textformat import ago, printable, table
+from producer.ops.words import count
 from producer.protocol import keys
 from producer.redisio import shards
 from producer.redisio.connection import redact_url
@@ -75,9 +75,11 @@ def view_to_json(view: ShardsView) -> dict[str, Any]:
 def format_view(view: ShardsView, where: str | None = None) -> str:
     """``show`` as a person reads it: the list, the retiring set, a row per shard, a total."""
     at = f" at {where}" if where else ""
-    kind = f"a Redis Cluster of {len(view.masters)} masters" if view.cluster else "one Redis"
-    count = f"{len(view.shards)} shard{'' if len(view.shards) == 1 else 's'}"
-    lines = [f"model {view.model!r}, prefix {view.prefix!r}{at}: {count} on {kind}"]
+    kind = (
+        f"a Redis Cluster of {count(len(view.masters), 'master')}" if view.cluster else "one Redis"
+    )
+    shards_here = count(len(view.shards), "shard")
+    lines = [f"model {view.model!r}, prefix {view.prefix!r}{at}: {shards_here} on {kind}"]
     key = keys.shards_key(view.prefix, view.model)
     if view.listed is None:
         lines.append(f"shard list {key}: absent (one shard, {view.model})")
@@ -145,12 +147,12 @@ def format_placement(placed: Placement) -> str:
     key = keys.shards_key(placed.prefix, placed.model)
     if placed.added:
         lines = [
-            f"added {len(placed.added)} shards to {key}: {', '.join(placed.added)}; "
+            f"added {count(len(placed.added), 'shard')} to {key}: {', '.join(placed.added)}; "
             f"{placed.model!r} has {len(placed.after)} (workers and producers pick them up "
             f"within {shards.REFRESH_S:g} s)"
         ]
     else:
-        lines = [f"{placed.model!r} has {len(placed.after)} shards; nothing changed"]
+        lines = [f"{placed.model!r} has {count(len(placed.after), 'shard')}; nothing changed"]
     where = ["MASTER", "SLOT"] if placed.cluster else []
     rows = [["SHARD", *where, ""]]
     for tag in placed.after:
@@ -190,7 +192,8 @@ def format_retirement(done: Retirement) -> str:
         )
     elif done.timed_out:
         lines.append(
-            f"{done.tag} still holds {done.backlog} entries ({done.pending} pending) after "
+            f"{done.tag} still holds {count(done.backlog or 0, 'entry', 'entries')} "
+            f"({done.pending} pending) after "
             f"{done.waited_s:.1f} s: it stays in {retiring} and workers keep serving it. Run "
             f"`redbatch shards retire --model {done.model} --shard {done.tag}` again to wait on"
         )
@@ -203,7 +206,8 @@ def format_retirement(done: Retirement) -> str:
     if done.dead:
         dead = keys.dead_key(done.prefix, done.tag)
         lines.append(
-            f"note: {dead} holds {done.dead} dead letters; status and replay list a shard only "
+            f"note: {dead} holds {count(done.dead, 'dead letter')}; status and replay list a "
+            "shard only "
             "while it is listed or retiring: replay them (redbatch replay --from-dead) before "
             f"it retires, or read them with XRANGE {dead} - +"
         )
@@ -354,7 +358,7 @@ def add_arguments(
 
 def run_command(args: argparse.Namespace) -> int:
     """``redbatch shards ACTION``: 0 when done, 1 when ``retire`` timed out waiting."""
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    conn = open_redis(args)
     access = ShardAccess(conn, args.retry_s)
     try:
         access.refresh()

@@ -1,8 +1,10 @@
 """``redbatch status`` and its ``--watch`` view as commands: the options, the one-shot report,
-and the loop that redraws ``producer.ops.watch.render`` until Ctrl-C or ``--iterations``.
+the list of every model when no ``--model`` is given (``producer.ops.models``), and the loop that
+redraws ``producer.ops.watch.render`` until Ctrl-C or ``--iterations``.
 
 The view is plain ANSI (clear screen, redraw) on a terminal and plain frames otherwise.
-Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames.
+Ctrl-C ends it with exit status 0; ``--iterations`` ends it after that many frames. Each command
+gives up within a few seconds on a Redis that never answered (``producer.cli.reach``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import redis
 
 from producer.cli import argtypes
 from producer.cli.argtypes import EXIT_FAILED, EXIT_OK
+from producer.cli.reach import open_redis
+from producer.ops import models, status
 from producer.ops import report as status_report
-from producer.ops import status
 from producer.ops.status import DEFAULT_DEAD_LIMIT
 from producer.ops.watch import DEFAULT_INTERVAL_S, render
 from producer.ops.watchstats import Snapshot, StageWatch, WorkerRates, take_snapshot
@@ -31,6 +34,7 @@ from producer.redisio.topology import Topology
 __all__ = [
     "DEFAULT_DEAD_LIMIT",
     "add_watch_arguments",
+    "run_overview",
     "run_status",
     "run_watch",
     "watch_only_options",
@@ -108,12 +112,17 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``redbatch status --watch``: redraw until Ctrl-C or ``--iterations``; returns 0."""
     if getattr(args, "json", False):
         raise UsageError("--watch draws a live view; leave out --json (or drop --watch).")
+    if getattr(args, "model", None) is None:
+        raise UsageError(
+            "--watch shows one model live: name it with --model NAME (redbatch status without "
+            "--model lists the models)."
+        )
     if args.metrics_url:
         argtypes.require_cli_extra("prometheus_client", "--metrics-url")
     stream = sys.stdout if out is None else out
     where = redact_url(args.redis_url)
     clear = stream.isatty()
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    conn = open_redis(args)
     topology = Topology(conn)
     rates = WorkerRates()
     stage_rates = StageWatch()
@@ -157,15 +166,18 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """``redbatch status``: one report of the queue, or the live view with ``--watch``. Exits 1
-    when a stream is blocked now (an exhausted id space, a key of the wrong type)."""
+    """``redbatch status``: one report of the queue, the live view with ``--watch``, or every
+    model's line without ``--model``. Exits 1 when a stream is blocked now (an exhausted id
+    space, a key of the wrong type)."""
     stray = watch_only_options(args)
     if stray:
         raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
     if args.watch:
         return run_watch(args)
+    if getattr(args, "model", None) is None:
+        return run_overview(args)
     where = redact_url(args.redis_url)
-    conn = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    conn = open_redis(args)
     try:  # a ConnectionFailed names the Redis and the retrying done; main() prints it as it is
         report = status.gather_status(
             conn, args.model, args.prefix, dead_limit=args.dead_letters, retry_s=args.retry_s
@@ -177,3 +189,24 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         print(status_report.format_status(report, redis_url=where))
     return EXIT_FAILED if any(note.blocking for note in report.damage) else EXIT_OK
+
+
+def run_overview(args: argparse.Namespace) -> int:
+    """``redbatch status`` without ``--model``: a line per model the Redis holds; exits 1 when
+    a model's stream is blocked now."""
+    conn = open_redis(args)
+    try:
+        overview = models.gather_models(conn, args.prefix, retry_s=args.retry_s)
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps(models.overview_to_json(overview), indent=2))
+    else:
+        print(models.format_overview(overview, redact_url(args.redis_url)))
+    if args.json and not overview.complete:  # the text says so itself
+        print(
+            "redbatch: warning: the list may be incomplete (a scan reached its bound); name a "
+            "model with --model",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if any(m.blocked for m in overview.models) else EXIT_OK

@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from producer.ops.words import count
 from producer.protocol import keys
 from producer.redisio.streaminfo import MAX_ID, REPAIR, is_exhausted, undelivered_lost
 
@@ -129,7 +130,7 @@ def damage_lines(notes: tuple[DamageNote, ...], now_s: float) -> list[str]:
         return []
     lines = ["Damage (see " + REPAIR + ")"]
     for note in notes:
-        lost = "" if note.lost is None else f", {note.lost} requests lost at least"
+        lost = "" if note.lost is None else f", at least {count(note.lost, 'request')} lost"
         if note.worker is None:
             who = "now"
         else:

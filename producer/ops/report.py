@@ -276,7 +276,8 @@ def _format_workers(status: ModelStatus) -> list[str]:
                 f"{show(w.get('host'))}:{show(w.get('pid'))}",
                 ago_or_dash(iso_age_s(w.get("started_at"), now)),
                 ago_or_dash(iso_age_s(w.get("heartbeat_at"), now)),
-                f"{show(served_req)} req/{show(served_batches)} batches",
+                f"{show(served_req)} req/{show(served_batches)} "
+                + ("batch" if served_batches == 1 else "batches"),
             ]
         )
     lines += table(rows, indent="  ")

@@ -1,12 +1,12 @@
 """The shards of a model's queue, as an operator changes them: show, place, retire.
 
-``P:{M}:shards`` lists a model's tags, its own first (contract section 1). A shard spreads load
-only on a master of its own, and a tag's master is the one owning its CRC16 slot: consecutive
-tags land unevenly (48 of them over 3 masters: 24, 11 and 13), so ``place`` picks each new
-tag's ``K`` for the master it should land on (``plan_placement``, which the bench and the
-cluster tests use too). ``retire`` takes a shard off the list, so producers stop sending to it,
-and puts it in ``P:{M}:retiring``, so workers keep serving it; once it is drained it leaves that
-set too. Both keys are in the model's own slot, so each change is one ``MULTI`` (guarded by
+``P:{M}:shards`` lists a model's tags, its own first (docs/protocol.md, section 1). A shard
+spreads load only on a master of its own, and a tag's master is the one owning its CRC16 slot:
+consecutive tags land unevenly (48 of them over 3 masters: 24, 11 and 13), so ``place`` picks
+each new tag's ``K`` for the master it should land on (``plan_placement``, which the bench and
+the cluster tests use too). ``retire`` takes a shard off the list, so producers stop sending to
+it, and puts it in ``P:{M}:retiring``, so workers keep serving it; once it is drained it leaves
+that set too. Both keys are in the model's own slot, so each change is one ``MULTI`` (guarded by
 ``WATCH`` against a concurrent one) that runs on Redis Cluster as on one Redis.
 ``producer.cli.shards`` is the command around these.
 """
@@ -176,7 +176,7 @@ def place(access: ShardAccess, prefix: str, model: str, count: int) -> Placement
         raw = _decode(pipe.lrange(key, 0, -1))
         if raw and raw[0] != model:
             raise UsageError(
-                f"{key} starts with {raw[0]!r}, not the model's own tag {model!r} (the contract "
+                f"{key} starts with {raw[0]!r}, not the model's own tag {model!r} (the protocol "
                 "wants it first); fix the list before placing more shards"
             )
         found = parse_shards(model, raw, pipe.smembers(retiring_key))

@@ -1,15 +1,16 @@
 """What a model's queue looks like right now: backlog, group, consumers, dead letters, workers.
 
 ``gather_status`` reads it from Redis into frozen dataclasses (its only side effect is removing
-the names of workers whose validation record has expired from the registry set, as the contract's
+the names of workers whose validation record has expired from the registry set, as the protocol's
 registry requires); ``producer.ops.report`` renders them as text and JSON.
 
-A model's queue may have several shards (``P:{M}:shards``, contract section 1), each on its own
-cluster master. Each shard is read from its own node (``ShardAccess``: ``producer.redisio.topology``
-routing, retried through outages and redirects) into a ``ShardStatus``; ``ModelStatus.requests``
-and ``.dead`` are their sums, so that what reads one number (a dashboard's ``.requests.backlog``)
-reads the whole queue. With one shard the sums are that shard, and the report is as it always
-was; with more, the text report adds a table of shards and a total line.
+A model's queue may have several shards (``P:{M}:shards``, docs/protocol.md section 1), each on
+its own cluster master. Each shard is read from its own node (``ShardAccess``:
+``producer.redisio.topology`` routing, retried through outages and redirects) into a
+``ShardStatus``; ``ModelStatus.requests`` and ``.dead`` are their sums, so that what reads one
+number (a dashboard's ``.requests.backlog``) reads the whole queue. With one shard the sums are
+that shard, and the report is as it always was; with more, the text report adds a table of
+shards and a total line.
 """
 
 from __future__ import annotations

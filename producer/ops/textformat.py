@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from producer.ops.status import WorkerInfo
+from producer.ops.words import WIDTH, clip
 from producer.protocol.units import format_bytes
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryReading, MemoryWatch
 
@@ -24,6 +25,7 @@ __all__ = [
     "duration",
     "memory_notes",
     "memory_summary",
+    "narrow_table",
     "pipeline_summary",
     "printable",
     "producers_refused",
@@ -64,6 +66,21 @@ def table(
         ]
         out.append((indent + "  ".join(cells)).rstrip())
     return out
+
+
+def narrow_table(
+    rows: Sequence[Sequence[str]],
+    *,
+    indent: str = "",
+    right: frozenset[int] = frozenset(),
+    width: int = WIDTH,
+) -> list[str]:
+    """``table``, its first column (names, tags) cut in the middle as far as needed for the rows
+    to fit ``width``, but never below 12 characters; the numbers are never cut."""
+    rows = [[printable(cell) for cell in row] for row in rows]
+    rest = sum(max(len(row[i]) for row in rows) + 2 for i in range(1, len(rows[0])))
+    room = max(width - len(indent) - rest, 12)
+    return table([[clip(row[0], room), *row[1:]] for row in rows], indent=indent, right=right)
 
 
 def show(value: Any, missing: str = "-") -> str:
