@@ -245,6 +245,7 @@ def test_run_on_a_full_redis_stops_and_lists_the_rows_not_sent(
             "--redis-url",
             redis_url,
             "--no-progress",
+            "--wait-for-worker",  # none: the run stops before any reply
         ]
     )
     err = capsys.readouterr().err

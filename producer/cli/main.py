@@ -6,7 +6,8 @@ options and its reports in a module of its own: ``producer.cli.run`` (``run``, w
 ``producer.cli.replay`` (``replay``) and ``producer.cli.shards`` (``shards``). Exit codes
 (``producer.cli.argtypes``): 0 every row succeeded, 1 some rows failed, 2 the command could not
 run as asked (bad option, missing file, Redis unreachable), 130 interrupted (Ctrl-C; ``run``
-still writes the rows answered by then).
+still writes the rows answered by then). ``status``, ``replay`` and ``shards`` give up within
+3 s on a Redis that never answered (``producer.cli.reach``), unless ``--retry-s`` is given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 import redis
 
@@ -56,11 +56,13 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
 _TOP_HELP = """\
-Send arrays through redbatch ONNX workers over Redis streams, and inspect a model's queue.
+Send inputs through redbatch ONNX workers over Redis streams, and inspect the models' queues.
 
 examples:
   redbatch run --model demo --input x.npy --output y.npz
   redbatch run --model demo --input batch.npz --output y.npz --rows-per-request 8
+  redbatch run --model vision --input 'images/**/*.jpg' --output labels.parquet
+  redbatch status
   redbatch status --model demo
   redbatch status --model demo --watch
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
@@ -69,22 +71,31 @@ examples:
 """
 
 _STATUS_HELP = """\
-Show a model's queue: the request stream's backlog, the consumer group (pending, lag, last
-delivered id), what each consumer holds, the dead letters and their reasons, and every live
-worker's validation record (model version and hash, providers, batching, inputs, runtime,
+Without --model: every model this Redis holds (found with SCAN, on every master of a cluster),
+one line each: shards, backlog, pending, live workers, dead letters, the oldest entry's age.
+
+With --model: that model's queue: the request stream's backlog, the consumer group (pending,
+lag, last delivered id), what each consumer holds, the dead letters and their reasons, and every
+live worker's validation record (model version and hash, providers, batching, inputs, runtime,
 host, heartbeat, requests served). Workers whose record expired are removed from the registry.
 
+Exit status 1 while a stream is blocked (an exhausted id space, a key of the wrong type); 2 when
+Redis did not answer within 3 s (--retry-s S waits longer) or refused a command.
+
 examples:
+  redbatch status
+  redbatch status --json | jq '.[] | {model, backlog}'
   redbatch status --model demo
   redbatch status --model demo --json | jq .requests.backlog
 """
 
 
 def _redis_url(text: str) -> str:
-    scheme = urlsplit(text).scheme
-    if scheme not in ("redis", "rediss", "unix"):
+    if not text.startswith(("redis://", "rediss://", "unix://")):
         raise argparse.ArgumentTypeError(
-            f"{redact_url(text)!r} is not a redis://, rediss:// or unix:// URL"
+            f"{redact_url(text)!r} is not a Redis URL (from --redis-url, else $REDIS_URL): use "
+            "redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "
+            "unix:///path/to/redis.sock[?db=N]"
         )
     try:
         redis.connection.parse_url(text)
@@ -114,10 +125,29 @@ def _add_connection_options(parser: argparse.ArgumentParser, *, top: bool) -> No
         "--retry-s",
         default=DEFAULT_RETRY_S if top else argparse.SUPPRESS,
         type=argtypes.non_negative_float,
+        action=_GivenRetry,
         metavar="S",
         help="how long to keep retrying while Redis is unreachable, with backoff (default: "
-        f"{DEFAULT_RETRY_S:g}; 0: fail at once)",
+        f"{DEFAULT_RETRY_S:g}; 0: fail at once; status, replay and shards give up after 3 s "
+        "on a Redis they never reached unless this is given)",
     )
+    if top:
+        parser.set_defaults(retry_s_given=False)
+
+
+class _GivenRetry(argparse.Action):
+    """Stores ``--retry-s`` and notes that it was given (``retry_s_given``): a first contact
+    waits that long only when asked to (``producer.cli.reach``)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.retry_s_given = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="run an .npy/.npz through the model",
+        help="run .npy/.npz arrays, files (a folder or glob), .txt lines, .jsonl or "
+        ".parquet/.arrow rows through the model",
         description=runcmd.HELP,
         formatter_class=formatter,
     )
@@ -144,11 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     stat = commands.add_parser(
         "status",
-        help="show a model's queue, dead letters and workers",
+        help="list the models, or show one model's queue, dead letters and workers",
         description=_STATUS_HELP,
         formatter_class=formatter,
     )
-    stat.add_argument("--model", required=True, type=argtypes.model_name, help="model name")
+    stat.add_argument(
+        "--model",
+        type=argtypes.model_name,
+        help="the model to show in full (default: list every model)",
+    )
     stat.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stat.add_argument(
         "--dead-letters",

@@ -232,10 +232,11 @@ class StreamGroup:
     def _report(self, kind: str, lost: int, detail: str) -> None:
         """One damage: a warning, the event (metrics), and a note for the worker's record."""
         log.warning(
-            "stream %s damaged (%s): %d requests lost at least; %s. Repair: %s",
+            "stream %s damaged (%s): at least %d request%s lost; %s. Repair: %s",
             self.key,
             kind,
             lost,
+            "" if lost == 1 else "s",
             detail,
             REPAIR,
         )
