@@ -27,6 +27,7 @@ from producer.cli.argtypes import (
     UsageError,
     print_error,
 )
+from producer.cli.reach import live_models
 from producer.jobs.blocks import Source, SourceOptions
 from producer.jobs.checks import check_against_workers, model_dtypes, single_input_name
 from producer.jobs.files import ErrorsFile
@@ -310,7 +311,9 @@ def _open_input(
 
     def input_name() -> str:
         if not args.input_name:
-            require_worker(args, records)  # a misspelled model, more likely than a missing name
+            require_worker(
+                args, records, lambda: live_models(args)
+            )  # a misspelled model, more likely than a missing name
         return single_input_name(args, records)
 
     options = SourceOptions(
@@ -324,7 +327,7 @@ def _open_input(
         exclude=exclude,
     )
     source = open_source(args.input, options)
-    require_worker(args, records)
+    require_worker(args, records, lambda: live_models(args))
     if source.arrays is not None:
         first = source.arrays
     else:  # the first block, read ahead and put back

@@ -38,6 +38,7 @@ __all__ = [
     "Found",
     "ModelSummary",
     "Overview",
+    "find_live_models",
     "find_models",
     "format_overview",
     "gather_models",
@@ -185,6 +186,20 @@ def _node_clients(access: ShardAccess, conn: redis.Redis) -> list[redis.Redis]:
         made = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
         clients.append(redis.Redis(connection_pool=made))
     return clients
+
+
+def find_live_models(conn: redis.Redis, prefix: str) -> Found | None:
+    """The models under ``prefix`` and their live workers, without retries: what ``redbatch
+    run`` lists when pointed at a model nobody serves; None when this user may not ``SCAN``
+    (a producer's role need not) or Redis fails meanwhile."""
+    access = ShardAccess(conn, 0.0)
+    try:
+        access.refresh()
+        return find_models(access, conn, prefix)
+    except (UsageError, redis.RedisError):
+        return None
+    finally:
+        access.close()
 
 
 # ---------------------------------------------------------------------------------------------
