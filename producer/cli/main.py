@@ -61,7 +61,8 @@ Send inputs through redbatch ONNX workers over Redis streams, and inspect the mo
 examples:
   redbatch run --model demo --input x.npy --output y.npz
   redbatch run --model demo --input batch.npz --output y.npz --rows-per-request 8
-  redbatch run --model vision --input 'images/**/*.jpg' --output labels.parquet
+  redbatch run --model orientation --input 'images/**/*.jpg' --output labels.parquet
+  redbatch run --model minilm --input sentences.txt --output vectors.jsonl
   redbatch status
   redbatch status --model demo
   redbatch status --model demo --watch
@@ -128,8 +129,8 @@ def _add_connection_options(parser: argparse.ArgumentParser, *, top: bool) -> No
         action=_GivenRetry,
         metavar="S",
         help="how long to keep retrying while Redis is unreachable, with backoff (default: "
-        f"{DEFAULT_RETRY_S:g}; 0: fail at once; status, replay and shards give up after 3 s "
-        "on a Redis they never reached unless this is given)",
+        f"{DEFAULT_RETRY_S:g}; 0: fail at once; every command gives up after 3 s on a Redis "
+        "it never reached unless this is given)",
     )
     if top:
         parser.set_defaults(retry_s_given=False)
