@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from harness import running_worker
+from harness import running_worker, write_config
 from test_examples import IMAGE_CONFIG, TEXT_CONFIG, _direct, models  # noqa: F401 (a fixture)
 
 from examples.common.reference import DirectRun, same_outputs
@@ -303,7 +303,7 @@ def test_dtypes_that_do_not_fit_are_refused_before_sending(
     assert run_cli(url, "--model", "minilm", "--input", str(tmp_path / "x.npy"), *out,
                    "--input-name", "text") == 2  # fmt: skip
     err = capsys.readouterr().err
-    assert "input 'text' is float32, but model 'minilm''s pipeline takes string" in err
+    assert "input 'text' is float32, but the pipeline of model 'minilm' takes string" in err
     assert "a .txt (a row per line)" in err
     assert "tokeniz" not in err
 
@@ -320,7 +320,9 @@ def test_outputs_are_checked_against_the_pipeline_not_the_model(
     assert (
         run_cli(url, *base, "--outputs", "fetch_name_0", "--output", str(tmp_path / "y.npz")) == 2
     )
-    assert "it has label, score, scores" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the pipeline of model 'orientation' answers no such output" in err
+    assert "the pipeline answers label, score, scores" in err
     assert run_cli(url, *base, "--outputs", "label", "--output", str(tmp_path / "y.npz")) == 0
     [(key, row)] = read_rows(tmp_path / "y.npz")
     assert key == next(iter(files))
@@ -345,7 +347,7 @@ def test_a_pipeline_that_declares_no_outputs_takes_any_outputs_name() -> None:
     check_against_workers(args, rows, [record], "text", "line")
     # but one it declares is checked
     record["pipeline"]["outputs"] = [{"name": "vector", "dtype": "float32", "shape": [-1, 2]}]
-    with pytest.raises(UsageError, match="--outputs label: model 'm' has no such output"):
+    with pytest.raises(UsageError, match="--outputs label: the pipeline of model 'm' answers no "):
         check_against_workers(args, rows, [record], "text", "line")
 
 
@@ -450,3 +452,124 @@ def test_bytes_outputs_in_jsonl_are_base64() -> None:
     array[:] = [b"\x00\xff", b"ok"]
     assert _values("bytes", array) == [base64.b64encode(b"\x00\xff").decode(), "b2s="]
     assert _values("float32", np.array([[1.5, np.nan]], np.float32)) == [[1.5, None]]
+
+
+# -- a pipeline whose handler refuses rows: the errors file and the summary ----------------------
+
+# The model multi_io (a float32 [N,3], b int64 [N,2] -> twice, total) behind a handler that
+# takes "x,y,z" lines; it refuses a row with a ValueError (INVALID_INPUT), whose message names
+# the row, or is the same for every row starting with "bad".
+CSV_HANDLER = """
+import numpy as np
+
+
+class CsvStats:
+    inputs = {"text": {"dtype": "string", "shape": [-1]}}
+    outputs = {"sum": {"dtype": "float32", "shape": [-1]},
+               "npos": {"dtype": "int64", "shape": [-1]}}
+
+    def preprocess(self, inputs):
+        rows = []
+        for text in inputs["text"]:
+            if text.startswith("bad"):
+                raise ValueError("this row is marked bad")
+            try:
+                rows.append([float(v) for v in text.split(",")])
+            except ValueError:
+                raise ValueError(f"row {text!r} is not three numbers separated by commas")
+        return {"a": np.array(rows, np.float32), "b": np.zeros((len(rows), 2), np.int64)}
+
+    def postprocess(self, outputs, inputs):
+        twice = outputs["twice"]
+        return {"sum": twice.sum(axis=1).astype(np.float32),
+                "npos": (twice > 0).sum(axis=1).astype(np.int64)}
+
+    def warmup_inputs(self):
+        return {"text": np.array(["1,2,3"], dtype=object)}
+"""
+
+
+@pytest.fixture(scope="module")
+def csv_url(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The module's Redis with a worker of model 'csvstats': multi_io behind CSV_HANDLER."""
+    pytest.importorskip("worker.pipeline.hooks", reason="the worker has no pipeline support")
+    folder = tmp_path_factory.mktemp("csvstats")
+    (folder / "csv_stats.py").write_text(CSV_HANDLER)
+    extra = '[pipeline]\nhandler = "csv_stats:CsvStats"\n'
+    config = write_config(folder, "multi_io", redis_server.url, name="csvstats", extra=extra)
+    with example_workers(redis_server.url, config):
+        yield redis_server.url
+
+
+def _errors(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_each_refused_request_has_its_own_errors_line_with_its_rid_and_message(
+    csv_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given 24 lines the handler refuses, one row per request: the first 12 with one message
+    # (as a bad column would give), the rest each with its own
+    lines = [f"bad {i}" for i in range(12)] + [f"x{i},y" for i in range(12, 24)]
+    (tmp_path / "rows.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "stats.jsonl"
+
+    assert run_cli(csv_url, "--model", "csvstats", "--input", str(tmp_path / "rows.txt"),
+                   "--output", str(out)) == 1  # fmt: skip
+
+    # Then every request answered is one line: its rows, its rid, its key and its message
+    errors = _errors(tmp_path / "stats.jsonl.errors.jsonl")
+    assert [(e["start"], e["stop"], e["key"], e["last_key"]) for e in errors] == [
+        (i, i + 1, i + 1, i + 1) for i in range(24)
+    ]
+    assert {e["code"] for e in errors} == {"INVALID_INPUT"}
+    assert all(keys.is_valid_rid(e["rid"]) for e in errors)
+    assert len({e["rid"] for e in errors}) == 24
+    assert [e["message"] for e in errors[:12]] == ["this row is marked bad"] * 12
+    assert errors[12]["message"] == "row 'x12,y' is not three numbers separated by commas"
+    # and the summary names the first failed row as the errors file does, saying how
+    summary = capsys.readouterr().out
+    assert "failed      INVALID_INPUT 24 rows; listed in" in summary
+    assert "row numbers count from 0" in summary
+    assert "  first error: row 0 (line 1): INVALID_INPUT: this row is marked bad" in summary
+
+
+def test_the_errors_file_is_written_empty_when_every_row_succeeds(
+    csv_url: str, tmp_path: Path
+) -> None:
+    # Given an errors file left by an earlier run beside the output
+    (tmp_path / "rows.txt").write_text("1,2,3\n4,5,-6\n")
+    stale = tmp_path / "stats.npz.errors.jsonl"
+    stale.write_text('{"start": 0, "stop": 1, "rid": "old"}\n')
+
+    assert run_cli(csv_url, "--model", "csvstats", "--input", str(tmp_path / "rows.txt"),
+                   "--output", str(tmp_path / "stats.npz")) == 0  # fmt: skip
+
+    # Then it is rewritten, empty, so that it never describes another run's outputs
+    assert stale.read_text() == ""
+    with np.load(tmp_path / "stats.npz") as npz:
+        np.testing.assert_allclose(npz["sum"], [12.0, 6.0])
+        assert npz["npos"].tolist() == [3, 2]
+
+
+def test_refusals_before_sending_name_the_pipeline_not_the_model(
+    csv_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "rows.txt").write_text("1,2,3\n")
+    np.save(tmp_path / "x.npy", np.zeros((2, 3), np.float32))
+    out = ["--output", str(tmp_path / "y.npz")]
+
+    # An output the pipeline does not answer (the model's own 'twice', say)
+    assert run_cli(csv_url, "--model", "csvstats", "--input", str(tmp_path / "rows.txt"), *out,
+                   "--outputs", "twice") == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--outputs twice: the pipeline of model 'csvstats' answers no such output" in err
+    assert "the pipeline answers npos, sum" in err
+    assert "model 'csvstats' has" not in err
+
+    # An input of the wrong dtype
+    assert run_cli(csv_url, "--model", "csvstats", "--input", str(tmp_path / "x.npy"), *out,
+                   "--input-name", "text") == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "input 'text' is float32, but the pipeline of model 'csvstats' takes string" in err
+    assert "'s" not in err.replace("it's", "")

@@ -85,10 +85,12 @@ needs its size again in free disk meanwhile). Text outputs in an .npz are fixed-
 trailing NUL bytes of bytes outputs: write a .parquet to keep them); in a .jsonl, bytes
 outputs are base64 text. Rows of failed requests are NaN (float outputs), 0 or empty in an
 .npz, null in a .parquet and a .jsonl (as are NaN and infinite values there), and are listed
-in the errors file: one JSON line per failed request, or per range of rows that share one
-fate (never sent, not answered), with "start" and "stop" row numbers ("stop" null: to the end
-of an input that was never read to its end) and, for keyed inputs, the "key" and "last_key"
-of its rows.
+in the errors file (always written; empty when every row succeeded): one JSON line per
+failed request, with its "rid" and the worker's message, or per range of rows that share one
+fate (never sent, not answered; "rid" null), with "start" and "stop" row numbers (counted
+from 0, "stop" one past the last; null: to the end of an input that was never read to its
+end) and, for keyed inputs, the "key" and "last_key" of its rows. The summary names the first
+failure by the same row numbers and key.
 When a reply does not come within --timeout-s of its request, the run sends nothing more: the
 requests already in flight are still awaited, each late one is cancelled and listed with the
 client-side code WAIT_TIMEOUT, and so are the rows never sent. A crashed worker's requests are
@@ -133,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--errors",
         metavar="ERRS.jsonl",
-        help="failed requests, one JSON line each (default: OUTPUT.errors.jsonl)",
+        help="failed requests, one JSON line each; always written, empty when every row "
+        "succeeded (default: OUTPUT.errors.jsonl)",
     )
     parser.add_argument(
         "--format",

@@ -147,16 +147,30 @@ def _check_outputs(args: argparse.Namespace, specs: RequestSpecs, key_name: str 
     declare its own), and none may have the key column's name."""
     outputs = set(_names(specs.outputs))
     unknown = sorted(set(args.outputs or ()) - outputs) if outputs else []
+    has = ", ".join(sorted(outputs))
+    if unknown and specs.pipeline:
+        raise UsageError(
+            f"--outputs {', '.join(unknown)}: the pipeline of model {args.model!r} answers no "
+            f"such output (its replies carry the pipeline's outputs, not the model's); the "
+            f"pipeline answers {has}."
+        )
     if unknown:
         raise UsageError(
             f"--outputs {', '.join(unknown)}: model {args.model!r} has no such output; it has "
-            f"{', '.join(sorted(outputs))}."
+            f"{has}."
         )
     if key_name is not None and key_name in (args.outputs or outputs):
+        whose = _whose(args.model, specs.pipeline)
+        verb = "answers" if specs.pipeline else "has"
         raise UsageError(
-            f"model {args.model!r} has an output named {key_name!r}, the key column the "
-            "outputs carry; leave it out with --outputs, or carry another key (--key)."
+            f"{whose} {verb} an output named {key_name!r}, the key column the outputs carry; "
+            "leave it out with --outputs, or carry another key (--key)."
         )
+
+
+def _whose(model: str, pipeline: bool) -> str:
+    """Who takes the inputs and answers: the pipeline before the model, or the model."""
+    return f"the pipeline of model {model!r}" if pipeline else f"model {model!r}"
 
 
 def _check_dtypes(
@@ -172,10 +186,10 @@ def _check_dtypes(
         got = codec.wire_dtype(array) or str(array.dtype)
         if not isinstance(want, str) or want not in codec.WIRE_DTYPES or got == want:
             continue
-        takes = f"model {model!r}'s pipeline takes" if specs.pipeline else f"model {model!r} takes"
+        whose = _whose(model, specs.pipeline)
         raise UsageError(
-            f"input {name!r} is {got}, but {takes} {want}: every request would be refused. "
-            f"{_cast_hint(kind, name, want, specs.pipeline)}"
+            f"input {name!r} is {got}, but {whose} takes {want}: every request would be "
+            f"refused. {_cast_hint(kind, name, want, specs.pipeline)}"
         )
 
 
@@ -215,9 +229,8 @@ def _check_shapes(model: str, arrays: Mapping[str, np.ndarray], specs: RequestSp
         if fits:
             continue
         rows_of = ", ".join(str(d if isinstance(d, int) and d >= 0 else "N") for d in shape[1:])
-        whose = f"model {model!r}'s pipeline" if specs.pipeline else f"model {model!r}"
+        whose = _whose(model, specs.pipeline)
         raise UsageError(
-            f"input {spec['name']!r} has shape {list(got)}, but {whose} takes "
-            f"rows of shape [{rows_of}] (its shape is {shape}): every request "
-            "would be refused."
+            f"input {spec['name']!r} has shape {list(got)}, but {whose} takes rows of shape "
+            f"[{rows_of}] (its shape is {shape}): every request would be refused."
         )

@@ -228,8 +228,9 @@ def write_outputs(path: Path, outputs: Mapping[str, np.ndarray]) -> None:
 
 
 def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:
-    """One JSON line per failed row range: start, stop, rid (of its one request, else None),
-    code, message (empty when none), and key and last_key for keyed inputs."""
+    """One JSON line per failed request, or per range of rows never answered: start, stop,
+    rid (the request's; None for rows never answered), code, message (empty when none), and
+    key and last_key for keyed inputs."""
 
     def write(fh: Any) -> None:
         for f in failures:
@@ -240,7 +241,8 @@ def write_errors(path: Path, failures: Sequence[FailedRequest]) -> None:
 
 class ErrorsFile:
     """The errors file written as failures come (``write``), renamed into place by
-    ``commit()``; ``discard()`` leaves the previous file as it was."""
+    ``commit()`` (empty when nothing failed, so that an older run's errors never sit beside
+    new outputs); ``discard()`` leaves the previous file as it was."""
 
     def __init__(self, path: Path) -> None:
         self._target = AtomicFile(path, binary=False)

@@ -25,7 +25,7 @@ from producer.jobs.blocks import Block, Source
 from producer.jobs.files import FailedRequest, load_inputs, write_errors, write_outputs
 from producer.jobs.ledger import Ledger
 from producer.jobs.sinks import MemorySink, Sink
-from producer.jobs.summary import RunSummary, format_summary, one_line
+from producer.jobs.summary import RunSummary, format_summary, one_line, rows_text
 from producer.protocol.codec import ErrorInfo
 from producer.protocol.errors import RedbatchError, RedisFull, UsageError
 
@@ -122,7 +122,8 @@ class _Job:
         self.source = source
         self.sink = sink
         self.ledger = Ledger(source)
-        self.summary = RunSummary(rows=source.rows or 0, spill=errors)
+        key_name = source.key_name if source.keyed else None
+        self.summary = RunSummary(rows=source.rows or 0, spill=errors, key_name=key_name)
         self.on_progress = on_progress
         self.done = 0  # rows yielded by map()
         self.position = 0  # progress reported, in the source's unit
@@ -260,9 +261,10 @@ class _Job:
 def _not_sent(late: Chunk | None, timeout_s: float) -> tuple[str, str]:
     if late is None:  # a Mapper that ended early on its own
         return "NOT_ANSWERED", "not answered: the client ended before these rows were sent."
+    rows = rows_text(late.start, late.stop)
     message = (
-        f"not sent: the run stopped sending at rows {late.start}:{late.stop}, whose reply did "
-        f"not come within {timeout_s:g} s (is a worker serving this model?)."
+        f"not sent: the run stopped sending when the request for {rows} (rid {late.rid}) got no "
+        f"reply within {timeout_s:g} s (is a worker serving this model?)."
     )
     return WAIT_TIMEOUT, message
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from producer.client.results import WAIT_TIMEOUT
 from producer.jobs.files import FailedRequest
 
-__all__ = ["MAX_LATENCIES", "RunSummary", "format_summary", "one_line"]
+__all__ = ["MAX_LATENCIES", "RunSummary", "format_summary", "one_line", "rows_text"]
 
 #: Latencies kept exactly; past this many requests, a uniform sample of this many.
 MAX_LATENCIES = 1 << 20
@@ -35,12 +34,14 @@ class RunSummary:
     client-side from sending the request to receiving its reply (8 bytes each; past
     ``MAX_LATENCIES`` requests a uniform sample of them, and ``latency_max_ms`` the largest).
     ``batch_rows`` counts successful requests by the rows of the batch they ran in (from the
-    reply). ``failed_rows`` counts failed rows by error code. ``failures`` lists failed row
-    ranges; adjacent answered requests that failed with the same code and message are one entry
-    (without a rid), so a bad column costs one entry, not one a request (late ones keep one
-    entry each, with the rid a late reply may still come under). With ``spill`` set (the errors
-    file's ``write``), entries go there as soon as they can no longer merge, and ``failures``
-    keeps the last one only; ``first_failure`` is the first either way.
+    reply). ``failed_rows`` counts failed rows by error code. ``failures`` lists them in input
+    order: each answered request that failed (and each late one) is its own entry with its rid
+    and its message, as the worker's message is that request's own (a row's, in a one-row
+    request); only rows never answered (never sent, cut off) are a range without a rid. With
+    ``spill`` set (the errors file's ``write``), each entry goes there once the next one comes,
+    so ``failures`` holds the last one only; ``first_failure`` is the first either way.
+    ``key_name`` names the rows' keys (``path``, ``line``, ``--key``'s column; None for arrays,
+    whose rows have none) for the summary's first error.
     """
 
     rows: int
@@ -57,6 +58,7 @@ class RunSummary:
     served: Counter[tuple[str, str, str, str]] = field(default_factory=Counter)
     failed_rows: Counter[str] = field(default_factory=Counter)
     failures: list[FailedRequest] = field(default_factory=list)
+    key_name: str | None = None
     first_failure: FailedRequest | None = None
     spill: Callable[[FailedRequest], object] | None = None
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
@@ -67,28 +69,11 @@ class RunSummary:
     _latencies_seen: int = 0
 
     def fail(self, failure: FailedRequest) -> None:
-        """Count a failed request and list it, merged into the last entry when it continues
-        that entry's rows with the same code and message."""
+        """Count and list a failed request, or a range of rows never answered."""
         rows = 0 if failure.stop is None else failure.stop - failure.start
         self.rows_failed += rows
         self.failed_rows[failure.code] += rows
-        last = self.failures[-1] if self.failures else None
-        if (
-            last is not None
-            and failure.code != WAIT_TIMEOUT  # a late request's rid may still get a reply
-            and last.stop == failure.start
-            and failure.stop is not None
-            and (last.code, last.message) == (failure.code, failure.message)
-        ):
-            keys = None
-            if last.keys is not None and failure.keys is not None:
-                keys = (last.keys[0], failure.keys[1])
-            merged = FailedRequest(last.start, failure.stop, None, last.code, last.message, keys)
-            self.failures[-1] = merged
-            if self.first_failure is last:
-                self.first_failure = merged
-        else:
-            self._list(failure)
+        self._list(failure)
 
     def skip(self, failure: FailedRequest) -> None:
         """Count and list an input record that was never a row (code UNREADABLE)."""
@@ -191,22 +176,19 @@ def format_summary(
     for (worker, model, version, sha), count in sorted(s.served.items()):
         lines.append(
             f"served by   {worker}: model {model} version {version} "
-            f"(sha256 {sha[:12]}), {count} requests"
+            f"(sha256 {sha[:12]}), {count} request{'s' if count != 1 else ''}"
         )
     first = s.first_failure
     if first is not None:
         codes = ", ".join(
             f"{code} {n} row{'s' if n != 1 else ''}" for code, n in s.failed_rows.most_common()
         )
-        where = f"; listed in {errors_path}" if errors_path else ""
-        lines.append(f"failed      {codes}{where}")
-        if first.stop == first.start:  # a record skipped before that row
-            where = f"before row {first.start}"
+        if errors_path:
+            where = f"; listed in {errors_path} (row numbers count from 0 there and here)"
         else:
-            where = f"rows {first.start}:{'' if first.stop is None else first.stop}"
-        if first.keys is not None and first.keys[0] is not None:
-            where += f" ({first.keys[0]})"
-        lines.append(f"  first: {where} {first.code}: {first.message}")
+            where = " (row numbers count from 0)"
+        lines.append(f"failed      {codes}{where}")
+        lines.append(f"  first error: {_where(first, s.key_name)}: {first.code}: {first.message}")
     if output_path is not None:
         columns = s.output_columns or [
             (n, str(a.dtype), list(a.shape)) for n, a in s.outputs.items()
@@ -214,6 +196,29 @@ def format_summary(
         shapes = ", ".join(f"{n} {dtype} {shape}" for n, dtype, shape in columns)
         lines.append(f"output      {output_path}: {shapes or 'no outputs (no request succeeded)'}")
     return "\n".join(lines)
+
+
+def rows_text(start: int, stop: int | None) -> str:
+    """Rows ``start:stop`` in words, counted from 0 as the errors file's ``start`` is (``stop``
+    None: to the end of the input)."""
+    if stop is None:
+        return f"rows {start} to the end"
+    return f"row {start}" if stop == start + 1 else f"rows {start} to {stop - 1}"
+
+
+def _where(failure: FailedRequest, key_name: str | None) -> str:
+    """Which rows a failure is: their numbers, and their keys when the rows have keys."""
+    first, last = failure.keys if failure.keys is not None else (None, None)
+    label = "table row" if key_name == "row" else key_name or "key"
+    if failure.stop == failure.start:  # a record skipped: never a row
+        named = f"{label} {first}, " if first is not None else "a record "
+        return f"{named}skipped before row {failure.start}"
+    where = rows_text(failure.start, failure.stop)
+    if first is None:
+        return where
+    if last is None or last == first:
+        return f"{where} ({label} {first})"
+    return f"{where} ({label} {first} to {last})"
 
 
 def _histogram(distinct: Counter[int], width: int = 40) -> list[tuple[str, int, str]]:
