@@ -100,8 +100,8 @@ NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's outp
 file stay as they were).
 Before anything is sent, the model must have a live worker: a model without one (a misspelled
 name, say) is refused at once, naming the models that have workers, unless --wait-for-worker
-queues the requests for a worker still to come. Redis must answer then within 3 s (or
---retry-s, if shorter); once the run has started, it rides out outages of up to --retry-s.
+queues the requests for a worker still to come. Redis must answer then within 3 s (or within
+--retry-s when given); once the run has started, it rides out outages of up to --retry-s.
 Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command could not run,
 130 when interrupted.
 
