@@ -70,17 +70,25 @@ def test_the_demo_runs_end_to_end_from_a_fresh_clone(tmp_path: Path) -> None:
         pytest.skip("not a git checkout: nothing to clone")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-    # The checkout's .venv, installed already: bootstrap.sh finds it fresh for the clone too
-    # (same pyproject.toml, same time), so the clone's own code runs with its packages.
+    # The checkout's .venv, installed already by scripts/bootstrap.sh (test.sh). The clone's
+    # pyproject.toml gets the install stamp's time, so bootstrap.sh finds the install fresh and
+    # never reinstalls: a reinstall from the clone would point the shared .venv's editable
+    # install at a folder this test deletes. The clone's own code runs (`python -m` from it).
+    stamps = [ROOT / ".venv" / f".redbatch-{extra}" for extra in ("dev", "demo")]
+    stamp = next((s for s in stamps if s.is_file()), None)
+    if stamp is None:
+        pytest.skip("the checkout's .venv was not made by scripts/bootstrap.sh")
     (clone / ".venv").symlink_to(ROOT / ".venv")
-    stat = (ROOT / "pyproject.toml").stat()
-    os.utime(clone / "pyproject.toml", (stat.st_atime, stat.st_mtime))
+    made = stamp.stat().st_mtime_ns - 1_000_000_000  # older, not a rounding error newer
+    os.utime(clone / "pyproject.toml", ns=(made, made))
+    scripts_before = (ROOT / ".venv" / "bin" / "redbatch").read_bytes()
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = dict(
         os.environ,
         REDIS_URL=f"redis://127.0.0.1:{_closed_port()}/0",  # nothing answers: a throwaway Redis
         TMPDIR=str(scratch),
+        PIP_NO_INDEX="1",  # and should bootstrap.sh try to install all the same, it fails first
     )
     command = _quick_start()[0]
     done = subprocess.run(
@@ -93,6 +101,7 @@ def test_the_demo_runs_end_to_end_from_a_fresh_clone(tmp_path: Path) -> None:
         check=False,
     )
     out = done.stdout + done.stderr
+    assert (ROOT / ".venv" / "bin" / "redbatch").read_bytes() == scripts_before, "reinstalled"
     assert done.returncode == 0, out[-4000:]
     assert "REDIS_URL does not answer; started a throwaway redis-server" in out, out[-4000:]
     assert "stopped the throwaway redis-server" in out, out[-4000:]
