@@ -19,7 +19,14 @@ import redis
 
 from producer.cli.main import main
 from producer.client.results import Chunk, Result
-from producer.jobs.job import RunSummary, format_summary, run_job, write_errors, write_outputs
+from producer.jobs.job import (
+    FailedRequest,
+    RunSummary,
+    format_summary,
+    run_job,
+    write_errors,
+    write_outputs,
+)
 from producer.protocol import codec, keys
 from producer.protocol.codec import ErrorInfo, ModelRef
 from tools.localredis import free_port
@@ -564,12 +571,14 @@ def test_run_with_no_worker_stops_after_one_timeout(
     ]
     late = [(i, i + 1, "WAIT_TIMEOUT") for i in range(8)]  # each in-flight request, by rid
     assert [(e["start"], e["stop"], e["code"]) for e in lines] == [*late, (8, 400, "WAIT_TIMEOUT")]
-    assert lines[-1]["message"].startswith("not sent: the run stopped sending at rows 0:1")
+    stopped_at = f"not sent: the run stopped sending when the request for row 0 (rid {rids[0]})"
+    assert lines[-1]["message"].startswith(stopped_at)
 
 
-def test_adjacent_requests_failing_alike_are_one_errors_entry() -> None:
-    # A bad column fails every request with one message: one entry, not one per request (a
-    # million failed requests held a million entries in memory and lines in the file)
+def test_requests_failing_alike_keep_one_errors_entry_each_with_its_rid() -> None:
+    # A bad column fails every request with one message: still one entry per request, with its
+    # rid (a merged range lost the rids, and the worker's message is each request's own);
+    # only the rows never answered are one range, without a rid
     class OneMessage(ScriptedClient):
         @staticmethod
         def chunk(x: np.ndarray, i: int, rows: int, ms: float, code: str | None) -> Chunk:
@@ -580,13 +589,71 @@ def test_adjacent_requests_failing_alike_are_one_errors_entry() -> None:
             return Chunk(c.start, c.stop, c.rid, c.outputs, error, c.result, c.latency_ms)
 
     script = [(1, 1.0, None), (1, 1.0, "INVALID_INPUT"), (1, 1.0, "INVALID_INPUT")]
-    script += [(1, 1.0, None), (1, 1.0, "INVALID_INPUT")]
-    summary = run_job(OneMessage(script), {"x": np.zeros((5, 1), np.float32)})
-    assert [(f.start, f.stop, f.rid, f.code) for f in summary.failures] == [
-        (1, 3, None, "INVALID_INPUT"),  # rows 1 and 2: same code and message, merged
-        (4, 5, "r4", "INVALID_INPUT"),  # after a success: its own entry, with its rid
+    script += [(1, 1.0, None), (1, 1.0, "INVALID_INPUT"), (0, 1000.0, "WAIT_TIMEOUT")]
+    spilled: list[FailedRequest] = []
+    summary = run_job(
+        OneMessage(script), {"x": np.zeros((9, 1), np.float32)}, errors=spilled.append
+    )
+    assert [(f.start, f.stop, f.rid, f.code) for f in spilled] == [
+        (1, 2, "r1", "INVALID_INPUT"),
+        (2, 3, "r2", "INVALID_INPUT"),
+        (4, 5, "r4", "INVALID_INPUT"),
+        (5, 6, "r5", "WAIT_TIMEOUT"),
+        (6, 9, None, "WAIT_TIMEOUT"),  # never sent: one range
     ]
-    assert summary.failed_rows == {"INVALID_INPUT": 3}
+    assert summary.failures == []  # spilled as they came
+    assert summary.failed_rows == {"INVALID_INPUT": 3, "WAIT_TIMEOUT": 4}
+    assert spilled[-1].message.startswith(
+        "not sent: the run stopped sending when the request for row 5 (rid r5) got no reply"
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "key_name", "words"),
+    [
+        (FailedRequest(3, 4, "r3", "INVALID_INPUT", "bad."), None, "row 3: INVALID_INPUT: bad."),
+        (
+            FailedRequest(3, 4, "r3", "INVALID_INPUT", "bad.", (5, 5)),
+            "line",
+            "row 3 (line 5): INVALID_INPUT: bad.",
+        ),
+        (
+            FailedRequest(3, 7, "r3", "INVALID_INPUT", "bad.", ("a", "d")),
+            "id",
+            "rows 3 to 6 (id a to d): INVALID_INPUT: bad.",
+        ),
+        (
+            FailedRequest(3, None, None, "NOT_ANSWERED", "gone.", (9, None)),
+            "row",
+            "rows 3 to the end (table row 9): NOT_ANSWERED: gone.",
+        ),
+        (
+            FailedRequest(1, 1, None, "UNREADABLE", "not UTF-8.", (2, 2)),
+            "line",
+            "line 2, skipped before row 1: UNREADABLE: not UTF-8.",
+        ),
+    ],
+)
+def test_the_summary_names_the_first_error_by_row_number_and_key(
+    failure: FailedRequest, key_name: str | None, words: str
+) -> None:
+    summary = RunSummary(rows=10, key_name=key_name)
+    summary.fail(failure)
+
+    text = format_summary(summary, errors_path="e.jsonl")
+
+    assert "; listed in e.jsonl (row numbers count from 0 there and here)" in text
+    assert f"\n  first error: {words}" in text
+
+
+def test_run_help_says_the_errors_file_is_always_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["run", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "always written; empty when every row succeeded" in out
+    assert 'one JSON line per failed request, with its "rid"' in out
+    assert '(counted from 0, "stop" one past the last' in out
 
 
 def test_summary_of_a_job_where_nothing_succeeded_says_so() -> None:
@@ -637,12 +704,26 @@ def test_status_shows_backlog_consumers_dead_letters_and_live_workers(
     assert rconn.smembers(keys.workers_key(PREFIX, MODEL)) == {b"host-7"}
 
 
-def test_status_without_stream_says_so(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_without_stream_says_so(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A model with a live worker and no request yet is reported in full, exit status 0
+    register(rconn, "host-7")
     assert main(["status", "--model", MODEL, "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
     assert "no requests stream yet" in out
     assert "Dead letters redbatch:{demo}:dead: 0" in out
-    assert "no live worker" in out
+    assert "Workers: 1 live" in out
+
+
+def test_status_of_a_model_redis_does_not_hold_exits_1(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["status", "--model", MODEL, "--redis-url", redis_url]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("model 'demo' not found under prefix 'redbatch'")
+    assert "models here: none" in out
+    assert "no requests stream yet" not in out
 
 
 def test_status_json_parses(

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,6 +27,7 @@ from producer.cli.shards import format_placement, format_retirement
 from producer.ops import stages, watch
 from producer.ops.damage import DamageNote, damage_lines
 from producer.ops.replay import ReplayReport, Resent
+from producer.ops.report import format_status
 from producer.ops.shards import Placement, Retirement
 from producer.ops.status import (
     ConsumerInfo,
@@ -38,7 +40,7 @@ from producer.ops.status import (
     WorkerInfo,
 )
 from producer.ops.watchstats import Counters, Scrape, Snapshot, StageWatch, WorkerRates
-from producer.ops.watchworkers import verdict_now
+from producer.ops.watchworkers import RATE_PENDING, STAGE_WINDOW, WORKER_WINDOW, verdict_now
 from producer.ops.words import clip, count, fit
 from producer.protocol import codec, keys
 from producer.redisio.memory import MemoryReading
@@ -238,6 +240,120 @@ def test_fit_folds_under_the_label_and_clip_keeps_both_ends() -> None:
     assert len(clip("a" * 50, 20)) == 20
 
 
+def test_the_watch_says_which_window_each_rate_covers() -> None:
+    lines = _big_frame().splitlines()
+
+    # The workers' rates are from their heartbeats, the stages' too, the flow from the refresh
+    assert f"workers  2 live; {WORKER_WINDOW}" in lines
+    assert f"stages   {STAGE_WINDOW}" in lines
+    assert any(line.startswith("flow ") and line.endswith("(last 2.0 s)") for line in lines)
+    assert f"  {RATE_PENDING}" not in lines  # every worker has a rate
+
+
+def test_a_first_watch_frame_says_once_why_worker_rates_are_missing() -> None:
+    # Given the first refresh of a watch: no worker has a rate yet
+    beat = datetime.now(UTC)
+    first = Snapshot(100.0, _big_status(10, 0, time.time(), beat, 5, None), 0, 0)
+    rates = WorkerRates()
+    rates.update(first.status.workers)
+
+    lines = watch.render(None, first, rates=rates).splitlines()
+
+    rows = [line.split() for line in lines if line.startswith("  redbatch-worker-")]
+    assert [row[2] for row in rows] == ["-", "-"]  # REQ/S
+    assert lines.count(f"  {RATE_PENDING}") == 1
+    assert RATE_PENDING == "REQ/S -: rates after the next heartbeat (a rate needs two, 5 s apart)"
+
+
+# ---------------------------------------------------------------------------------------------
+# The plain report (status --model) fits 80 columns
+
+
+def _pipeline_worker(worker: WorkerInfo, now: datetime) -> WorkerInfo:
+    """``worker`` serving behind a pipeline whose handler declares no outputs, on a host with a
+    cloud provider's long name, with a model of long tensor names."""
+    record = {
+        **worker.record,
+        "host": "ip-10-0-12-200.eu-west-1.compute.internal",
+        "pid": 4242,
+        "started_at": (now - timedelta(hours=3)).isoformat(),
+        "batching": {"max_batch_size": 512, "max_wait_ms": 100},
+        "runtime": {**worker.record["runtime"], "onnxruntime": "1.20.1"},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": [-1, 512]}],
+        "outputs": [{"name": "last_hidden_state", "dtype": "float32", "shape": [-1, 512, 1024]}],
+        "pipeline": {
+            "handler": "myhandlers:CsvStats",
+            "sha256": "6edcc2b5b136" + "0" * 52,
+            "threads": 2,
+            "timeout_s": 30.0,
+            "batch_hooks": ["preprocess_batch"],
+            "options": {"delimiter": ";"},
+            "inputs": [{"name": "text", "dtype": "string", "shape": [-1]}],
+            "outputs": None,
+        },
+    }
+    return WorkerInfo(worker.name, worker.ttl_s, record)
+
+
+def _big_report() -> str:
+    now = datetime.now(UTC)
+    big = _big_status(1_234_567, 1_234, time.time(), now - timedelta(seconds=2), 12_469_128, None)
+    dead = DeadLetters(
+        "d", big.dead.count, tuple(replace(d, tag=TAGS[2]) for d in big.dead.recent * 2)
+    )
+    note = DamageNote("trimmed", keys.request_stream(P, TAGS[1]), 12, "entries deleted unread")
+    status = replace(
+        big,
+        workers=tuple(_pipeline_worker(w, now) for w in big.workers),
+        dead=dead,
+        damage=(note,),
+        expired_workers=("redbatch-worker-7d9f8c6b5-q7r8s",),
+    )
+    return format_status(status, redis_url="rediss://operator@redis-prod.example.internal:6380/0")
+
+
+def test_a_busy_status_report_fits_80_columns_and_keeps_its_figures() -> None:
+    text = _big_report()
+    lines = text.splitlines()
+
+    assert [line for line in lines if len(line) > 80] == []
+    said = " ".join(text.split())  # what was folded, read as one text
+    for figure in (
+        "used 829.7 MiB of maxmemory 1.0 GiB (81%)",
+        "headroom 194.3 MiB; policy noeviction; master 10.0.12.201:6379",
+        "trimmed redbatch:{sentence-embeddings-large~k3f9}:requests (now, at least 12 requests",
+        "master 10.0.12.202:6379",
+        "Dead letters: 1,234 over all shards",
+        "shard sentence-embeddings-large~p0q1: POISONED: delivered 3 times without an answer "
+        "(max_deliveries 3)",
+        "removed 1 expired from the registry: redbatch-worker-7d9f8c6b5-q7r8s",
+        "ready, version 2024-06-01-rc3 (sha256 abababababab), Tensorrt,CUDA,CPU",
+        "onnxruntime 1.20.1, ip-10-0-12-200.eu-west-1.compute.internal:4242, started 3.0 h ago",
+        "pipeline myhandlers:CsvStats (sha256 6edcc2b5b136), 2 threads, timeout 30.0 s, "
+        "batch hooks preprocess_batch, options delimiter=';'",
+        "request input text string [?]",
+        "replies: outputs not declared by the handler",
+        "model output last_hidden_state float32 [?, 512, 1024]",
+    ):
+        assert figure in said, figure
+    # Rows of numbers, each with its full figures; each worker's full name heads its details
+    shard_rows = [line.split() for line in lines if line.startswith("  sentence")]
+    assert [row[1:6] for row in shard_rows] == [["send", "411,522", "1,533", "0", "411"]] * 2 + [
+        ["retiring", "411,522", "1,533", "0", "411"]
+    ]
+    total = next(line.split() for line in lines if line.startswith("  total"))
+    assert total[:6] == ["total", "1,234,567", "4,600", "1,229,967", "1,234", "13"]
+    workers_at = lines.index("Workers: 2 live")
+    worker_rows = [
+        line.split() for line in lines[workers_at:] if line.startswith("  redbatch-worker-")
+    ]
+    assert worker_rows[0] == [PODS[0], "512", "rows/100", "ms", "12,469,128", "402,229"]
+    assert f"  {PODS[1]}:" in lines
+    # The pipeline's text folds under its label, a figure kept with its unit
+    at = next(i for i, line in enumerate(lines) if line.startswith("    pipeline "))
+    assert lines[at + 1].startswith(" " * 13 + "timeout 30.0 s,")
+
+
 # ---------------------------------------------------------------------------------------------
 # The verdict says idle when nothing was served
 
@@ -367,7 +483,8 @@ def test_an_explicit_retry_s_waits_for_a_redis_that_is_starting(
         timer.join()
         server.close()
 
-    assert code == 0
+    # Then it reached it and reported: the new Redis holds no model 'demo' (exit status 1)
+    assert code == 1
     assert json.loads(capsys.readouterr().out)["requests"]["backlog"] == 0
 
 

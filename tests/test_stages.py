@@ -222,18 +222,40 @@ def test_status_shows_each_workers_pipeline(
     # Then the pipeline's handler, sha256 prefix, threads and options lead the worker's
     # details, and the tensors requests send come apart from the model's own
     details = text[text.index("  cpu-0:") :].splitlines()
-    assert details[1:6] == [
-        "    pipeline numbers_handler:Numbers (sha256 e7107c287e83), 2 threads, timeout 1.0 s, "
-        "options scale=2.0",
+    assert details[1:7] == [
+        "    pipeline numbers_handler:Numbers (sha256 e7107c287e83), 2 threads,",
+        "             timeout 1.0 s, options scale=2.0",
         "    request input  text string [?]",
         "    reply output   sum float32 [?]",
         "    model input  a float32 [?, 3]",
         "    model input  b int64 [?, 2]",
     ]
+    assert "replies:" not in text
     [worker] = doc["workers"]
     assert worker["record"]["pipeline"]["handler"] == "numbers_handler:Numbers"
     assert worker["record"]["pipeline"]["sha256"] == SHA
     assert worker["record"]["pipeline"]["threads"] == 2
+
+
+def test_status_says_replies_of_undeclared_pipeline_outputs_are_not_the_models(
+    rconn: redis.Redis,
+) -> None:
+    # Given a pipeline whose handler declares no outputs (its record's pipeline.outputs null)
+    record = _record()
+    record["pipeline"]["outputs"] = None
+    _register(rconn, record)
+
+    text = format_status(gather_status(rconn, MODEL))
+
+    # Then what requests send is listed, and the replies are said not to be the model's outputs
+    details = text[text.index("  cpu-0:") :].splitlines()
+    assert details[3:6] == [
+        "    request input  text string [?]",
+        "    replies: outputs not declared by the handler: they are what its postprocess",
+        "             returns (the model's outputs only when it has no postprocess)",
+    ]
+    assert "reply output" not in text
+    assert "    model output twice float32 [?, 3]" in details
 
 
 def test_status_of_a_worker_without_pipeline_names_no_pipeline(rconn: redis.Redis) -> None:

@@ -199,6 +199,7 @@ def test_without_scan_permission_it_names_the_permission_and_model(
     try:
         code, out, err = _status(url, capsys)
         by_model = _status(url, capsys, "--model", "demo")[0]
+        unknown_code, unknown_out, _ = _status(url, capsys, "--model", "nosuch")
     finally:
         rconn.execute_command("ACL", "DELUSER", "noscan")
         rconn.flushall()
@@ -210,6 +211,56 @@ def test_without_scan_permission_it_names_the_permission_and_model(
     assert "grant it +scan (docs/security.md), or name the model with --model NAME." in err
     assert err.count("\n") == 1
     assert by_model == 0
+    # and an unknown model is said to be so, without the list this user may not make
+    assert unknown_code == 1
+    assert unknown_out.startswith("model 'nosuch' not found under prefix 'redbatch'")
+    assert "models here" not in unknown_out
+
+
+def test_an_unknown_model_says_so_lists_the_models_and_exits_1(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given two models, and a name that is neither (a typo)
+    _queue(rconn, "demo", waiting=1)
+    _worker(rconn, "minilm", "cpu-0")
+
+    code, out, err = _status(redis_url, capsys, "--model", "dmeo")
+    json_code, json_out, json_err = _status(redis_url, capsys, "--model", "dmeo", "--json")
+
+    # Then it says nothing here has that name, lists those that do, and exits 1
+    assert code == json_code == 1
+    assert out.splitlines() == [
+        f"model 'dmeo' not found under prefix 'redbatch' at {redis_url}",
+        "  no requests stream, shard list, dead letter or live worker has its name",
+        "  models here: 'demo', 'minilm'",
+        "  did you mean 'demo'?",
+        "  check --model and --prefix; redbatch status without --model lists each model",
+    ]
+    assert err == ""
+    # --json prints the report it always printed, and says so on stderr
+    doc = json.loads(json_out)
+    assert doc["requests"]["exists"] is False
+    assert doc["workers"] == []
+    assert json_err.startswith("redbatch: model 'dmeo' not found under prefix 'redbatch'")
+    assert "models here: 'demo', 'minilm'" in json_err
+
+
+def test_a_model_known_by_a_worker_or_dead_letters_is_no_unknown_model(
+    redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a model with a live worker but no request yet, and one with only dead letters
+    _worker(rconn, "minilm", "cpu-0")
+    rconn.xadd(keys.dead_key(P, "orientation"), {"rid": "r1", "body": BODY, "reason": "POISONED"})
+
+    worker_code, worker_out, _ = _status(redis_url, capsys, "--model", "minilm")
+    dead_code, dead_out, _ = _status(redis_url, capsys, "--model", "orientation")
+
+    # Then each gets its full report with exit status 0
+    assert worker_code == dead_code == 0
+    assert "no requests stream yet" in worker_out
+    assert "Workers: 1 live" in worker_out
+    assert "Dead letters redbatch:{orientation}:dead: 1" in dead_out
+    assert "not found" not in worker_out + dead_out
 
 
 def test_watch_without_model_says_to_name_one(

@@ -202,7 +202,7 @@ def test_damage_notes_stay_bounded(rconn: redis.Redis) -> None:
 
 def _status(redis_url: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, Any]:
     code = main(["--redis-url", redis_url, "status", "--model", MODEL])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # folded to 80 columns: read as one text
     assert main(["--redis-url", redis_url, "status", "--model", MODEL, "--json"]) == code
     return code, text, json.loads(capsys.readouterr().out)
 

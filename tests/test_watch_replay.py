@@ -551,9 +551,13 @@ def test_status_text_escapes_rids_reasons_consumers_and_records(
     assert r"ready\x07" in text
     assert r"box\r\nfake: row:7" in text
     assert r"bad\x1b]0;t\x07" in text
-    # The dead letters' table stays aligned: the escaped rid is measured as it is printed.
-    header, row = (line for line in text.splitlines() if "RID" in line or SHOWN_RID in line)
-    assert row.index("died") == header.index("REASON")
+    # The dead letters' table stays aligned: the escaped rid is measured as it is printed, and
+    # the reason, escaped, goes on the line under its row.
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split() == ["ENTRY", "AGE", "RID"])
+    header, row = lines[at], lines[at + 1]
+    assert row.index(SHOWN_RID) == header.index("RID")
+    assert lines[at + 2] == r"    died\x1b[2J"
 
 
 def test_watch_frame_escapes_rids_reasons_and_records(redis_url: str, rconn: redis.Redis) -> None:

@@ -80,8 +80,9 @@ lag, last delivered id), what each consumer holds, the dead letters and their re
 live worker's validation record (model version and hash, providers, batching, inputs, runtime,
 host, heartbeat, requests served). Workers whose record expired are removed from the registry.
 
-Exit status 1 while a stream is blocked (an exhausted id space, a key of the wrong type); 2 when
-Redis did not answer within 3 s (--retry-s S waits longer) or refused a command.
+Exit status 1 while a stream is blocked (an exhausted id space, a key of the wrong type), or
+when --model names a model this Redis holds nothing of; 2 when Redis did not answer within 3 s
+(--retry-s S waits longer) or refused a command.
 
 examples:
   redbatch status

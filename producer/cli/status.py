@@ -22,7 +22,7 @@ import redis
 from producer.cli import argtypes
 from producer.cli.argtypes import EXIT_FAILED, EXIT_OK
 from producer.cli.reach import open_redis
-from producer.ops import models, status
+from producer.ops import models, nomodel, status
 from producer.ops import report as status_report
 from producer.ops.status import DEFAULT_DEAD_LIMIT
 from producer.ops.watch import DEFAULT_INTERVAL_S, render
@@ -168,7 +168,9 @@ def run_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
 def run_status(args: argparse.Namespace) -> int:
     """``redbatch status``: one report of the queue, the live view with ``--watch``, or every
     model's line without ``--model``. Exits 1 when a stream is blocked now (an exhausted id
-    space, a key of the wrong type)."""
+    space, a key of the wrong type), and when the model leaves no key in this Redis (then the
+    text says so and names the models there; ``--json`` prints the empty report and says so on
+    stderr)."""
     stray = watch_only_options(args)
     if stray:
         raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
@@ -182,13 +184,20 @@ def run_status(args: argparse.Namespace) -> int:
         report = status.gather_status(
             conn, args.model, args.prefix, dead_limit=args.dead_letters, retry_s=args.retry_s
         )
+        unknown = nomodel.is_unknown(report)
+        found = models.find_live_models(conn, args.prefix) if unknown else None
     finally:
         conn.close()
     if args.json:
         print(json.dumps(status_report.status_to_json(report), indent=2, default=str))
+        if unknown:
+            print("redbatch: " + nomodel.format_unknown(report, found, where), file=sys.stderr)
+    elif unknown:
+        print(nomodel.format_unknown(report, found, where))
     else:
         print(status_report.format_status(report, redis_url=where))
-    return EXIT_FAILED if any(note.blocking for note in report.damage) else EXIT_OK
+    blocked = any(note.blocking for note in report.damage)
+    return EXIT_FAILED if blocked or unknown else EXIT_OK
 
 
 def run_overview(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 (``status_to_json``), from what ``producer.ops.status`` gathered. Both lead with Redis memory
 against ``maxmemory``: past the producers' high watermark new work is refused (``RedisFull``), so
 operators must see it come. With one shard the text has no shard table; with more, it adds a
-table of shards and a total line.
+table of shards and a total line. The text fits 80 columns as ``--watch`` does (the workers'
+part: ``producer.ops.reportworkers``); the JSON is every field as it is.
 """
 
 from __future__ import annotations
@@ -10,22 +11,20 @@ from __future__ import annotations
 from typing import Any
 
 from producer.ops.damage import damage_json, damage_lines
+from producer.ops.reportworkers import worker_section
 from producer.ops.status import DeadLetters, ModelStatus, RequestsInfo, iso_age_s
 from producer.ops.textformat import (
     INFO_REFUSED,
-    WORKER_COLUMNS,
     ago,
-    ago_or_dash,
     duration,
     memory_notes,
-    memory_summary,
+    memory_split,
+    narrow_table,
     printable,
     producers_refused,
-    record_lines,
-    show,
     table,
-    worker_cells,
 )
+from producer.ops.words import WIDTH, fit
 from producer.protocol import keys
 from producer.redisio.memory import MemoryReading
 
@@ -130,7 +129,9 @@ def _memory_json(reading: MemoryReading | None, node: str | None = None) -> dict
 
 def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     """Render the status as the readable report ``redbatch status`` prints: with one shard its
-    stream, group and dead letters; with more, a table of shards and their total first."""
+    stream, group and dead letters; with more, a table of shards and their total first. Every
+    line fits 80 columns: long names are cut in the middle in a table's first column (the full
+    name is printed elsewhere), long text is folded under its label."""
     where = f" at {redis_url}" if redis_url else ""
     lines = [f"model {status.model!r}, prefix {status.prefix!r}{where}"]
     lines += [*_format_memory(status.memory, status.memory_node), ""]
@@ -145,41 +146,36 @@ def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
     lines.append("")
     lines += _format_dead(status.dead, sharded=len(status.shards) > 1)
     lines.append("")
-    lines += _format_workers(status)
-    return "\n".join(map(printable, lines))
+    lines += worker_section(status)
+    return "\n".join(fit(map(printable, lines), WIDTH))
 
 
 def _format_shards(status: ModelStatus) -> list[str]:
-    """One row per shard and a total: where it lives, backlog, pending, lag, dead, oldest."""
+    """One row per shard and a total: backlog, pending, lag, dead, oldest; on a cluster, the
+    master serving each shard on a line under its row."""
     sending = sum(s.state == "send" for s in status.shards)
     retiring = len(status.shards) - sending
     title = f"Shards: {len(status.shards)} ({sending} taking requests"
     title += f", {retiring} retiring: drained, no longer sent to)" if retiring else ")"
-    header = ["SHARD", "STATE", *(["MASTER"] if status.cluster else []), "BACKLOG", "PENDING"]
-    rows = [[*header, "LAG", "DEAD", "OLDEST"]]
+    rows = [["SHARD", "STATE", "BACKLOG", "PENDING", "LAG", "DEAD", "OLDEST"]]
     for s in status.shards:
-        rows.append(
-            [
-                s.tag,
-                s.state,
-                *([s.node or "-"] if status.cluster else []),
-                *_shard_cells(s.requests, s.dead),
-            ]
-        )
-    blank = [""] if status.cluster else []
-    rows.append(["total", "", *blank, *_shard_cells(status.requests, status.dead)])
-    first = 3 if status.cluster else 2
-    return [title, *table(rows, indent="  ", right=frozenset(range(first, first + 4)))]
+        rows.append([s.tag, s.state, *_shard_cells(s.requests, s.dead)])
+    rows.append(["total", "", *_shard_cells(status.requests, status.dead)])
+    shown = narrow_table(rows, indent="  ", right=frozenset(range(2, 6)))
+    lines = [title, shown[0]]
+    for s, row in zip(status.shards, shown[1:], strict=False):
+        lines += [row, *([f"    master {s.node or '-'}"] if status.cluster else [])]
+    return [*lines, shown[-1]]
 
 
 def _shard_cells(req: RequestsInfo, dead: DeadLetters) -> list[str]:
     group = req.group
     oldest = "-" if req.oldest_entry_age_s is None else ago(req.oldest_entry_age_s)
     return [
-        str(req.backlog),
-        "-" if group is None else str(group.pending),
-        "-" if group is None or group.lag is None else str(group.lag),
-        str(dead.count),
+        f"{req.backlog:,}",
+        "-" if group is None else f"{group.pending:,}",
+        "-" if group is None or group.lag is None else f"{group.lag:,}",
+        f"{dead.count:,}",
         oldest,
     ]
 
@@ -193,16 +189,20 @@ def _format_consumers(req: RequestsInfo) -> list[str]:
         return ["Consumers: none yet"]
     lines = [f"Consumers of group {group.name!r}, over all shards"]
     rows = [["CONSUMER", "PENDING", "IDLE"]]
-    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
-    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
+    rows += [[c.name, f"{c.pending:,}", duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + narrow_table(rows, indent="  ", right=frozenset({1, 2}))
 
 
 def _format_memory(reading: MemoryReading | None, node: str | None = None) -> list[str]:
+    """How full Redis is on one line, headroom and policy (or that there is no maxmemory) on
+    the next, then what it means for producers."""
     if reading is None:
         return [f"Redis memory {INFO_REFUSED}"]
     notes = [f"  {note}" for note in memory_notes(reading)]
-    where = f" (fullest master, {node})" if node else ""
-    return [f"Redis memory{where}: {memory_summary(reading)}", *notes]
+    used, more = memory_split(reading)
+    if node:
+        return [f"Redis memory (fullest master): {used}", f"  {more}; master {node}", *notes]
+    return [f"Redis memory: {used}", f"  {more}", *notes]
 
 
 def _format_requests(req: RequestsInfo) -> list[str]:
@@ -224,66 +224,24 @@ def _format_requests(req: RequestsInfo) -> list[str]:
     if not group.consumers:
         return [*lines, "  no consumers yet"]
     rows = [["CONSUMER", "PENDING", "IDLE"]]
-    rows += [[c.name, str(c.pending), duration(c.idle_ms / 1000.0)] for c in group.consumers]
-    return lines + table(rows, indent="  ", right=frozenset({1, 2}))
+    rows += [[c.name, f"{c.pending:,}", duration(c.idle_ms / 1000.0)] for c in group.consumers]
+    return lines + narrow_table(rows, indent="  ", right=frozenset({1, 2}))
 
 
 def _format_dead(dead: DeadLetters, *, sharded: bool = False) -> list[str]:
+    """The count, then a row per recent dead letter (entry, age, rid) with its reason under it
+    (and the shard it is on, with several)."""
     if sharded:
-        lines = [f"Dead letters: {dead.count} over all shards (P:{{T}}:dead)"]
+        lines = [f"Dead letters: {dead.count:,} over all shards (P:{{T}}:dead)"]
     else:
-        lines = [f"Dead letters {dead.key}: {dead.count}"]
-    if dead.recent:
-        shard = ["SHARD"] if sharded else []
-        rows = [[*shard, "ENTRY", "AGE", "RID", "REASON"]]
-        rows += [
-            [*([d.tag] if sharded else []), d.entry_id, ago(d.age_s), d.rid or "-", d.reason]
-            for d in dead.recent
-        ]
-        lines += table(rows, indent="  ")
-    return lines
-
-
-def _format_workers(status: ModelStatus) -> list[str]:
-    now = status.observed_at
-    lines = [f"Workers: {len(status.workers)} live"]
-    if status.expired_workers:
-        lines.append(
-            f"  removed {len(status.expired_workers)} expired from the registry: "
-            + ", ".join(status.expired_workers)
-        )
-    if not status.workers:
-        return [*lines, "  no live worker has registered for this model"]
-    rows = [
-        [
-            *WORKER_COLUMNS,
-            "BATCH",
-            "ORT",
-            "HOST:PID",
-            "STARTED",
-            "HEARTBEAT",
-            "SERVED",
-        ]
-    ]
-    for w in status.workers:
-        served_req, served_batches = w.get("served", "requests"), w.get("served", "batches")
-        rows.append(
-            [
-                *worker_cells(w),
-                f"{show(w.get('batching', 'max_batch_size'))} rows/"
-                f"{show(w.get('batching', 'max_wait_ms'))} ms",
-                show(w.get("runtime", "onnxruntime")),
-                f"{show(w.get('host'))}:{show(w.get('pid'))}",
-                ago_or_dash(iso_age_s(w.get("started_at"), now)),
-                ago_or_dash(iso_age_s(w.get("heartbeat_at"), now)),
-                f"{show(served_req)} req/{show(served_batches)} "
-                + ("batch" if served_batches == 1 else "batches"),
-            ]
-        )
-    lines += table(rows, indent="  ")
-    for w in status.workers:
-        lines.append(f"  {w.name}:")
-        if w.get("error"):
-            lines.append(f"    {w.get('error')}")
-        lines += [f"    {line}" for line in record_lines(w.record)]
+        lines = [f"Dead letters {dead.key}: {dead.count:,}"]
+    if not dead.recent:
+        return lines
+    rows = [["ENTRY", "AGE", "RID"]]
+    rows += [[d.entry_id, ago(d.age_s), d.rid or "-"] for d in dead.recent]
+    shown = table(rows, indent="  ")
+    lines.append(shown[0])
+    for d, row in zip(dead.recent, shown[1:], strict=True):
+        where = f"shard {d.tag}: " if sharded else ""
+        lines += [row, f"    {where}{d.reason}"]
     return lines

@@ -19,11 +19,12 @@ from producer.redisio.memory import DEFAULT_HIGH_WATERMARK, MemoryReading, Memor
 
 __all__ = [
     "INFO_REFUSED",
-    "WORKER_COLUMNS",
+    "PIPELINE_OUTPUTS_UNDECLARED",
     "ago",
     "ago_or_dash",
     "duration",
     "memory_notes",
+    "memory_split",
     "memory_summary",
     "narrow_table",
     "pipeline_summary",
@@ -122,18 +123,28 @@ def producers_refused(reading: MemoryReading) -> bool:
 def memory_summary(reading: MemoryReading, *, change_bytes_per_s: float | None = None) -> str:
     """``used ... of maxmemory ... (81%), headroom ...; policy ...``; with the change per second
     after the used figure when known (``--watch``)."""
+    used, more = memory_split(reading, change_bytes_per_s=change_bytes_per_s)
+    return f"{used} ({more})" if reading.headroom_bytes is None else f"{used}, {more}"
+
+
+def memory_split(
+    reading: MemoryReading, *, change_bytes_per_s: float | None = None
+) -> tuple[str, str]:
+    """``memory_summary`` in two parts, for a report that gives each its own line: how full
+    (``used ... of maxmemory ... (81%)``) and the rest (``headroom ...; policy ...``, or that
+    producers are never refused when there is no ``maxmemory``)."""
     used = format_bytes(reading.used_bytes)
     if change_bytes_per_s is not None:
         sign = "+" if change_bytes_per_s >= 0 else ""
         used += f" ({sign}{format_bytes(change_bytes_per_s)}/s)"
     headroom = reading.headroom_bytes
     if headroom is None:
-        return f"used {used}, no maxmemory (producers are never refused for memory)"
+        return f"used {used}, no maxmemory", "producers are never refused for memory"
     # Floored, so that a report never shows the watermark's figure before producers stop.
     percent = reading.used_bytes * 100 // reading.max_bytes
     return (
-        f"used {used} of maxmemory {format_bytes(reading.max_bytes)} ({percent}%), "
-        f"headroom {format_bytes(headroom)}; policy {reading.policy}"
+        f"used {used} of maxmemory {format_bytes(reading.max_bytes)} ({percent}%)",
+        f"headroom {format_bytes(headroom)}; policy {reading.policy}",
     )
 
 
@@ -156,8 +167,11 @@ def memory_notes(reading: MemoryReading) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # A worker's record
 
-#: The first columns of a worker's row in both reports; ``worker_cells`` fills them.
-WORKER_COLUMNS = ("NAME", "STATE", "VERSION", "SHA256", "PROVIDERS")
+#: What status says of a pipeline whose handler declares no outputs (``pipeline.outputs`` null).
+PIPELINE_OUTPUTS_UNDECLARED = (
+    "outputs not declared by the handler: they are what its postprocess returns "
+    "(the model's outputs only when it has no postprocess)"
+)
 
 
 def worker_cells(worker: WorkerInfo) -> list[str]:
@@ -208,22 +222,28 @@ def pipeline_summary(pipeline: Any) -> str:
     return ", ".join(parts)
 
 
-def record_lines(record: dict[str, Any]) -> list[str]:
-    """A worker's tensors as status lists them: with a pipeline, the pipeline and what requests
-    send and replies carry, then the model's own inputs and outputs."""
-    lines, model = [], ""
+def record_lines(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """A worker's tensors as status lists them, as (label, text) pairs, so that a long text
+    folds under its label: with a pipeline, the pipeline and what requests send and replies
+    carry, then the model's own inputs and outputs. A pipeline whose handler declares no
+    outputs says so: its replies carry what its postprocess returns (the model's outputs only
+    when it has none), so the model's outputs below are not what a reply holds."""
+    lines: list[tuple[str, str]] = []
+    model = ""
     pipeline = record.get("pipeline")
     if isinstance(pipeline, dict):
-        lines.append(f"pipeline {pipeline_summary(pipeline)}")
+        lines.append(("pipeline ", pipeline_summary(pipeline)))
         lines += [
-            f"request input  {tensor_spec(t, ranged=False)}" for t in _list(pipeline, "inputs")
+            ("request input  ", tensor_spec(t, ranged=False)) for t in _list(pipeline, "inputs")
         ]
+        if pipeline.get("outputs") is None:
+            lines.append(("replies: ", PIPELINE_OUTPUTS_UNDECLARED))
         lines += [
-            f"reply output   {tensor_spec(t, ranged=False)}" for t in _list(pipeline, "outputs")
+            ("reply output   ", tensor_spec(t, ranged=False)) for t in _list(pipeline, "outputs")
         ]
         model = "model "
-    lines += [f"{model}input  {tensor_spec(t, ranged=True)}" for t in _list(record, "inputs")]
-    lines += [f"{model}output {tensor_spec(t, ranged=False)}" for t in _list(record, "outputs")]
+    lines += [(f"{model}input  ", tensor_spec(t, ranged=True)) for t in _list(record, "inputs")]
+    lines += [(f"{model}output ", tensor_spec(t, ranged=False)) for t in _list(record, "outputs")]
     return lines
 
 

@@ -26,17 +26,38 @@ from producer.ops.watchstats import (
     format_seconds,
 )
 
-__all__ = ["stage_lines", "verdict_now", "worker_lines"]
+__all__ = [
+    "RATE_PENDING",
+    "STAGE_WINDOW",
+    "WORKER_WINDOW",
+    "stage_lines",
+    "verdict_now",
+    "worker_lines",
+]
 
 Flow = tuple[float | None, float | None, float] | None
 
+# Each table says which window its numbers cover, so that the workers' REQ/S (replies written),
+# the stages' REQ/S (requests through the hooks) and ``flow`` (the stream's counters over the
+# last refresh) are not read as three answers to one question.
+#: The workers table's window: the ``served`` counters change with each heartbeat.
+WORKER_WINDOW = "REQ/S: replies between their last two heartbeats (every 5 s)"
+#: The stages table's window.
+STAGE_WINDOW = "hooks' wall/CPU time per request, REQ/S into them: between heartbeats"
+#: Under a workers table with a rate not known yet (a watch sees two heartbeats first).
+RATE_PENDING = "REQ/S -: rates after the next heartbeat (a rate needs two, 5 s apart)"
+
 
 def worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
-    """``workers  N live``, then per worker a row of numbers and a line of what it is."""
+    """``workers  N live`` and the window its rates cover, then per worker a row of numbers and
+    a line of what it is; a ``-`` for a rate not known yet is explained once, under the table."""
     s = now.status
-    lines = [f"workers  {len(s.workers)} live"]
     if not s.workers:
-        return [*lines, "         no live worker has registered for this model"]
+        return [
+            f"workers  {len(s.workers)} live",
+            "         no live worker has registered for this model",
+        ]
+    lines = [f"workers  {len(s.workers)} live; {WORKER_WINDOW}"]
     held = {c.name: c for c in s.requests.group.consumers} if s.requests.group else {}
     rows = [["NAME", "HELD", "REQ/S", "REQ/BATCH", "SERVED"]]
     about = []
@@ -61,6 +82,8 @@ def worker_lines(now: Snapshot, rates: WorkerRates | None) -> list[str]:
     lines.append(table[0])
     for row, line in zip(table[1:], about, strict=True):
         lines += [row, line]
+    if any(row[2] == "-" for row in rows[1:]):
+        lines.append(f"  {RATE_PENDING}")
     return lines
 
 
@@ -81,7 +104,7 @@ def stage_lines(now: Snapshot, watched: StageWatch | None, flow: Flow = None) ->
     found = watched.rates if watched else {}
     lines = [
         "",
-        "stages   the hooks' wall and CPU time per request, between heartbeats",
+        f"stages   {STAGE_WINDOW}",
     ]
     held = _held(now)
     rows = [["NAME", "PRE/REQ", "PRE CPU", "POST/REQ", "POST CPU", "REQ/S"]]

@@ -1,8 +1,9 @@
 """Counted nouns and lines that fit a terminal: the small wording rules every report shares.
 
 ``count(1, "dead letter")`` is ``1 dead letter``, never ``1 dead letters``; ``fit`` folds the
-lines of a view to 80 columns, so a frame of ``redbatch status --watch`` never wraps at the
-terminal's edge, where a wrapped line loses its indentation and its place in a table.
+lines of a view to 80 columns, so a frame of ``redbatch status --watch`` (and the plain report)
+never wraps at the terminal's edge, where a wrapped line loses its indentation and its place in
+a table; ``under`` folds one labelled value so that it goes on under its label.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterable
 
-__all__ = ["LABEL", "WIDTH", "clip", "count", "fit"]
+__all__ = ["LABEL", "WIDTH", "clip", "count", "fit", "under"]
 
 #: The terminal width the views are laid out for.
 WIDTH = 80
@@ -63,3 +64,37 @@ def fit(lines: Iterable[str], width: int = WIDTH) -> list[str]:
             break_on_hyphens=False,
         )
     return out
+
+
+def under(label: str, text: str, width: int = WIDTH, *, hang: int = 0) -> list[str]:
+    """``label + text`` folded to ``width``, each further line starting under the text's first
+    character, ``hang`` further in (a label wider than half the line: under half of it), so
+    that a long value keeps its label's column. It folds after a comma
+    where it can, so that a figure keeps its unit (``timeout 30.0 s``), and at spaces within a
+    part too long for a line (a word longer than a line is cut)."""
+    indent = " " * min(len(label) + hang, width // 2)
+    parts = text.split(", ")
+    pieces = [p + "," for p in parts[:-1]] + parts[-1:]
+    lines: list[str] = []
+    line = label
+    for piece in pieces:
+        if line not in (label, indent):
+            if len(line) + 1 + len(piece) <= width:
+                line += " " + piece
+                continue
+            lines.append(line)
+            line = indent
+        if len(line) + len(piece) <= width:
+            line += piece
+            continue
+        folded = textwrap.wrap(
+            piece,
+            width,
+            initial_indent=line,
+            subsequent_indent=indent,
+            break_long_words=True,
+            break_on_hyphens=False,
+        )
+        lines += folded[:-1]
+        line = folded[-1]
+    return [*lines, line.rstrip()]
