@@ -258,6 +258,29 @@ def test_status_says_replies_of_undeclared_pipeline_outputs_are_not_the_models(
     assert "    model output twice float32 [?, 3]" in details
 
 
+@pytest.mark.parametrize(
+    ("postprocess", "said"),
+    [
+        (True, "replies: outputs not declared by the handler: they are what its postprocess "
+               "returns"),
+        (False, "replies: outputs not declared by the handler, which has no postprocess: the "
+                "model's outputs below"),
+    ],
+)  # fmt: skip
+def test_status_says_exactly_what_undeclared_replies_hold_when_the_record_tells(
+    rconn: redis.Redis, postprocess: bool, said: str
+) -> None:
+    record = _record()
+    record["pipeline"]["outputs"] = None
+    record["pipeline"]["postprocess"] = postprocess  # a worker's record says since issue 27
+    _register(rconn, record)
+
+    text = " ".join(format_status(gather_status(rconn, MODEL)).split())
+
+    assert said in text
+    assert "only when it has no postprocess" not in text
+
+
 def test_status_of_a_worker_without_pipeline_names_no_pipeline(rconn: redis.Redis) -> None:
     record = _record()
     del record["pipeline"]

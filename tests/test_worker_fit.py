@@ -244,3 +244,23 @@ def test_gpu_test_finds_no_gpu_without_device_files_or_a_driver(
 
 def _no_library(name: str) -> None:
     raise OSError(f"{name}: cannot open shared object file")
+
+
+_POST = "    def postprocess(self, outputs, inputs):\n        return outputs\n"
+
+
+@pytest.mark.parametrize(("body", "has_post"), [("", False), (_POST, True)])
+def test_the_pipeline_record_says_whether_the_handler_postprocesses(
+    tmp_path: Path, body: str, has_post: bool
+) -> None:
+    """``redbatch status`` tells what replies of undeclared outputs hold from this field."""
+    from worker.config.settings import PipelineConfig
+    from worker.pipeline.handler import load_handler
+
+    (tmp_path / "fithandler.py").write_text(
+        "class H:\n"
+        '    inputs = {"x": {"dtype": "float32", "shape": [-1, 2]}}\n'
+        "    def preprocess(self, inputs):\n        return inputs\n" + body
+    )
+    handler = load_handler(PipelineConfig(handler="fithandler:H"), tmp_path)
+    assert handler.record()["postprocess"] is has_post

@@ -167,11 +167,17 @@ def memory_notes(reading: MemoryReading) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # A worker's record
 
-#: What status says of a pipeline whose handler declares no outputs (``pipeline.outputs`` null).
+#: What status says of a pipeline whose handler declares no outputs (``pipeline.outputs`` null),
+#: by its record's ``postprocess`` (None: a worker from before that field).
 PIPELINE_OUTPUTS_UNDECLARED = (
     "outputs not declared by the handler: they are what its postprocess returns "
     "(the model's outputs only when it has no postprocess)"
 )
+_UNDECLARED_BY_POSTPROCESS = {
+    True: "outputs not declared by the handler: they are what its postprocess returns",
+    False: "outputs not declared by the handler, which has no postprocess: the model's outputs "
+    "below",
+}
 
 
 def worker_cells(worker: WorkerInfo) -> list[str]:
@@ -237,7 +243,8 @@ def record_lines(record: dict[str, Any]) -> list[tuple[str, str]]:
             ("request input  ", tensor_spec(t, ranged=False)) for t in _list(pipeline, "inputs")
         ]
         if pipeline.get("outputs") is None:
-            lines.append(("replies: ", PIPELINE_OUTPUTS_UNDECLARED))
+            said = _UNDECLARED_BY_POSTPROCESS.get(pipeline.get("postprocess"))  # type: ignore[arg-type]
+            lines.append(("replies: ", said or PIPELINE_OUTPUTS_UNDECLARED))
         lines += [
             ("reply output   ", tensor_spec(t, ranged=False)) for t in _list(pipeline, "outputs")
         ]

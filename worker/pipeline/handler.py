@@ -70,6 +70,7 @@ class Handler:
             "options": dict(self.config.options),
             "threads": self.config.threads,
             "timeout_s": self.config.timeout_s,
+            "postprocess": self.has_postprocess,
             "batch_hooks": [
                 name
                 for name, hook in (
