@@ -158,6 +158,30 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulingConfig:
+    """``[scheduling]``: how batches are filled across lanes (docs/protocol.md, "Lanes"): class
+    high first, then normal, then low, each lower class kept at its minimum share of the rows
+    while it has work; within a class, tenants by weight (``P:{M}:weights``)."""
+
+    min_share_normal: float = setting(
+        0.1, NUMBER, "Share of rows normal gets while it has work under high load.", min=0.0,
+        max=0.5,
+    )  # fmt: skip
+    min_share_low: float = setting(
+        0.05, NUMBER, "Share of rows low gets while it has work under higher load.", min=0.0,
+        max=0.5,
+    )  # fmt: skip
+    max_lanes: int = setting(
+        64, INT, "Lanes read per shard; more in P:{T}:lanes are ignored (and logged).", min=1,
+        max=1024,
+    )  # fmt: skip
+    lane_idle_s: float = setting(
+        300.0, NUMBER, "An empty lane with nothing pending this long is removed.", min=1.0,
+        max=float(_DAY_S),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class LimitsConfig:
     max_request_bytes: int = setting(
         _16_MIB, INT, "Larger bodies are TOO_LARGE, before decoding.", min=64, max=2**31
@@ -246,6 +270,7 @@ class WorkerConfig:
     redis: RedisConfig
     model: ModelConfig
     batching: BatchingConfig = BatchingConfig()
+    scheduling: SchedulingConfig = SchedulingConfig()
     limits: LimitsConfig = LimitsConfig()
     delivery: DeliveryConfig = DeliveryConfig()
     warmup: WarmupConfig = WarmupConfig()
@@ -266,6 +291,7 @@ def sections() -> dict[str, dict[str, Key]]:
             f"model.{p}": {k: provider[k] for k in provider if k in PROVIDERS[p]} for p in PROVIDERS
         },
         "batching": declared(BatchingConfig),
+        "scheduling": declared(SchedulingConfig),
         "limits": declared(LimitsConfig),
         "delivery": declared(DeliveryConfig),
         "warmup": declared(WarmupConfig),
@@ -301,6 +327,7 @@ def parse_config(
         redis=_redis(root.table("redis"), redis_url),
         model=_model(root.table("model", required=True), base_dir),
         batching=root.table("batching").build(BatchingConfig),
+        scheduling=root.table("scheduling").build(SchedulingConfig),
         limits=root.table("limits").build(LimitsConfig),
         delivery=root.table("delivery").build(DeliveryConfig),
         warmup=root.table("warmup").build(WarmupConfig),
