@@ -115,10 +115,10 @@ def parse_lane(prefix: str, tag: str, key: str | bytes) -> Lane | None:
         return Lane(tag)
     if not key.startswith(base + ":"):
         return None
-    cls, _, tenant = key[len(base) + 1 :].partition(":")
+    cls, colon, tenant = key[len(base) + 1 :].partition(":")
     if cls not in CLASSES:
         return None
-    if not tenant:
+    if not colon:
         return None if cls == DEFAULT_CLASS else Lane(tag, cls)  # "...:requests:normal" is junk
     return Lane(tag, cls, tenant) if is_valid_tenant(tenant) else None
 
