@@ -225,3 +225,25 @@ def test_poisson_batches_stay_about_as_full_as_a_fixed_windows() -> None:
     fixed = _poisson_mean_batch(adaptive=False)
     assert fixed > 4.5  # 1 + 5 ms x 1000/s, give or take
     assert _poisson_mean_batch(adaptive=True) >= 0.85 * fixed
+
+
+class GivingBack(TimedQueue):
+    """A source that takes back what did not fit a batch, as the lane scheduler does."""
+
+    def __init__(self, time: FakeTime) -> None:
+        super().__init__(time)
+        self.returned: list[list[Item]] = []
+
+    def putback(self, items: list[Item]) -> None:
+        self.returned.append(items)
+
+
+def test_leftovers_go_back_to_a_source_that_takes_them_when_the_batch_closes() -> None:
+    t = FakeTime()
+    q = GivingBack(t)
+    batcher = Batcher(q, 8, 10.0, clock=t.clock, wall_ms=t.wall_ms)
+    q.put([_item(i, 2, t.wall_ms()) for i in range(6)])  # 12 rows: 8 fit
+    batch = batcher.next_batch(1.0)
+    assert [b.rid for b in batch] == ["r0", "r1", "r2", "r3"]
+    assert [[b.rid for b in back] for back in q.returned] == [["r4", "r5"]]
+    assert not batcher.holding

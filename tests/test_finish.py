@@ -133,8 +133,8 @@ def test_dead_letters_are_copied_with_their_reason_and_answered_when_asked(rconn
     # Then both are in the dead-letter stream with their fields and reason
     dead = [fields for _, fields in rconn.xrange(DEAD)]
     assert dead == [
-        {b"rid": b"r0", b"body": b"b", b"reason": b"delivered 3 times"},
-        {b"rid": b"r1", b"body": b"b", b"reason": b"bad rid"},
+        {b"rid": b"r0", b"body": b"b", b"reason": b"delivered 3 times", b"lane": STREAM.encode()},
+        {b"rid": b"r1", b"body": b"b", b"reason": b"bad rid", b"lane": STREAM.encode()},
     ]
     assert rconn.lrange("redbatch:{demo}:reply:r0", 0, -1) == [b"poisoned"]
     assert rconn.xlen(STREAM) == 0

@@ -294,7 +294,7 @@ def test_a_dead_letter_copies_no_value_over_the_request_limit(rconn: redis.Redis
     assert stream.finish_each([dead]) == [True]
     # Then its copy holds the body's size in its place, and names a few other fields
     [letter] = _dead_letters(rconn)
-    assert set(letter) == {b"body", b"reason"}
+    assert set(letter) == {b"body", b"reason", b"lane"}
     assert letter[b"body"] == b"<dropped: 10000 bytes, over max_request_bytes>"
     reason = letter[b"reason"].decode()
     assert reason.startswith("entry has no 'rid' field; also had fields extra0, extra1")
@@ -309,7 +309,12 @@ def test_a_dead_letter_keeps_a_rid_and_body_within_the_limit(rconn: redis.Redis)
     dead = Finish(entry_id, None, None, dead_reason="rid does not match", code="DEAD_LETTER")
     assert stream.finish_each([dead]) == [True]
     [letter] = _dead_letters(rconn)
-    assert letter == {b"rid": b"bad rid!", b"body": b"b" * 4096, b"reason": b"rid does not match"}
+    assert letter == {
+        b"rid": b"bad rid!",
+        b"body": b"b" * 4096,
+        b"reason": b"rid does not match",
+        b"lane": b"redbatch:{demo}:requests",
+    }
 
 
 def test_a_worker_dead_letters_a_hostile_entry_without_its_extra_fields(
@@ -323,7 +328,7 @@ def test_a_worker_dead_letters_a_hostile_entry_without_its_extra_fields(
         assert wait_reply(rconn, send(rconn, TINY, "honest", {"x": X}), 10).ok
         [letter] = eventually_dead_letters(rconn, 1)
     # Then its dead letter holds the body and the reason, which names some of the others
-    assert set(letter) == {b"body", b"reason"}
+    assert set(letter) == {b"body", b"reason", b"lane"}
     assert b"also had fields x0, x1" in letter[b"reason"]
     assert len(letter[b"reason"]) < 1000
     assert rconn.xlen(stream) == 0

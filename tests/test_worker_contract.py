@@ -83,7 +83,10 @@ def test_contract_example_body_is_answered_exactly(scaler, rconn) -> None:
         rconn.xadd(STREAM, {"rid": "example-1", "body": CONTRACT_BODY})
         reply = _blpop(rconn, "example-1")
 
-    assert set(reply) == {"rid", "ok", "outputs", "model", "worker", "batch_rows", "timings_ms"}
+    assert set(reply) == {
+        "rid", "ok", "outputs", "model", "worker", "batch_rows", "timings_ms", "class"
+    }  # fmt: skip
+    assert reply["class"] == "normal"  # contract section 7 (v3): a version 2 request's class
     assert reply["rid"] == "example-1"
     assert reply["ok"] is True
     y = reply["outputs"]["y"]

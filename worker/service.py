@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import redis
 
@@ -37,10 +35,12 @@ from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
 from worker.answer.pressure import MemoryPressure
+from worker.answer.scheduler import LaneQueue
 from worker.answer.writer import ReplyWriter
 from worker.errors import WorkerError
 from worker.events import Events, Fanout
 from worker.intake.lanes import Lanes
+from worker.intake.laneset import Weights
 from worker.intake.leases import LeaseKeeper, Leases, Stuck
 from worker.intake.read import Reader
 from worker.intake.settings import IntakeSettings
@@ -111,8 +111,9 @@ class Worker:
         self.registry = Registry(
             model_client, cfg.redis.prefix, prepared.record, on_beat=self._on_beat
         )
-        # Lists of up to max_batch_size entries, one per read: at most two reads wait here.
-        self.queue: queue.Queue[list[Item]] = queue.Queue(maxsize=2)
+        # Reads of up to max_batch_size entries, two per lane at most, handed out by class,
+        # minimum share and tenant weight (worker/answer/scheduler.py).
+        self.queue = LaneQueue(cfg.scheduling, cfg.batching.max_batch_size)
         self.prep: PrepStage | None = None
         if self.pipeline is not None:
             self.pipeline.events = self.events
@@ -145,7 +146,10 @@ class Worker:
                 on_retry=self.topology.follow,
             ),
             self.shards,
+            max_lanes=cfg.scheduling.max_lanes,
+            lane_idle_s=cfg.scheduling.lane_idle_s,
         )
+        self._weights = Weights()  # P:{M}:weights, read on each beat for the scheduler
         # Redis memory as the answer path sees it: error replies compact and short-lived past
         # half of maxmemory, error-only batches held past 1.25 x (worker/answer/pressure.py)
         pressure = MemoryPressure(lambda tag: self.shards.stream(tag).client)
@@ -153,7 +157,7 @@ class Worker:
             self.model,
             self.schema,
             self.shards.stream,
-            ReplyEncoder(self.model_ref, self.name),
+            ReplyEncoder(self.model_ref, self.name, labelled=True),
             cfg.delivery.reply_ttl_s,
             self.events,
             self.stuck,
@@ -210,7 +214,8 @@ class Worker:
             raise failure
 
     def _follow_shards(self) -> None:
-        """Serve the shards ``P:{M}:shards`` lists now (and those retiring), without a restart."""
+        """Serve the shards ``P:{M}:shards`` lists now (and those retiring) and the lanes their
+        lane sets list, and hand the tenant weights to the scheduler, without a restart."""
         if self.stop.is_set():
             return  # draining: no lane joins now
         cfg = self.config
@@ -223,32 +228,23 @@ class Worker:
                 f"(%R~{prefix}:{{*}}:shards +lrange) (%R~{prefix}:{{*}}:retiring +smembers) "
                 "(docs/security.md, 'Upgrading')"
             ) from exc
-        if list(shards.serve) != self.lanes.tags() or len(self.lanes) > 1:
-            before = set(self.lanes.tags())
-            self.lanes.sync(shards.serve)
-            for gone in before - set(self.lanes.tags()):
-                self.metrics.shard_gone(gone)
-            # Two reads waiting per lane: each lane's reads are its share of the traffic, and a
-            # batch gathers from all of them (a queue of two would hold two shards' reads).
-            with self.queue.mutex:
-                self.queue.maxsize = 2 * len(self.lanes)
+        before = set(self.lanes.tags())
+        self.lanes.sync(shards.serve)
+        for gone in before - set(self.lanes.tags()):
+            self.metrics.shard_gone(gone)
         self.registry.update(shards=self.lanes.tags())  # the record says what it serves
+        weights = self._weights.read(self.topology.client(model), prefix, model)
+        if weights is not None:
+            self.queue.set_weights(weights)
 
     def _sample_stream(self) -> None:
-        """Each shard's stream state and Redis memory, for metrics and the log."""
+        """Each shard's streams' state (its lanes added up) and Redis memory, for metrics and
+        the log; lanes empty for long are removed there (``Lanes.sample``)."""
         fullest: MemoryReading | None = None
-        failed: redis.RedisError | None = None
-        damage: list[dict[str, Any]] = []  # what status shows of each stream's damage
-        for lane in self.lanes:
-            try:
-                stats = lane.stream.stats()
-            except redis.RedisError as exc:  # that shard's master is away: sample the others
-                failed = failed or exc
-                self.topology.follow(exc)
-                continue
-            self.metrics.stream_seen(stats, time.time() * 1000.0, shard=lane.tag)
+        by_shard, damage, failed = self.lanes.sample()  # one master away: the others sampled
+        for tag, stats in by_shard.items():
+            self.metrics.stream_seen(stats, time.time() * 1000.0, shard=tag)
             fullest = _fuller(fullest, stats.memory)
-            damage += lane.stream.group.damage
         self.metrics.memory_seen(fullest)
         self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch
@@ -358,7 +354,7 @@ class Worker:
                 return False
             starting.call(self._sample_stream)
             for lane in self.lanes:  # the reply bound, read now rather than at a first batch
-                starting.call(functools.partial(self.answers.bound.of, lane.tag))
+                starting.call(functools.partial(self.answers.bound.of, lane.key))
         except (redis.RedisError, OSError) as exc:
             if not (self.stop.is_set() and is_transient(exc)):
                 raise  # a refusal (a wrong password, a missing permission) is not an outage

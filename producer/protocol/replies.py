@@ -5,6 +5,12 @@ nested maps and packing them per reply: a worker writes every reply, so ``ReplyE
 the pieces its replies share, and ``encode_reply`` is the same encoder used once. The bytes are
 msgpack's own packing of the map (``tests/test_replies.py`` holds them to it, and
 ``docs/protocol.md``'s vectors pin them). ``meta`` is spliced in as it came, never re-encoded.
+
+(v3) A reply says the ``class`` of the lane its request came from, and its ``tenant`` when it
+had one (contract section 7): the last keys of the map. A worker's encoder (``labelled``) writes
+``class`` ``normal`` into every reply at no cost per reply; the stream of another lane swaps
+in its own with ``relabel`` as it writes the reply (``worker.redisio.stream``), so the one-lane
+path costs what it did.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ __all__ = [
     "ErrorInfo",
     "ModelRef",
     "PipelineRef",
+    "Relabel",
     "Reply",
     "ReplyEncoder",
     "check_meta_size",
     "decode_meta",
     "decode_reply",
     "encode_reply",
+    "label",
+    "relabel",
 ]
 
 
@@ -83,6 +92,9 @@ class Reply:
     error: ErrorInfo | None = None
     batch_rows: int | None = None
     meta_raw: bytes | None = field(default=None, repr=False)
+    # (v3) the lane's class and tenant; a reply without them (cls None) is version 2's
+    cls: str | None = None
+    tenant: str | None = None
 
     @property
     def meta(self) -> Any:
@@ -117,7 +129,7 @@ _NO_DETAIL = ErrorInfo("INTERNAL", "no detail", True)
 
 def encode_reply(reply: Reply) -> bytes:
     """Encode a reply; a failed one without ``error`` says INTERNAL, "no detail"."""
-    return _encoder(reply.model, reply.worker).encode(
+    raw = _encoder(reply.model, reply.worker).encode(
         reply.rid,
         outputs=reply.outputs if reply.ok else None,
         error=None if reply.ok else reply.error or _NO_DETAIL,
@@ -125,6 +137,45 @@ def encode_reply(reply: Reply) -> bytes:
         timings_ms=reply.timings_ms,
         meta_raw=reply.meta_raw,
     )
+    if reply.cls is None:
+        return raw
+    return _with_fields(raw, label(reply.cls, reply.tenant), 1 + (reply.tenant is not None))
+
+
+def label(cls: str, tenant: str | None = None) -> bytes:
+    """(v3) The ``class`` and ``tenant`` keys that end a reply, packed."""
+    packed = _packb("class") + _pack_str(cls)
+    return packed if tenant is None else packed + _packb("tenant") + _pack_str(tenant)
+
+
+def relabel(reply: bytes, cls: str, tenant: str | None) -> bytes:
+    """A ``labelled`` encoder's ``reply`` with class ``cls`` and ``tenant`` instead of class
+    normal (one copy of the reply: only replies of lanes other than the default pay it)."""
+    return Relabel(cls, tenant)(reply)
+
+
+class Relabel:
+    """``relabel`` for one lane, its label packed once (a lane's stream keeps one)."""
+
+    __slots__ = ("_added", "_label")
+
+    def __init__(self, cls: str, tenant: str | None) -> None:
+        self._label = label(cls, tenant)
+        self._added = int(tenant is not None)
+
+    def __call__(self, reply: bytes) -> bytes:
+        if not reply.endswith(_DEFAULT_LABEL):
+            raise WireFormatError("relabel takes replies of a labelled ReplyEncoder only.")
+        return _with_fields(memoryview(reply)[: -len(_DEFAULT_LABEL)], self._label, self._added)
+
+
+def _with_fields(reply: bytes | memoryview, packed: bytes, added: int) -> bytes:
+    """``reply`` with ``added`` keys more (``packed``) at its end. A reply map has at most 10
+    keys, so its header is the one byte of a fixmap."""
+    head = reply[0]
+    if head & 0xF0 != 0x80 or (head & 0x0F) + added > 15:
+        raise WireFormatError("a reply's map must have fewer than 16 keys.")
+    return b"".join([bytes((head + added,)), reply[1:], packed])
 
 
 @functools.lru_cache(maxsize=8)
@@ -143,12 +194,20 @@ class ReplyEncoder:
 
     _MAX_HEADS = 4096
 
-    def __init__(self, model: ModelRef, worker: str) -> None:
+    def __init__(self, model: ModelRef, worker: str, *, labelled: bool = False) -> None:
         try:
             self._shared = _KEY["model"] + _packb(model.as_map()) + _KEY["worker"] + _packb(worker)
         except UnicodeEncodeError as exc:
             raise not_utf8("reply", exc) from exc
         self._heads: dict[tuple[str, np.dtype[Any], tuple[int, ...]], bytes] = {}
+        # (v3) ``labelled``: every reply ends with class normal (``relabel`` swaps it)
+        self._label = _DEFAULT_LABEL if labelled else b""
+        extra = int(labelled)
+        self._ok_head = (
+            _map_header(7 + extra) + _KEY["rid"],
+            _map_header(8 + extra) + _KEY["rid"],
+        )
+        self._extra = extra
 
     def encode(
         self,
@@ -163,7 +222,7 @@ class ReplyEncoder:
         """One reply: ``outputs`` when ok, else ``error``; ``meta_raw`` spliced in verbatim."""
         ok = error is None
         with_rows = ok and batch_rows is not None
-        count = 6 + with_rows + (meta_raw is not None)
+        count = 6 + with_rows + (meta_raw is not None) + self._extra
         try:
             parts: list[bytes | memoryview] = [
                 _map_header(count),
@@ -191,6 +250,7 @@ class ReplyEncoder:
             raise not_utf8("reply", exc) from exc
         if meta_raw is not None:
             parts += [_KEY["meta"], meta_raw]
+        parts.append(self._label)
         return b"".join(parts)
 
     def encode_run(
@@ -215,11 +275,12 @@ class ReplyEncoder:
             ]
         )
         inference = _PACKED_NAMES["inference"] + b"\xcb" + _FLOAT64.pack(inference_ms)
+        head, label = self._ok_head, self._label
         replies = []
         try:
             for rid, outputs, queued_ms, meta_raw in requests:
                 parts: list[bytes | memoryview] = [
-                    _OK_HEAD[meta_raw is not None],
+                    head[meta_raw is not None],
                     _pack_str(rid),
                     _OK_OUTPUTS,
                     _map_header(len(outputs)),
@@ -229,6 +290,7 @@ class ReplyEncoder:
                 parts += [middle, _FLOAT64.pack(queued_ms), inference]
                 if meta_raw is not None:
                     parts += [_KEY["meta"], meta_raw]
+                parts.append(label)
                 replies.append(b"".join(parts))
         except UnicodeEncodeError as exc:
             raise not_utf8("reply", exc) from exc
@@ -321,10 +383,11 @@ def _bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-# The start of an ok reply with batch_rows, without and with meta, up to the rid's value; then
-# what follows the rid up to the outputs map's header.
-_OK_HEAD = (_map_header(7) + _KEY["rid"], _map_header(8) + _KEY["rid"])
+# What follows an ok reply's rid up to the outputs map's header.
 _OK_OUTPUTS = _KEY["ok"] + b"\xc3" + _KEY["outputs"]
+
+#: What ends every reply of a ``labelled`` encoder: class normal, no tenant.
+_DEFAULT_LABEL = label("normal")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,9 +421,15 @@ def decode_reply(raw: bytes) -> Reply:
             error=error,
             batch_rows=doc.get("batch_rows"),
             meta_raw=meta_raw,
+            cls=_optional_str(doc.get("class")),
+            tenant=_optional_str(doc.get("tenant")),
         )
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise WireFormatError(f"reply is missing or mistypes a field: {exc!r}.") from exc
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _model_ref(model: dict[str, Any]) -> ModelRef:

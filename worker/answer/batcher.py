@@ -17,6 +17,11 @@ Waiting is adaptive, in two ways:
   its last request rather than waiting out the window for requests that are not coming.
 
 A redelivered request (one a worker may have died on) always runs in a batch of its own.
+
+With lanes (``worker.answer.scheduler.LaneQueue``, which has ``putback``) the batcher holds
+nothing between batches: what it took and did not fit the batch it formed goes back to its lane
+when the batch closes, so that a higher class that arrives meanwhile is first in the next batch
+rather than behind a batch of leftovers. With a plain queue it keeps them for the next batch.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from worker.items import Item
 
-__all__ = ["Batcher"]
+__all__ = ["Batcher", "Source"]
 
 _GAIN_WEIGHT = 0.25  # weight of the newest batch in the moving average
 _MIN_GAIN = 0.5  # below this many requests gained per wait, waiting is not worth it
@@ -41,6 +47,14 @@ _PATIENCE_GAPS = 5.0
 _MIN_PATIENCE_S = 0.0005  # a read, a cancel check and a thread hand-off on a busy small box
 
 
+class Source(Protocol):
+    """Where reads come from: a ``queue.Queue[list[Item]]`` or a ``LaneQueue``."""
+
+    def get(self, block: bool = ..., timeout: float | None = ...) -> list[Item]: ...
+
+    def get_nowait(self) -> list[Item]: ...
+
+
 class Batcher:
     """Takes items from the reading thread's queue; hands out batches of at most ``max_rows``
     rows.
@@ -51,7 +65,7 @@ class Batcher:
 
     def __init__(
         self,
-        source: queue.Queue[list[Item]],
+        source: Source,
         max_rows: int,
         max_wait_ms: float,
         clock: Callable[[], float] = time.monotonic,
@@ -65,6 +79,8 @@ class Batcher:
         self.wall_ms = wall_ms
         self.adaptive = adaptive
         self._buffer: deque[Item] = deque()
+        # The source takes back what did not fit a batch (LaneQueue); None: keep it here.
+        self._putback: Callable[[list[Item]], None] | None = getattr(source, "putback", None)
         self._gain = 1.0  # moving average of requests gained per batch that waited
         self._skips = 0
         # Moving average of the wait before a request arrived; it starts at the window over
@@ -78,6 +94,13 @@ class Batcher:
 
     def next_batch(self, timeout_s: float) -> list[Item]:
         """Block up to ``timeout_s`` for a first item, then gather; [] when none came."""
+        batch = self._gather(timeout_s)
+        if self._buffer and self._putback is not None:
+            self._putback(list(self._buffer))  # to the source, where classes are ordered
+            self._buffer.clear()
+        return batch
+
+    def _gather(self, timeout_s: float) -> list[Item]:
         first = self._take(timeout_s)
         if first is None:
             return []

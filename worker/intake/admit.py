@@ -134,9 +134,9 @@ def poisoned(redelivery: Redelivery, max_deliveries: int) -> DeadLetter:
 
 
 def _bare(entry: RawEntry) -> RawEntry:
-    """The entry without its fields: all that answering or dead-lettering it needs (its id and
-    shard), so that a refused entry's bytes are not held until its answer is written."""
-    return RawEntry(entry.entry_id, {}, entry.shard)
+    """The entry without its fields: all that answering or dead-lettering it needs (its id,
+    shard and lane), so that a refused entry's bytes are not held until its answer is written."""
+    return RawEntry(entry.entry_id, {}, entry.shard, entry.lane)
 
 
 def _detached(exc: Rejected) -> Rejected:

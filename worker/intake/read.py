@@ -133,7 +133,8 @@ class Reader(threading.Thread):
         return items
 
     def _stopping(self) -> bool:
-        return self.stop.is_set() or self.retired.is_set()
+        """Stopped, retired, or its lane's stream removed under it (``RequestStream.vanished``)."""
+        return self.stop.is_set() or self.retired.is_set() or self.stream.vanished
 
     def _fit_read_count(self, items: list[Item]) -> int:
         """Read about one batch of rows at a time: ``max_batch_size`` entries of one row, fewer

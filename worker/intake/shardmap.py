@@ -28,7 +28,9 @@ class Shard:
 
 
 class ShardMap:
-    """The served shards by tag; ``""`` names the model's first shard (``model``)."""
+    """The served streams by the name their entries carry (``RawEntry.shard``): a shard's tag
+    for its default lane, the stream key for any other lane (``worker.intake.lanes``); ``""``
+    names the model's first shard (``model``)."""
 
     def __init__(self, model: str) -> None:
         self.model = model

@@ -5,6 +5,11 @@ requests are submitted to the hook pool at once, and this stage's thread hands t
 the batcher, in read order, once they are preprocessed. Reads in flight are bounded (two wait
 here at most, as on the batcher's queue), so the worker still holds a few batches at most, and
 preprocessing of the next reads overlaps the current run.
+
+The batcher's queue holds reads per lane (``worker/answer/scheduler.py``): a read takes room in
+its lane's share as it is put here (``reserve``), not when it is handed on, so the reader of a
+full low lane waits on its own, and a high read behind it is never held up by that wait. A high
+read can still wait behind the two reads being preprocessed ahead of it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Any, Protocol
 
 from worker.errors import Rejected
 from worker.items import Admitted, Item, Refused
@@ -22,22 +28,32 @@ __all__ = ["PrepStage"]
 log = logging.getLogger(__name__)
 
 
+class LaneRoom(Protocol):
+    """What this stage needs of the batcher's queue (``worker/answer/scheduler.LaneQueue``)."""
+
+    def reserve(self, items: list[Item]) -> Any: ...
+
+    def put_reserved(self, reservation: Any, items: list[Item]) -> None: ...
+
+
 class PrepStage(threading.Thread):
     """Reads in, preprocessed reads out to ``out`` (the batcher's queue), in order."""
 
-    def __init__(self, pipeline: Pipeline, out: queue.Queue[list[Item]]) -> None:
+    def __init__(self, pipeline: Pipeline, out: LaneRoom) -> None:
         super().__init__(name="redbatch-prep", daemon=True)
         self.pipeline = pipeline
         self.out = out
-        self._pending: queue.Queue[Pending | None] = queue.Queue(maxsize=2)
+        self._pending: queue.Queue[tuple[Any, Pending] | None] = queue.Queue(maxsize=2)
         self._lock = threading.Lock()
         self._in_flight = 0  # reads put and not yet handed on
 
     def put(self, items: list[Item]) -> None:
-        """On the reading thread: submit the read's preprocessing; blocks while two wait."""
+        """On the reading thread: take room in the read's lane (blocking while it is full), then
+        submit its preprocessing; blocks while two wait."""
+        reservation = self.out.reserve(items)
         with self._lock:
             self._in_flight += 1
-        self._pending.put(self.pipeline.start_preprocess(items))
+        self._pending.put((reservation, self.pipeline.start_preprocess(items)))
 
     def idle(self) -> bool:
         """Nothing put here waits to be handed on."""
@@ -50,8 +66,9 @@ class PrepStage(threading.Thread):
         self.join()
 
     def run(self) -> None:
-        while (pending := self._pending.get()) is not None:
-            self.out.put(self._finish(pending))
+        while (taken := self._pending.get()) is not None:
+            reservation, pending = taken
+            self.out.put_reserved(reservation, self._finish(pending))
             with self._lock:
                 self._in_flight -= 1
 

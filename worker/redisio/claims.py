@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from producer.protocol.keys import CONSUMER_GROUP
+from producer.protocol.lanes import Lane
 from worker.redisio.stream import RawEntry, RequestStream
 
 __all__ = ["Claimed", "Claims", "PendingEntry"]
@@ -111,6 +112,8 @@ class Claims:
         self.key = stream.key
         self.consumer = stream.consumer
         self.tag = stream.tag
+        self.shard = stream.shard  # what its entries name their stream by (``RawEntry.shard``)
+        self.lane = stream.lane
         self._renew = self.client.register_script(_RENEW_LUA)
         self._claim = self.client.register_script(_CLAIM_LUA)
         self._forget = self.client.register_script(_FORGET_LUA)
@@ -172,7 +175,7 @@ class Claims:
             return []
         args = [CONSUMER_GROUP, self.consumer, min_idle_ms, "1" if own else "0", *entry_ids]
         reply: Any = self._claim(keys=[self.key], args=args)
-        return [_claimed(row, self.tag) for row in reply]
+        return [_claimed(row, self.shard, self.lane) for row in reply]
 
     def forget_consumers(self, min_idle_ms: int) -> list[str]:
         """Remove other consumers with nothing pending, idle at least ``min_idle_ms``."""
@@ -185,13 +188,13 @@ class Claims:
         return bool(gone)
 
 
-def _claimed(row: list[Any], shard: str) -> Claimed:
+def _claimed(row: list[Any], shard: str, lane: Lane | None) -> Claimed:
     entry_id, deliveries = row[0], int(row[1])
     if len(row) < 3:
         return Claimed(entry_id, deliveries, None)
     flat = row[2]
     fields = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
-    return Claimed(entry_id, deliveries, RawEntry(entry_id, fields, shard))
+    return Claimed(entry_id, deliveries, RawEntry(entry_id, fields, shard, lane))
 
 
 def _text(value: object) -> str:

@@ -21,6 +21,8 @@ those paths: a batch's cost is unchanged.
 A dead letter copies only ``rid`` and ``body`` (each once; a value over ``max_request_bytes``
 is replaced by a note of its size) and names, without copying, up to eight other fields in its
 ``reason``: a hostile entry cannot make the dead-letter stream hold more than the request limit.
+Its field ``lane`` is the stream it came from (contract section 7: the shard's lanes share one
+dead-letter stream).
 
 The answer is the per-entry flags as one string (see ``FLAGS``) when nothing was refused, else
 an array: those flags, then one ``[index, what, detail, held]`` per refusal (``what``: ``reply``
@@ -89,8 +91,9 @@ local function move(staged, reply)
   end
   return true
 end
--- The entry's rid and body (each once, a value over the bound replaced by a note), and its
--- reason naming a few of its other fields; returns Redis's error when the XADD is refused.
+-- The entry's rid and body (each once, a value over the bound replaced by a note), its reason
+-- naming a few of its other fields, and its lane (the stream); returns Redis's error when the
+-- XADD is refused.
 local function dead_letter(id, reason)
   local entry = redis.call('XRANGE', stream, id, id)
   local copy, seen, others, more = {}, {}, {}, 0
@@ -116,6 +119,8 @@ local function dead_letter(id, reason)
   end
   copy[#copy + 1] = 'reason'
   copy[#copy + 1] = reason
+  copy[#copy + 1] = 'lane'
+  copy[#copy + 1] = stream
   local added = redis.pcall('XADD', dead, '*', unpack(copy))
   if type(added) == 'table' and added.err then return added.err end
   return nil

@@ -27,7 +27,7 @@ from producer.redisio.memory import MemoryReading, parse_info_memory
 from producer.redisio.streaminfo import MAX_ID, REPAIR, is_exhausted, undelivered_lost
 from worker.events import NO_EVENTS, Events
 
-__all__ = ["StreamGroup", "StreamStats"]
+__all__ = ["StreamGroup", "StreamStats", "merged"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class StreamStats:
     dead: int
     oldest_ms: int | None = None  # the oldest entry's enqueue time, epoch ms
     memory: MemoryReading | None = None
+    added: int | None = None  # entries-added: what ever entered the stream (None: unknown)
 
 
 def _memory(info: Any) -> MemoryReading | None:
@@ -81,6 +82,12 @@ class StreamGroup:
 
     ``damage`` lists what went wrong with the stream under the workers (deleted, trimmed,
     exhausted, group recreated), newest last, for the worker's record; ``events`` hears of each.
+
+    Without ``recreate`` (a lane other than the shard's default one) a stream found gone under
+    a read is not made again: a worker removes such a lane once it stayed empty
+    (``worker.redisio.lanegc``), and a stream made again here would be listed nowhere, so that
+    nothing would ever remove it. ``vanished`` is set instead; the lane stops reading, and is
+    served anew once a producer sends to it again (which lists it again).
     """
 
     def __init__(
@@ -90,12 +97,16 @@ class StreamGroup:
         dead_key: str,
         tag: str,
         events: Events = NO_EVENTS,
+        *,
+        recreate: bool = True,
     ) -> None:
         self.client = client
         self.key = key
         self.dead_key = dead_key
         self.tag = tag
         self.events = events
+        self.recreate = recreate
+        self.vanished = False  # without ``recreate``: the stream was found gone
         self.damage: list[dict[str, Any]] = []
         self._ensure = client.register_script(_ENSURE_GROUP_LUA)
         self._lost_seen: int | None = None  # undelivered_lost at the last sample
@@ -116,6 +127,8 @@ class StreamGroup:
         under a blocked read (UNBLOCKED), and report which; raise any other."""
         if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
             raise exc
+        if not self.recreate and self._vanished():
+            return
         log.warning(
             "stream or consumer group gone on %s (Redis restarted or flushed); recreating it",
             self.key,
@@ -145,6 +158,21 @@ class StreamGroup:
             )
         self._lost_seen = None  # the counters start again
         self._added = added if isinstance(added, int) else None
+
+    def _vanished(self) -> bool:
+        """Whether the stream is gone (a lane removed as empty); a lost backlog is reported."""
+        if self._probe() is not None:
+            return False  # made again by a producer, or only the group is gone: recreate it
+        self.vanished = True
+        log.info("lane %s is gone (removed as empty); its reads stop", self.key)
+        if self._backlog:
+            self._report(
+                "deleted",
+                self._backlog,
+                f"the lane's stream was deleted while it held {self._backlog} entries at the "
+                "last sample; producers must resend requests with no reply by their deadline",
+            )
+        return True
 
     def _probe(self) -> dict[str, Any] | None:
         """XINFO STREAM of the stream (None: there is none); where the ACL refuses it, the
@@ -193,6 +221,7 @@ class StreamGroup:
             dead=int(dead) if isinstance(dead, int) else 0,
             oldest_ms=_oldest_ms(oldest),
             memory=_memory(info),
+            added=_added(stream),
         )
 
     def _check(
@@ -249,3 +278,28 @@ def _length(stream: Any) -> int:
     """XINFO STREAM's length; 0 when the stream is missing or the answer an error."""
     length = stream.get("length") if isinstance(stream, dict) else None
     return int(length) if isinstance(length, int) else 0
+
+
+def _added(stream: dict[str, Any] | None) -> int | None:
+    """XINFO STREAM's entries-added; None when unknown."""
+    added = stream.get("entries-added") if stream else None
+    return added if isinstance(added, int) else None
+
+
+def merged(samples: list[StreamStats]) -> StreamStats:
+    """One shard's lanes sampled as one stream: backlogs and pending added up, the oldest entry
+    of them all (the lanes share the shard's dead letters and Redis)."""
+    if len(samples) == 1:
+        return samples[0]
+    lags = [s.lag for s in samples]
+    oldest = [s.oldest_ms for s in samples if s.oldest_ms is not None]
+    added = [s.added for s in samples]
+    return StreamStats(
+        backlog=sum(s.backlog for s in samples),
+        pending=sum(s.pending for s in samples),
+        lag=None if None in lags else sum(lag for lag in lags if lag is not None),
+        dead=max(s.dead for s in samples),
+        oldest_ms=min(oldest) if oldest else None,
+        memory=next((s.memory for s in samples if s.memory is not None), None),
+        added=None if None in added else sum(a for a in added if a is not None),
+    )

@@ -44,9 +44,10 @@ from producer.protocol.keys import (
     cancel_key,
     dead_key,
     reply_key,
-    request_stream,
     staging_key,
 )
+from producer.protocol.lanes import Lane
+from producer.protocol.replies import Relabel
 from producer.redisio import resp
 from producer.redisio.retry import is_oom
 from worker.errors import WorkerError
@@ -91,12 +92,12 @@ _STAGE = (
 REPEATED_FIELD = b"(a field name repeated)"
 
 
-def _entry(entry_id: bytes, flat: list[bytes], shard: str) -> RawEntry:
+def _entry(entry_id: bytes, flat: list[bytes], shard: str, lane: Lane | None) -> RawEntry:
     """An entry from its flat field list; one that repeats a name is marked for admission."""
     fields = dict(zip(flat[::2], flat[1::2], strict=True))
     if 2 * len(fields) != len(flat):
         fields[REPEATED_FIELD] = b""
-    return RawEntry(entry_id, fields, shard)
+    return RawEntry(entry_id, fields, shard, lane)
 
 
 def _id_order(entry_id: bytes) -> tuple[int, int]:
@@ -107,12 +108,15 @@ def _id_order(entry_id: bytes) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class RawEntry:
-    """One stream entry as read: its id, its fields (still bytes) and the shard it came from
-    (ids are only unique within one shard's stream)."""
+    """One stream entry as read: its id, its fields (still bytes), the stream it came from (ids
+    are only unique within one stream) as the ``ShardMap`` names it (``shard``: the shard's tag
+    for its default lane, the lane's stream key for any other), and that lane (None: the
+    shard's default lane, class normal without a tenant)."""
 
     entry_id: bytes
     fields: dict[bytes, bytes]
     shard: str = ""
+    lane: Lane | None = None
 
     @property
     def id_ms(self) -> int:
@@ -140,13 +144,15 @@ class Finish:
     reply_ttl_s: int = 3600
     dead_reason: str | None = None
     code: str = "OK"  # the outcome, for metrics: OK, an error code, or DEAD_LETTER
-    shard: str = ""  # the shard whose stream holds the entry ("": the model's first)
+    shard: str = ""  # the stream that holds the entry, as ``RawEntry.shard`` names it
 
 
 class RequestStream:
-    """The request stream of one shard of a model (``tag``: the model's name for its first
-    shard), seen by one consumer of the ``workers`` group. ``client`` is that shard's (on a
-    cluster, bound to the master of its slot: ``producer.redisio.topology``)."""
+    """The request stream of one lane of one shard of a model (``tag``: the model's name for its
+    first shard; ``lane``: None or a default lane for ``P:{T}:requests``), seen by one consumer
+    of the ``workers`` group. Reply, cancel and dead-letter keys are the shard's, whatever the
+    lane. ``client`` is that shard's (on a cluster, bound to the master of its slot:
+    ``producer.redisio.topology``)."""
 
     def __init__(
         self,
@@ -156,14 +162,24 @@ class RequestStream:
         consumer: str,
         events: Events = NO_EVENTS,
         max_request_bytes: int = DEAD_LETTER_BOUND,
+        lane: Lane | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
         self.tag = tag
-        self.key = request_stream(prefix, tag)
+        lane = lane or Lane(tag)
+        self.key = lane.stream(prefix)
+        # What entries read here name their stream by (``RawEntry.shard``), and their lane:
+        # the default lane keeps version 2's names (its tag, no lane)
+        self.shard = tag if lane.is_default else self.key
+        self.lane: Lane | None = None if lane.is_default else lane
+        # Its replies say its class and tenant (the encoder wrote class normal)
+        self._relabel = None if lane.is_default else Relabel(lane.cls, lane.tenant)
         self.dead_key = dead_key(prefix, tag)
         self.consumer = consumer
-        self.group = StreamGroup(client, self.key, self.dead_key, tag, events)
+        self.group = StreamGroup(
+            client, self.key, self.dead_key, tag, events, recreate=lane.is_default
+        )
         self._finish = client.register_script(FINISH_LUA)
         self._bound = b"%d" % max_request_bytes  # what a dead letter copies of a value, at most
         # The requests of the last finish whose reply Redis refused (each dead-lettered instead)
@@ -222,20 +238,26 @@ class RequestStream:
             return []
         # RESP2: [[stream, entries]]; RESP3 (protocol=3 in the URL): {stream: entries}
         entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
-        tag = self.tag
+        shard, lane = self.shard, self.lane
         return [
-            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), tag)
+            RawEntry(eid, dict(zip(flat[::2], flat[1::2], strict=True)), shard, lane)
             if len(flat) == 4  # rid and body: the only entry a request is (a repeat is short)
-            else _entry(eid, flat, tag)
+            else _entry(eid, flat, shard, lane)
             for eid, flat in entries
             if flat is not None
         ]
 
     def group_gone(self, exc: redis.ResponseError) -> list[RawEntry]:
         """A read's error (``StreamGroup.gone``): the group recreated when it was gone, and
-        nothing read."""
+        nothing read. A lane's stream that is gone (removed as empty: ``worker.redisio.lanegc``)
+        is not made again here: ``vanished`` is set, and its lane stops reading."""
         self.group.gone(exc)
         return []
+
+    @property
+    def vanished(self) -> bool:
+        """A lane's stream was found gone under a read (``StreamGroup.gone``)."""
+        return self.group.vanished
 
     def stats(self) -> StreamStats:
         """The stream as the group sees it, and Redis memory (``StreamGroup.stats``)."""
@@ -348,17 +370,19 @@ class RequestStream:
         args = [group, me, b"%d" % len(items), b"%d-%d" % min(orders), b"%d-%d" % max(orders)]
         args += [b"%d" % (_PAGE_SLACK + 2 * len(items)), self._bound]
         staging = resp.Packer()  # RPUSH and EXPIRE of each staged reply
+        relabel = self._relabel
         for item in items:
             how, index, ttl, data = b"", b"0", b"%d" % item.reply_ttl_s, b""
             if item.reply is not None and item.rid is not None:
                 index = b"%d" % (len(keys) + 1)  # a Lua index: KEYS[1] is keys[0]
-                if stage and len(item.reply) >= INLINE_MAX_BYTES:
+                reply = item.reply if relabel is None else relabel(item.reply)
+                if stage and len(reply) >= INLINE_MAX_BYTES:
                     staged = b"%s.%d" % (self._staging, next(self._serial))
-                    _stage(staging, staged, item.reply, ttl)
+                    _stage(staging, staged, reply, ttl)
                     how = b"s"
                     keys.append(staged)
                 else:
-                    how, data = b"i", item.reply
+                    how, data = b"i", reply
                 keys.append(self._reply + item.rid.encode())
             args += [item.entry_id, index, (item.dead_reason or "").encode(), how, ttl, data]
         return keys, args, staging
