@@ -29,6 +29,7 @@ from producer.jobs.job import (
 )
 from producer.protocol import codec, keys
 from producer.protocol.codec import ErrorInfo, ModelRef
+from producer.protocol.lanes import lane_stream
 from tools.localredis import free_port
 
 MODEL = "demo"
@@ -37,7 +38,8 @@ SHA = "ab" * 32
 
 
 class FakeWorker(threading.Thread):
-    """Answers y = x * 2 over the contract's stream, or INVALID_INPUT for a negative value.
+    """Answers y = x * 2 over the contract's stream and the low lane (where ``redbatch run``
+    sends by default), or INVALID_INPUT for a negative value.
 
     It reads up to 64 entries at a time and reports them as one batch, so replies carry a
     real batch_rows.
@@ -47,9 +49,10 @@ class FakeWorker(threading.Thread):
         super().__init__(daemon=True)
         self.conn = redis.Redis.from_url(url)
         self.name_ = name
-        self.stream = keys.request_stream(PREFIX, MODEL)
+        self.streams = [keys.request_stream(PREFIX, MODEL), lane_stream(PREFIX, MODEL, "low")]
         self.stop_event = threading.Event()
-        self.conn.xgroup_create(self.stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+        for stream in self.streams:
+            self.conn.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
         # a live record, as a real worker keeps one: redbatch run refuses a model without
         self.conn.set(keys.worker_key(PREFIX, MODEL, name), json.dumps({"name": name}), ex=60)
         self.conn.sadd(keys.workers_key(PREFIX, MODEL), name)
@@ -58,12 +61,13 @@ class FakeWorker(threading.Thread):
         while not self.stop_event.is_set():
             # The block timeout only bounds how late stop() is noticed; data wakes it at once.
             got = self.conn.xreadgroup(
-                keys.CONSUMER_GROUP, self.name_, {self.stream: ">"}, count=64, block=100
-            )
-            for _, entries in got or []:
-                self.answer(entries)
+                keys.CONSUMER_GROUP, self.name_, dict.fromkeys(self.streams, ">"), count=64,
+                block=100,
+            )  # fmt: skip
+            for stream, entries in got or []:
+                self.answer(stream, entries)
 
-    def answer(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def answer(self, stream: bytes, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         bodies = [codec.decode_request(fields[b"body"], 1 << 24) for _, fields in entries]
         batch_rows = sum(len(b.inputs["x"]) for b in bodies)
         pipe = self.conn.pipeline(transaction=False)
@@ -83,8 +87,8 @@ class FakeWorker(threading.Thread):
             key = keys.reply_key(PREFIX, MODEL, common["rid"])
             pipe.rpush(key, codec.encode_reply(reply))
             pipe.expire(key, 60)
-            pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
+            pipe.xack(stream, keys.CONSUMER_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
         pipe.execute()
 
     def stop(self) -> None:
@@ -561,7 +565,7 @@ def test_run_with_no_worker_stops_after_one_timeout(
 
     assert main([*argv, "--no-progress"]) == 1
 
-    stream = keys.request_stream(PREFIX, MODEL)
+    stream = lane_stream(PREFIX, MODEL, "low")  # a run is a batch job: class low by default
     entries = rconn.xrange(stream)
     assert len(entries) == 8  # only the first window was ever sent
     rids = [fields[b"rid"].decode() for _, fields in entries]

@@ -29,6 +29,7 @@ from producer.jobs.filewalk import iter_files
 from producer.jobs.job import format_summary, run_job
 from producer.jobs.sources import open_source
 from producer.protocol import codec, keys
+from producer.protocol.lanes import lane_stream
 
 MODEL = "echo"
 PREFIX = keys.DEFAULT_PREFIX
@@ -68,20 +69,23 @@ def echo_reply(fields: dict[bytes, bytes]) -> tuple[str, bytes]:
 
 
 class EchoWorker(threading.Thread):
-    """Answers ``echo_reply`` over the contract's stream until stopped (an entry with a
-    ``stop`` field wakes its blocking read)."""
+    """Answers ``echo_reply`` over the contract's stream and the low lane (where ``redbatch
+    run`` sends by default) until stopped (an entry with a ``stop`` field wakes its blocking
+    read)."""
 
     def __init__(self, url: str, model: str = MODEL) -> None:
         super().__init__(daemon=True)
         self.conn = redis.Redis.from_url(url, socket_timeout=None)  # its read blocks until work
         self.model = model
         self.stream = keys.request_stream(PREFIX, model)
+        self.streams = [self.stream, lane_stream(PREFIX, model, "low")]
         self.error: BaseException | None = None
-        try:
-            self.conn.xgroup_create(self.stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.streams:
+            try:
+                self.conn.xgroup_create(stream, keys.CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
         # a live record, as a real worker keeps one: redbatch run refuses a model without
         self.conn.set(keys.worker_key(PREFIX, model, "echo-1"), json.dumps({"name": "echo-1"}))
         self.conn.sadd(keys.workers_key(PREFIX, model), "echo-1")
@@ -90,19 +94,20 @@ class EchoWorker(threading.Thread):
         try:
             while True:
                 got = self.conn.xreadgroup(
-                    keys.CONSUMER_GROUP, "echo-1", {self.stream: ">"}, count=512, block=0
-                )
-                entries = [e for _, batch in got or [] for e in batch]
-                stop = any(b"stop" in fields for _, fields in entries)
+                    keys.CONSUMER_GROUP, "echo-1", dict.fromkeys(self.streams, ">"), count=512,
+                    block=0,
+                )  # fmt: skip
+                entries = [(stream, e) for stream, batch in got or [] for e in batch]
+                stop = any(b"stop" in fields for _, (_, fields) in entries)
                 pipe = self.conn.pipeline(transaction=False)
-                for entry_id, fields in entries:
+                for stream, (entry_id, fields) in entries:
                     if b"stop" not in fields:
                         rid, reply = echo_reply(fields)
                         key = keys.reply_key(PREFIX, self.model, rid)
                         pipe.rpush(key, reply)
                         pipe.expire(key, 60)
-                    pipe.xack(self.stream, keys.CONSUMER_GROUP, entry_id)
-                    pipe.xdel(self.stream, entry_id)
+                    pipe.xack(stream, keys.CONSUMER_GROUP, entry_id)
+                    pipe.xdel(stream, entry_id)
                 pipe.execute()
                 if stop:
                     return

@@ -15,9 +15,9 @@ import itertools
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from producer.cli import argtypes
 from producer.cli.argtypes import (
@@ -36,7 +36,12 @@ from producer.jobs.preflight import live_records, require_worker
 from producer.jobs.sinks import Sink, open_sink
 from producer.jobs.sources import FORMATS, input_kind, open_source
 from producer.jobs.tables import pyarrow
+from producer.protocol.lanes import CLASSES, is_valid_tenant
 from producer.redisio.memory import DEFAULT_HIGH_WATERMARK
+
+if TYPE_CHECKING:
+    from producer.client.blocking import Client
+    from producer.client.results import Chunk
 
 __all__ = ["HELP", "add_arguments", "run_command"]
 
@@ -98,6 +103,13 @@ taken over after the workers' claim_idle_ms (30 s by default), so keep --timeout
 Ctrl-C or SIGTERM stops the run too, writing the rows answered so far and listing the rest as
 NOT_ANSWERED (before any reply came, it writes nothing, so an earlier run's output and errors
 file stay as they were).
+A run is a batch job: its requests go to the low lane by default (--priority low), so that
+callers of the same model who wait for a reply (class normal or high) are served first and
+never queue behind the run's rows, while the run still gets a minimum share of the workers
+when they are busy (the workers' [scheduling] settings). --tenant NAME sends them to that
+tenant's lane of the class instead, served by weight beside the other tenants' (its request
+ids begin with NAME.; a Redis user confined to the tenant can run it). docs/protocol.md,
+"Lanes", says more.
 Before anything is sent, the model must have a live worker: a model without one (a misspelled
 name, say) is refused at once, naming the models that have workers, unless --wait-for-worker
 queues the requests for a worker still to come. Redis must answer then within 3 s (or within
@@ -108,6 +120,7 @@ Exit status: 0 when every row succeeded, 1 when any failed, 2 when the command c
 examples:
   redbatch run --model demo --input features.npy --output predictions.npz
   redbatch run --model demo --input inputs.npz --output y.npz --rows-per-request 16 --no-progress
+  redbatch run --model demo --input features.npy --output y.npz --priority normal --tenant acme
   redbatch run --model orientation --input 'images/**/*.jpg' --output labels.parquet
   redbatch run --model minilm --input sentences.txt --output vectors.parquet
   redbatch run --model minilm --input docs.jsonl --key id --output vectors.jsonl
@@ -224,7 +237,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send even when the model has no live worker, the requests waiting in the stream "
         "until one starts (default: refuse, naming the models that have workers)",
     )
+    parser.add_argument(
+        "--priority",
+        choices=CLASSES,
+        default="low",
+        help="the requests' class: high, normal or low (default: low, a batch job, served "
+        "after interactive callers' requests but never starved)",
+    )
+    parser.add_argument(
+        "--tenant",
+        type=_tenant_name,
+        metavar="NAME",
+        help="send to this tenant's lane of the class (request ids NAME.*); default: none",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _tenant_name(text: str) -> str:
+    if not is_valid_tenant(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_-]{{1,64}}")
+    return text
 
 
 def _output_names(text: str) -> list[str]:
@@ -284,7 +316,7 @@ def _run(args: argparse.Namespace) -> int:
             progress = _progress_bar(source.total, source.unit, disable=args.no_progress)
             try:
                 summary = run_job(
-                    c,
+                    _InLane(c, args.priority, args.tenant),
                     source,
                     rows_per_request=args.rows_per_request,
                     concurrency=args.concurrency,
@@ -343,6 +375,16 @@ def _open_input(
     if first:
         check_against_workers(args, first, records, source.kind, key_name)
     return source
+
+
+class _InLane:
+    """The client as ``run_job`` calls it (``Mapper``), its ``map`` sending to the run's lane."""
+
+    def __init__(self, client: Client, priority: str, tenant: str | None) -> None:
+        self._client, self._priority, self._tenant = client, priority, tenant
+
+    def map(self, arrays: Mapping[str, Any], **options: Any) -> Iterable[Chunk]:
+        return self._client.map(arrays, priority=self._priority, tenant=self._tenant, **options)
 
 
 class _Written:

@@ -31,6 +31,7 @@ from numpy.typing import ArrayLike
 
 from producer.client import driver, plans, sending, steps
 from producer.client.coalesce import Coalescer, ReplyHub
+from producer.client.lanes import choose
 from producer.client.mapwindow import MapPlan
 from producer.client.results import Chunk, Result
 from producer.client.settings import check_ttl_s
@@ -61,7 +62,8 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
     ``url`` goes to ``redis.asyncio.Redis.from_url`` (on Redis Cluster, any node's; none given:
     ``$REDIS_URL``, else ``DEFAULT_URL``), or pass
     ``redis_client``, a ``redis.asyncio.Redis`` (then ``close()`` leaves it open). See
-    ``Client`` for shards and handles, backpressure, ``retry_s`` and errors.
+    ``Client`` for shards and handles, lanes (``priority``, ``tenant``: docs/protocol.md,
+    "Lanes"), backpressure, ``retry_s`` and errors.
     """
 
     _flavour = Flavour(
@@ -91,10 +93,14 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         meta: Any = None,
         rid: str | None = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> str:
         """Queue one request and return its handle (its rid on the model's first shard, else
-        ``T/R``); ``deadline_s`` is seconds from now (> 0)."""
-        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        ``T/R``); ``deadline_s`` is seconds from now (> 0); ``priority`` and ``tenant`` choose
+        its lane, as in ``Client``."""
+        lane = choose(priority, tenant)
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s, lane)
         await self._run(plans.submit(self._session, [sub]))
         return sub.handle
 
@@ -106,12 +112,15 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         deadline_s: float | None = None,
         meta: Any = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> list[str]:
         """As ``Client.submit_many``: one pipelined round trip (shared with concurrent calls;
         on a cluster one per node, run concurrently), split evenly over the shards, in
         transactions of up to 256 requests of one shard each; returns the handles. One body
         over the limits raises TooLarge with none sent, as in ``Client``."""
-        subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
+        lane = choose(priority, tenant)
+        subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s, lane)
         if subs:
             await self._run(plans.submit(self._session, subs))
         return [sub.handle for sub in subs]
@@ -156,6 +165,8 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         meta: Any = None,
         rid: str | None = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Submit, wait and return the outputs; raises the typed RequestFailed subclass. The
         whole call, submit included, ends within ``timeout_s``, as ``Client.infer``'s does.
@@ -165,7 +176,8 @@ class AsyncClient(BaseClient[redis.asyncio.Redis, AsyncIterator[Chunk], AsyncIte
         own, so the cancellation is not held up), so that a worker skips it and no reply is
         left unread; calls sharing its round trips carry on."""
         started = time.monotonic()
-        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        lane = choose(priority, tenant)
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s, lane)
         return await self._run(plans.infer(self._session, sub, timeout_s, started))
 
     def _drain(self, waiter: ReplyWaiter) -> AsyncIterator[Result]:

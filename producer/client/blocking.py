@@ -26,6 +26,7 @@ import redis
 from numpy.typing import ArrayLike
 
 from producer.client import driver, plans, steps
+from producer.client.lanes import choose
 from producer.client.mapwindow import MapPlan
 from producer.client.results import Chunk, Result
 from producer.client.settings import check_ttl_s
@@ -62,11 +63,23 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
     shard (so a model with one shard needs no tags), ``T/R`` on another; ``poll``, ``wait``,
     ``wait_many`` and ``cancel`` take a handle or a bare rid (the first shard).
 
-    With ``max_backlog`` set, submits refuse with ``BacklogFull`` while the request streams hold
-    that many entries in all (summed over the shards: one limit for the model, whatever its
-    shard count), or wait for the backlog to shrink when ``wait_for_backlog`` is true
-    (``infer`` waits no longer than its ``timeout_s``, then raises ``BacklogFull`` with nothing
-    sent).
+    Every submit, ``infer`` and ``map`` takes a lane (docs/protocol.md, "Lanes"): ``priority``
+    is its class, ``"high"``, ``"normal"`` (the default) or ``"low"``; workers fill each batch
+    from high first, then normal, then low, keeping a minimum share for each lower class so
+    none starves. Send interactive calls as high or normal and batch jobs as low, and callers
+    never wait behind a job's backlog. ``tenant`` (a name of ``[A-Za-z0-9_-]{1,64}``, default
+    None) gives a team or customer a lane of its own in that class, served beside the other
+    tenants' by weight (``P:{M}:weights``), so that one tenant's backlog does not hold up
+    another's; its request ids begin with ``tenant.``, and a Redis user confined to the tenant
+    (docs/security.md, ``redbatch-tenant-example``) can run this client. A bad priority or
+    tenant raises ValueError before anything is sent. The default lane, normal without a
+    tenant, is the stream every earlier producer writes, sent exactly as before.
+
+    With ``max_backlog`` set, submits refuse with ``BacklogFull`` while the request streams of
+    the lane they go to hold that many entries in all (summed over the shards: one limit for
+    the lane, whatever its shard count; only that lane's streams are read), or wait for the
+    backlog to shrink when ``wait_for_backlog`` is true (``infer`` waits no longer than its
+    ``timeout_s``, then raises ``BacklogFull`` with nothing sent).
 
     Redis memory is a limit too: once ``used_memory`` reaches ``memory_high_watermark`` of
     ``maxmemory`` (0.8 by default; None turns it off; nothing applies without a ``maxmemory``),
@@ -96,6 +109,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         meta: Any = None,
         rid: str | None = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> str:
         """Queue one request and return its handle (its rid on the model's first shard, else
         ``T/R``); ``deadline_s`` is seconds from now (> 0).
@@ -103,8 +118,12 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         A body Redis or the workers would refuse raises TooLarge at once, with nothing sent:
         one over Redis's ``proto-max-bulk-len`` (read once per client; Redis's default, 512
         MiB, when the user may not run ``CONFIG GET``), or over the smallest
-        ``limits.max_request_bytes`` of the live workers (their records, read every 30 s)."""
-        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        ``limits.max_request_bytes`` of the live workers (their records, read every 30 s).
+
+        ``priority`` (``"high"``, ``"normal"``, ``"low"``) and ``tenant`` choose the request's
+        lane (see the class); a tenant's ``rid``, when given, must begin with ``tenant.``."""
+        lane = choose(priority, tenant)
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s, lane)
         self._run(plans.submit(self._session, [sub]))
         return sub.handle
 
@@ -116,6 +135,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         deadline_s: float | None = None,
         meta: Any = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> list[str]:
         """Queue many requests in one pipelined round trip (one per node on a cluster, sent one
         after another, every node's before any answer is read); returns their handles in
@@ -128,7 +149,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         none of the requests is sent: the call returns no handles when it raises, so requests
         sent beside a refused one would run with nobody holding their handles. Fix or split
         that request and submit the list again."""
-        subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s)
+        lane = choose(priority, tenant)
+        subs = plans.requests(requests, outputs, deadline_s, meta, reply_ttl_s, lane)
         if subs:
             self._run(plans.submit(self._session, subs))
         return [sub.handle for sub in subs]
@@ -156,6 +178,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         meta: Any = None,
         rid: str | None = None,
         reply_ttl_s: int | None = None,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Submit, wait and return the outputs; raises the typed RequestFailed subclass.
 
@@ -166,7 +190,8 @@ class Client(BaseClient[redis.Redis, Iterator[Chunk], Iterator[Result]]):
         key (one try) before the interruption goes on, so that no worker runs it for nobody.
         """
         started = time.monotonic()
-        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s)
+        lane = choose(priority, tenant)
+        sub = plans.request(inputs, outputs, deadline_s, meta, rid, reply_ttl_s, lane)
         return self._run(plans.infer(self._session, sub, timeout_s, started))
 
     def _drain(self, waiter: ReplyWaiter) -> Iterator[Result]:

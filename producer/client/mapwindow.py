@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from producer.client.lanes import LaneChoice
 from producer.client.limits import BodyLimit
 from producer.client.maprows import RowFeed
 from producer.client.results import WAIT_TIMEOUT, Chunk, Result, failed_result
@@ -55,6 +56,7 @@ class MapPlan:
         outputs: Sequence[str] | None,
         timeout_s: float,
         stop_on_timeout: bool = False,
+        lane: LaneChoice | None = None,
     ) -> None:
         if type(concurrency) is not int or concurrency < 1:
             raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}.")
@@ -63,6 +65,7 @@ class MapPlan:
         self.rows = self._feed.rows
         self._concurrency = concurrency
         self._outputs = outputs
+        self._lane = lane  # every request's (None: the default lane)
         self._rows_per_request = 0
         self._next_start = 0
         self._in_flight: dict[str, tuple[int, int]] = {}  # rid -> (start, stop), in send order
@@ -150,7 +153,7 @@ class MapPlan:
     ) -> list[tuple[dict[str, np.ndarray], Submission | Result]]:
         """``inputs`` as one request, or as several whose bodies each fit the body limit (in
         row order), each with its rows; a row alone over the limit is a failed Result."""
-        sub = build_submission(inputs, outputs=self._outputs, now_s=now_s)
+        sub = build_submission(inputs, outputs=self._outputs, now_s=now_s, lane=self._lane)
         if self._limit is None or len(sub.body) <= self._limit.max_bytes:
             return [(inputs, sub)]
         rows = len(next(iter(inputs.values())))
@@ -210,7 +213,9 @@ class MapPlan:
         large) with the same rids and shards, to send again after an interruption."""
         again = []
         for tag, rid in self.waiter.targets():
-            sub = build_submission(self._rows_of[rid], outputs=self._outputs, rid=rid, now_s=now_s)
+            sub = build_submission(
+                self._rows_of[rid], outputs=self._outputs, rid=rid, now_s=now_s, lane=self._lane
+            )
             sub.tag = tag
             again.append(sub)
         return again

@@ -23,8 +23,9 @@ from typing import Any
 import redis.exceptions as rex
 from numpy.typing import ArrayLike
 
-from producer.client import steps
+from producer.client import lanes, lanesend, steps
 from producer.client.backlog import BacklogGate
+from producer.client.lanes import LaneChoice
 from producer.client.session import Session
 from producer.client.settings import INFER_LIMIT
 from producer.client.steps import Batch, Call, Plan, Shared, Sleep
@@ -156,8 +157,9 @@ def request(
     meta: Any,
     rid: str | None,
     reply_ttl_s: int | None,
+    lane: LaneChoice | None = None,
 ) -> Submission:
-    """One request, its ``deadline_s`` counted from now."""
+    """One request, its ``deadline_s`` counted from now, to ``lane`` (``lanes.choose``)."""
     return build_submission(
         inputs,
         outputs=outputs,
@@ -166,6 +168,7 @@ def request(
         rid=rid,
         reply_ttl_s=reply_ttl_s,
         now_s=time.time(),
+        lane=lane,
     )
 
 
@@ -175,8 +178,9 @@ def requests(
     deadline_s: float | None,
     meta: Any,
     reply_ttl_s: int | None,
+    lane: LaneChoice | None = None,
 ) -> list[Submission]:
-    """Many requests sharing their options, each with a new rid."""
+    """Many requests sharing their options and lane, each with a new rid."""
     return build_submissions(
         many,
         outputs=outputs,
@@ -184,6 +188,7 @@ def requests(
         meta=meta,
         reply_ttl_s=reply_ttl_s,
         now_s=time.time(),
+        lane=lane,
     )
 
 
@@ -210,7 +215,7 @@ def send(
         if session.spread.stale(time.monotonic()):
             yield from read_shards(session, session.retry.until(until, INFER_LIMIT))
         while True:
-            while (delay_s := (yield from _no_room_s(session, gate, until))) is not None:
+            while (delay_s := (yield from _no_room_s(session, gate, until, subs))) is not None:
                 yield Sleep(delay_s)
             retry = session.retry.until(until, INFER_LIMIT)
             if xadd is None:
@@ -234,11 +239,14 @@ def send(
             accepted.extend(sub for part in xadd.parts if part.done for sub in part.items)
 
 
-def _no_room_s(session: Session, gate: BacklogGate, until: float | None) -> Plan[float | None]:
-    """None when the backlog and Redis memory leave room; else how long to sleep before looking
-    again (or the gate raises BacklogFull or RedisFull). Notes what holds the send up."""
+def _no_room_s(
+    session: Session, gate: BacklogGate, until: float | None, subs: Sequence[Submission]
+) -> Plan[float | None]:
+    """None when the backlog of the lanes ``subs`` go to and Redis memory leave room; else how
+    long to sleep before looking again (or the gate raises BacklogFull or RedisFull). Notes
+    what holds the send up."""
     if gate.active:
-        backlog = yield from read_backlog(session, until)
+        backlog = yield from read_backlog(session, until, _lanes_of(subs))
         delay_s = gate.delay_s(backlog, time.monotonic())
         if delay_s is not None:
             session.backlog_seen = backlog
@@ -262,12 +270,29 @@ def _no_room_s(session: Session, gate: BacklogGate, until: float | None) -> Plan
     return gate.refused(session.full_seen, time.monotonic())
 
 
-def read_backlog(session: Session, until: float | None) -> Plan[int]:
-    """The model's backlog: the sum of ``XLEN`` over the shards it has (listed and retiring),
-    checked against ``max_backlog`` as one figure, as ``redbatch status`` and the scalers
-    see it."""
+def read_backlog(
+    session: Session, until: float | None, lanes_: Sequence[LaneChoice | None] = (None,)
+) -> Plan[int]:
+    """A lane's backlog: the sum of its streams' ``XLEN`` over the shards the model has
+    (listed and retiring), checked against ``max_backlog`` as one figure, as ``redbatch
+    status`` and the scalers see it; the fullest of ``lanes_`` (default: the default lane,
+    ``P:{T}:requests``). Only those lanes' streams are read: a role confined to a tenant may
+    read no other."""
     retry = session.retry.until(until, INFER_LIMIT)
-    return sum((yield steps.xlen(session, session.spread.shards.serve, retry)))
+    tags = session.spread.shards.serve
+    lengths = yield steps.xlen(session, tags, retry, lanes_)
+    if len(lanes_) == 1:
+        return sum(lengths)
+    n = len(tags)
+    return max(sum(lengths[i : i + n]) for i in range(0, len(lengths), n))
+
+
+def _lanes_of(subs: Sequence[Submission]) -> Sequence[LaneChoice | None]:
+    """The lanes ``subs`` go to (one, but for the asyncio client's concurrent submits)."""
+    first = subs[0].lane if subs else None
+    if all(sub.lane is first for sub in subs):
+        return (first,)
+    return list(lanesend.by_lane(subs))
 
 
 def unsent(session: Session) -> RedbatchError:
@@ -308,5 +333,9 @@ def _xadd_refusal(session: Session, xadd: Batch, exc: ConnectionFailed) -> Conne
     space is used up (not retried: nothing passes until an operator repairs the stream)."""
     if not is_exhausted(exc.__cause__):
         return exc
-    failed = next((part.tag for part in xadd.parts if not part.done), session.settings.model)
-    return stream_exhausted(session.where, keys.request_stream(session.settings.prefix, failed))
+    part = next((part for part in xadd.parts if not part.done), None)
+    if part is None or not part.items:
+        stream = keys.request_stream(session.settings.prefix, session.settings.model)
+    else:  # the lane of its first submission: a part holds more than one only in AsyncClient
+        stream = lanes.stream_of(session.settings.prefix, part.tag, part.items[0].lane)
+    return stream_exhausted(session.where, stream)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from numpy.typing import ArrayLike
 
+from producer.client.lanes import choose
 from producer.client.mapwindow import MapPlan
 from producer.client.routing import Routing
 from producer.client.session import Session
@@ -148,6 +149,8 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         outputs: Sequence[str] | None = None,
         timeout_s: float = 60.0,
         stop_on_timeout: bool = False,
+        priority: str = "normal",
+        tenant: str | None = None,
     ) -> ChunksT:
         """Run arrays through the model in requests of at most ``rows_per_request`` rows.
 
@@ -173,7 +176,12 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
         the last chunk yielded were not all sent (with several shards, one with room may have
         taken some, which are answered but not yielded; with ``wait_for_backlog``, map waits
         for room instead).
+
+        ``priority`` and ``tenant`` choose every request's lane, as ``submit``'s do; a large
+        batch job is best sent as ``priority="low"``, so that interactive callers of the same
+        model never wait behind it (``redbatch run`` does so by default).
         """
+        lane = choose(priority, tenant)
         plan = MapPlan(
             self._session.settings,
             arrays,
@@ -182,6 +190,7 @@ class BaseClient(ABC, Generic[RedisT, ChunksT, ResultsT]):
             outputs=outputs,
             timeout_s=timeout_s,
             stop_on_timeout=stop_on_timeout,
+            lane=lane,
         )
         return self._map(plan)
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from producer.client import lanes, lanesend
+from producer.client.lanes import LaneChoice
 from producer.client.session import Session
 from producer.client.submission import Submission, check_xadds, pack_xadds
 from producer.client.waiting import ReplyWaiter
@@ -183,6 +185,9 @@ def xadd(session: Session, by_tag: Mapping[str, list[Submission]], retry: RetryP
 
 
 def xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
+    for sub in subs:
+        if sub.lane is not None:  # not all to the default lane: each to its own
+            return _lanes_xadd_part(session, tag, subs)
     stream = _stream(session.settings.prefix, tag)
 
     def queue(pipe: Any) -> None:
@@ -193,6 +198,14 @@ def xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
         return Part(tag, queue, items=subs)
     xadds = pack_xadds(stream, subs)
     return Part(tag, queue, xadds.packer, lambda got: check_xadds(xadds, got), subs)
+
+
+def _lanes_xadd_part(session: Session, tag: str, subs: list[Submission]) -> Part:
+    """``xadd_part`` for submits of several lanes, or of one other than the default
+    (``producer.client.lanes``: each lane's in transactions that add it to the lane set)."""
+    sent = lanesend.lane_xadds(session.settings.prefix, tag, subs)
+    packer = sent.xadds.packer if session.packed else None
+    return Part(tag, sent.queue, packer, sent.check, subs)
 
 
 def lpop(session: Session, by_tag: Mapping[str, list[bytes]], retry: RetryPolicy) -> Batch:
@@ -255,12 +268,21 @@ def pop_reply(session: Session, key: bytes, tag: str, until: float, limit: str) 
     )
 
 
-def xlen(session: Session, tags: Sequence[str], retry: RetryPolicy) -> Batch:
-    return Batch("XLEN", retry, [xlen_part(session, tag) for tag in tags])
+def xlen(
+    session: Session,
+    tags: Sequence[str],
+    retry: RetryPolicy,
+    lanes_: Sequence[LaneChoice | None] = (None,),
+) -> Batch:
+    """``XLEN`` of each lane's stream (default: ``P:{T}:requests``) on each shard, lane by
+    lane: the answers are those of ``lanes_[0]`` on every shard, then of ``lanes_[1]``..."""
+    parts = [xlen_part(session, tag, lane) for lane in lanes_ for tag in tags]
+    return Batch("XLEN", retry, parts)
 
 
-def xlen_part(session: Session, tag: str) -> Part:
-    stream = _stream(session.settings.prefix, tag)
+def xlen_part(session: Session, tag: str, lane: LaneChoice | None = None) -> Part:
+    prefix = session.settings.prefix
+    stream = _stream(prefix, tag) if lane is None else lanes.stream_of(prefix, tag, lane)
     packer = None
     if session.packed:
         packer = resp.Packer()

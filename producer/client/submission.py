@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from numpy.typing import ArrayLike
 from redis.typing import EncodableT, FieldT
@@ -22,7 +22,11 @@ from producer.client.results import handle_of
 from producer.client.settings import check_ttl_s, deadline_ms
 from producer.protocol import codec, keys
 from producer.protocol.errors import StreamExhausted
+from producer.protocol.lanes import tenant_rid
 from producer.redisio import resp
+
+if TYPE_CHECKING:
+    from producer.client.lanes import LaneChoice
 
 __all__ = [
     "Submission",
@@ -31,6 +35,7 @@ __all__ = [
     "build_submissions",
     "check_xadds",
     "is_exhausted",
+    "pack_lane_xadds",
     "pack_xadds",
     "stream_exhausted",
 ]
@@ -43,16 +48,19 @@ _EXEC = resp.command(b"EXEC")
 _TXN_ENTRIES = 256
 _TXN_BYTES = 1 << 20
 _WARNED: set[str] = set()  # warnings given once per process
+_NO_SADDS: set[int] = set()  # the default lane's: ``_pack`` adds to it only with a lane set
 
 
 @dataclass(slots=True)
 class Submission:
     """One request ready for ``XADD P:{T}:requests * rid R body B``; ``tag`` is the shard it
-    goes to, chosen when it is sent ("" until then)."""
+    goes to, chosen when it is sent ("" until then); ``lane`` its class and tenant when not
+    the default lane (``producer.client.lanes``: its stream on that shard instead)."""
 
     rid: str
     body: bytes
     tag: str = ""
+    lane: LaneChoice | None = None
 
     @property
     def handle(self) -> str:
@@ -67,10 +75,12 @@ class Submission:
 @dataclass(frozen=True, slots=True)
 class Xadds:
     """``XADD``s packed for one round trip, and how their replies are laid out: ``blocks``
-    holds each run of entries sent together, with whether it is a ``MULTI``/``EXEC``."""
+    holds each run of entries sent together, with whether it is a ``MULTI``/``EXEC``;
+    ``sadds`` the indexes of the blocks whose transaction opens with a lane's ``SADD``."""
 
     packer: resp.Packer
     blocks: tuple[tuple[int, bool], ...]
+    sadds: frozenset[int] = frozenset()
 
 
 def pack_xadds(stream: str, subs: Sequence[Submission]) -> Xadds:
@@ -84,24 +94,56 @@ def pack_xadds(stream: str, subs: Sequence[Submission]) -> Xadds:
     appear together, and are added whole or not at all. The cap keeps one transaction from
     holding Redis (and every worker's reads and finishes) for long.
     """
-    packer, key = resp.Packer(), stream.encode()
+    packer = resp.Packer()
     blocks: list[tuple[int, bool]] = []
+    _pack(packer, blocks, stream, subs, None, _NO_SADDS)
+    return Xadds(packer, tuple(blocks))
+
+
+def pack_lane_xadds(groups: Sequence[tuple[str, str | None, Sequence[Submission]]]) -> Xadds:
+    """As ``pack_xadds``, for several streams of one shard: ``groups`` holds each stream, the
+    lane set to add it to in each of its transactions (None: none, the default lane), and its
+    submissions. A lane's entries always go in transactions, a single one too, each opening
+    with ``SADD LANESET STREAM`` (contract section 7: the lane is registered in the same
+    ``MULTI`` as its requests)."""
+    packer = resp.Packer()
+    blocks: list[tuple[int, bool]] = []
+    sadds: set[int] = set()
+    for stream, lane_set, subs in groups:
+        _pack(packer, blocks, stream, subs, lane_set, sadds)
+    return Xadds(packer, tuple(blocks), frozenset(sadds))
+
+
+def _pack(
+    packer: resp.Packer,
+    blocks: list[tuple[int, bool]],
+    stream: str,
+    subs: Sequence[Submission],
+    lane_set: str | None,
+    sadds: set[int],
+) -> None:
+    """Pack ``subs`` to ``stream`` onto ``packer``, noting each block (and, with a
+    ``lane_set``, each block's index in ``sadds``)."""
+    key = stream.encode()
+    lane_cmd = None if lane_set is None else resp.command(b"SADD", lane_set.encode(), key)
     i = 0
     while i < len(subs):
         j, size = i, 0
         while j < len(subs) and j - i < _TXN_ENTRIES and (j == i or size < _TXN_BYTES):
             size += len(subs[j].body)
             j += 1
-        txn = j - i > 1
+        txn = j - i > 1 or lane_cmd is not None
         if txn:
             packer.add_packed(_MULTI)
+        if lane_cmd is not None:
+            sadds.add(len(blocks))
+            packer.add_packed(lane_cmd)
         for sub in subs[i:j]:
             packer.add(b"XADD", key, b"*", b"rid", sub.rid.encode(), b"body", sub.body)
         if txn:
             packer.add_packed(_EXEC)
         blocks.append((j - i, txn))
         i = j
-    return Xadds(packer, tuple(blocks))
 
 
 def check_xadds(xadds: Xadds, replies: Sequence[Any]) -> None:
@@ -109,14 +151,16 @@ def check_xadds(xadds: Xadds, replies: Sequence[Any]) -> None:
 
     A ``MULTI`` refused (a producer ACL without ``+multi``, from before transactions) does not
     start a transaction: Redis runs that block's XADDs one by one and refuses its ``EXEC``. The
-    entries are then in the stream, so that is not an error; it is logged once.
+    entries are then in the stream, so that is not an error; it is logged once. A block of a
+    lane (in ``xadds.sadds``) has its ``SADD`` first: one more reply.
     """
-    at = 0
-    for count, txn in xadds.blocks:
+    at, sadds = 0, xadds.sadds
+    for n, (entries, txn) in enumerate(xadds.blocks):
         if not txn:
             resp.raise_first_error([replies[at]])
             at += 1
             continue
+        count = entries + 1 if n in sadds else entries
         opened, added, done = replies[at], replies[at + 1 : at + 1 + count], replies[at + 1 + count]
         at += count + 2
         if isinstance(opened, Exception):
@@ -164,16 +208,26 @@ def build_submission(
     rid: str | None = None,
     reply_ttl_s: int | None = None,
     now_s: float,
+    lane: LaneChoice | None = None,
 ) -> Submission:
-    """Encode one request; ``deadline_s`` is relative to ``now_s`` (Unix epoch seconds)."""
+    """Encode one request; ``deadline_s`` is relative to ``now_s`` (Unix epoch seconds). A
+    request of ``lane`` (None: the default lane) with a tenant gets a rid that begins with the
+    tenant's name and a dot; a ``rid`` given must already."""
     if not isinstance(inputs, Mapping):
         raise TypeError(
             f"inputs must be a mapping of input name to array, got {type(inputs).__name__}."
         )
     if rid is None:
         rid = uuid.uuid4().hex
+        if lane is not None and lane.tenant is not None:
+            rid = tenant_rid(lane.tenant, rid)
     elif not isinstance(rid, str) or not keys.is_valid_rid(rid):
         raise ValueError(f"Request id {rid!r} does not match [A-Za-z0-9_.:-]{{1,128}}.")
+    elif lane is not None and lane.tenant is not None and not rid.startswith(f"{lane.tenant}."):
+        raise ValueError(
+            f"Request id {rid!r} of tenant {lane.tenant!r} must begin with {lane.tenant + '.'!r}: "
+            f"pass rid={lane.tenant + '.' + rid!r}, or leave rid out for a new one."
+        )
     if reply_ttl_s is not None:
         check_ttl_s("reply_ttl_s", reply_ttl_s)
     if isinstance(outputs, str):
@@ -185,7 +239,10 @@ def build_submission(
         meta=meta,
         reply_ttl_s=reply_ttl_s,
     )
-    return Submission(rid, body)
+    sub = Submission(rid, body)
+    if lane is not None:
+        sub.lane = lane
+    return sub
 
 
 def build_submissions(
@@ -196,8 +253,9 @@ def build_submissions(
     meta: Any = None,
     reply_ttl_s: int | None = None,
     now_s: float,
+    lane: LaneChoice | None = None,
 ) -> list[Submission]:
-    """Encode many requests sharing their options, each with its own new rid."""
+    """Encode many requests sharing their options and lane, each with its own new rid."""
     # A string or a single mapping iterates as names, which would fail deep in the encoder.
     if isinstance(requests, str | bytes | Mapping) or not isinstance(requests, Iterable):
         raise TypeError(
@@ -212,6 +270,7 @@ def build_submissions(
             meta=meta,
             reply_ttl_s=reply_ttl_s,
             now_s=now_s,
+            lane=lane,
         )
         for inputs in requests
     ]
