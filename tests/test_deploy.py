@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from producer.protocol import keys
+from producer.protocol.lanes import CLASSES, Lane, lane_stream, parse_lane
 from tools.synthetic import save
 from worker.config import parse_config
 from worker.ops.metrics import Metrics, MetricsServer
@@ -283,7 +284,7 @@ def test_keda_scales_the_worker_on_the_request_streams_length() -> None:
     assert ("Deployment", scaled["scaleTargetRef"]["name"]) in objects
     assert 1 <= scaled["minReplicaCount"] <= scaled["maxReplicaCount"]
 
-    (trigger,) = scaled["triggers"]
+    trigger = _class_triggers(scaled)["normal"]
     assert trigger["type"] == "redis-streams"
     meta = trigger["metadata"]
     config = tomllib.loads(_worker_toml(objects))
@@ -311,14 +312,78 @@ def test_keda_scales_the_worker_on_the_request_streams_length() -> None:
         assert re.search(rf"\b{number}\b", doc), number
 
 
-_STREAM_RE = re.compile(r"(?P<prefix>[^{}\s]+):\{(?P<tag>[^{}]+)\}:requests")
+def _lane_of(stream: str, prefix: str, model: str) -> Lane:
+    """The lane a trigger's stream is, on a shard of ``model``; fails on any other key."""
+    found = _STREAM_RE.fullmatch(stream)
+    assert found, stream
+    assert found["prefix"] == prefix, stream
+    tag = found["tag"]
+    assert keys.is_valid_tag(tag), stream
+    assert keys.model_of(tag) == model, stream
+    lane = parse_lane(prefix, tag, stream)
+    assert lane is not None, stream
+    assert lane_stream(prefix, tag, lane.cls, lane.tenant) == stream
+    return lane
+
+
+def _class_triggers(scaled: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """keda.yaml's triggers by the class of the lane each reads: one per class, no tenant."""
+    objects = _objects()
+    config = tomllib.loads(_worker_toml(objects))
+    prefix, model = config["redis"]["prefix"], config["model"]["name"]
+    by_class = {}
+    for trigger in scaled["triggers"]:
+        lane = _lane_of(trigger["metadata"]["stream"], prefix, model)
+        assert lane.tag == model, trigger["name"]
+        assert lane.tenant is None, trigger["name"]
+        assert trigger["name"] == lane.cls  # named after its class
+        by_class[lane.cls] = trigger
+    assert sorted(by_class) == sorted(CLASSES)
+    assert len(scaled["triggers"]) == len(CLASSES)
+    return by_class
+
+
+def test_keda_scales_each_class_on_its_own_lane_high_first() -> None:
+    objects = _objects()
+    scaled = objects[("ScaledObject", "redbatch-worker")]["spec"]
+    triggers = _class_triggers(scaled)
+    per_replica = {cls: int(t["metadata"]["streamLength"]) for cls, t in triggers.items()}
+    # Interactive work scales sooner than normal, batch jobs later.
+    assert per_replica["high"] < per_replica["normal"] < per_replica["low"]
+    for cls, trigger in triggers.items():
+        assert trigger["type"] == "redis-streams", cls
+        meta = trigger["metadata"]
+        for absent in ("consumerGroup", "lagCount", "pendingEntriesCount"):
+            assert absent not in meta, (cls, absent)  # XLEN of each lane, as for normal
+        assert trigger["authenticationRef"] == triggers["normal"]["authenticationRef"]
+        assert meta["databaseIndex"] == triggers["normal"]["metadata"]["databaseIndex"]
+    # The file says tenant lanes need their own triggers, and sketches the Prometheus one on the
+    # workers' backlog metric with the labels the workers export per lane.
+    text = (K8S / "keda.yaml").read_text(encoding="utf-8")
+    assert "Tenant lanes" in text
+    assert "# - type: prometheus" in text
+    assert "max by (shard, class, tenant)" in text
+    doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    for cls, number in per_replica.items():
+        assert re.search(rf"\b{number:,}\b|\b{number}\b", doc), (cls, number)
+
+
+_STREAM_RE = re.compile(r"(?P<prefix>[^{}\s]+):\{(?P<tag>[^{}]+)\}:requests(:[^{}\s]+)?")
 _ADDRESS_RE = re.compile(r"[A-Za-z0-9.-]+:[0-9]{1,5}")
 
 
 def _formula_names(formula: str) -> list[str]:
-    """The trigger names a plain sum names, in order; fails on anything but ``a + b + ...``."""
-    assert re.fullmatch(r"\s*[A-Za-z_]\w*(\s*\+\s*[A-Za-z_]\w*)*\s*", formula), formula
+    """The trigger names the formula names, in order; fails on anything but names, numbers,
+    ``+ * /`` and parentheses (a weighted sum)."""
+    assert re.fullmatch(r"[A-Za-z_0-9+*/() .]+", formula), formula
     return re.findall(r"[A-Za-z_]\w*", formula)
+
+
+def _formula_value(formula: str, values: dict[str, float]) -> float:
+    """The formula evaluated with each trigger's value (checked first by ``_formula_names``)."""
+    names = _formula_names(formula)
+    assert set(names) <= set(values), set(names) - set(values)
+    return float(eval(formula, {"__builtins__": {}}, dict(values)))
 
 
 def test_keda_cluster_sums_one_trigger_per_shard() -> None:
@@ -339,24 +404,21 @@ def test_keda_cluster_sums_one_trigger_per_shard() -> None:
 
     triggers = scaled["triggers"]
     assert len(triggers) >= 2
-    tags = []
+    single_by_class = _class_triggers(single)
+    lanes: dict[str, Lane] = {}
     for trigger in triggers:
         assert trigger["type"] == "redis-cluster-streams", trigger
         assert re.fullmatch(r"[A-Za-z_]\w*", trigger["name"]), trigger  # a name expr can use
         meta = trigger["metadata"]
-        # Every trigger names a stream of the form P:{T}:requests, T a shard tag of this model.
-        found = _STREAM_RE.fullmatch(meta["stream"])
-        assert found, meta["stream"]
-        assert found["prefix"] == prefix
-        tag = found["tag"]
-        assert keys.is_valid_tag(tag), tag
-        assert keys.model_of(tag) == model, tag
-        assert meta["stream"] == keys.request_stream(prefix, tag)
-        tags.append(tag)
+        # Every trigger names a lane stream of a shard of this model: P:{T}:requests (normal)
+        # or P:{T}:requests:high / :low, no tenant.
+        lane = _lane_of(meta["stream"], prefix, model)
+        assert lane.tenant is None, meta["stream"]
+        lanes[trigger["name"]] = lane
         # XLEN of each stream, as in keda.yaml (no consumer group: lag plus pending).
         for absent in ("consumerGroup", "lagCount", "pendingEntriesCount"):
             assert absent not in meta, (trigger["name"], absent)
-        assert meta["streamLength"] == single["triggers"][0]["metadata"]["streamLength"]
+        assert meta["streamLength"] == single_by_class[lane.cls]["metadata"]["streamLength"]
         addresses = meta["addresses"].split(",")
         assert addresses, trigger["name"]
         assert all(_ADDRESS_RE.fullmatch(a.strip()) for a in addresses), addresses
@@ -364,17 +426,29 @@ def test_keda_cluster_sums_one_trigger_per_shard() -> None:
         auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
         for ref in auth["spec"]["secretTargetRef"]:
             assert ref["key"] in objects[("Secret", ref["name"])]["stringData"]
+    tags = [lane.tag for lane in lanes.values() if lane.cls == "normal"]
     assert tags[0] == model  # the model's own shard, which always exists
     assert len(set(tags)) == len(tags)
+    # Every class on every shard, each once.
+    assert sorted((ln.tag, ln.cls) for ln in lanes.values()) == sorted(
+        (tag, cls) for tag in tags for cls in CLASSES
+    )
     names = [t["name"] for t in triggers]
     assert len(set(names)) == len(names)
 
-    # The formula adds every trigger, each once: the model's backlog over all its shards.
+    # The formula names every trigger, each once: the model's backlog over all its shards,
+    # each lane's entries weighed as keda.yaml's entries per replica for its class say.
     modifiers = scaled["advanced"]["scalingModifiers"]
     assert sorted(_formula_names(modifiers["formula"])) == sorted(names)
     assert modifiers["metricType"] == "AverageValue"
     target = int(modifiers["target"])
-    assert target == int(single["triggers"][0]["metadata"]["streamLength"])
+    assert target == int(single_by_class["normal"]["metadata"]["streamLength"])
+    for name, lane in lanes.items():
+        alone = {n: (1000.0 if n == name else 0.0) for n in names}
+        per_replica = int(single_by_class[lane.cls]["metadata"]["streamLength"])
+        assert _formula_value(modifiers["formula"], alone) == pytest.approx(
+            1000.0 * target / per_replica
+        ), name
 
     # docs/operations.md's example: 3 shards x 1,000 entries at 512 per replica.
     per_shard, shards = 1000, 3
@@ -647,24 +721,44 @@ def _dashboard_targets() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     return [(p, t) for p in _panels(dashboard) if p["type"] != "row" for t in p["targets"]]
 
 
+# Gauges a worker reports per lane (labels shard, class, tenant: one series per lane stream)
+# and per shard (its dead-letter stream is the shard's, whatever the lane).
+_LANE_GAUGES = ("redbatch_backlog", "redbatch_pending", "redbatch_group_lag")
+
+
 def test_dashboard_reads_the_stream_gauges_per_shard() -> None:
-    # Every worker reports every shard: a panel takes the largest report per shard first (never
-    # a sum over workers, which would count each shard once per worker), then sums the shards,
-    # or, for the oldest request, takes the largest.
-    per_shard = []
+    # Every worker reports every shard and lane: a panel takes the largest report per lane
+    # (shard, class, tenant; the dead letters per shard) first, never a sum over workers, which
+    # would count each lane once per worker, nor a max per shard, which would keep one lane of
+    # each; then sums the lanes (over all, or by shard, class or tenant), or, for the oldest
+    # request, takes the largest.
+    per_shard, per_class = [], []
     for panel, target in _dashboard_targets():
         expr = target["expr"]
         for name in _SHARD_GAUGES:
             for found in re.finditer(rf"\b{name}\b", expr):
                 head = expr[: found.start()]
                 if name == "redbatch_backlog_oldest_age_seconds":
-                    assert re.search(r"max(?: by \(shard\))? \($|max\($", head), expr
-                else:
-                    assert head.endswith("max by (shard) ("), (panel["title"], expr)
-                    assert head.startswith("sum(") or head == "max by (shard) (", expr
-        if expr.startswith("max by (shard) (redbatch_backlog{"):
+                    assert re.search(r"max(?: by \((shard|class)\))? \($|max\($", head), expr
+                    continue
+                inner = "shard, class, tenant" if name in _LANE_GAUGES else "shard"
+                assert head.endswith(f"max by ({inner}) ("), (panel["title"], expr)
+                assert re.fullmatch(
+                    rf"(sum(?: by \((shard|class|class, tenant)\))? ?\()?max by \({inner}\) \(",
+                    head,
+                ), expr
+        if expr.startswith("sum by (shard) (max by (shard, class, tenant) (redbatch_backlog{"):
             per_shard.append((panel["title"], target["legendFormat"]))
+        if re.search(r"\bby \((le, )?class\)", expr):
+            per_class.append(panel["title"])
     assert per_shard == [("Backlog by shard", "{{shard}}")]
+    # Panels per class: backlog, its oldest entry (the queue wait now) and the queue wait
+    # histogram by class, whose worker labels the metric names stay the same for.
+    assert {
+        "Backlog by class",
+        "Oldest request age by class",
+        "Queue wait by class (p50, p99)",
+    } <= (set(per_class))
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")

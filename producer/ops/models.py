@@ -8,7 +8,9 @@ Redis Cluster, each key pattern at most ``MAX_SCAN_CALLS`` calls of ``SCAN_COUNT
 a Redis of millions of reply keys costs a bounded few seconds, and a list cut short says so.
 ``gather_models`` then reads each model as ``redbatch status --model`` does (its shards, each
 on its own node: backlog, pending, dead letters, the stream damage that blocks a queue) and
-counts its live workers from the records found.
+counts its live workers from the records found. A lane stream (``P:{T}:requests:C[:N]``,
+contract section 7) belongs to its shard's model: its backlog counts in that model's line,
+never as a model of its own.
 
 ``SCAN`` is the one command here that the operator's other commands never send: a user whose
 ACL lacks it gets a ``UsageError`` naming the permission and ``--model``, which needs none.
@@ -25,11 +27,14 @@ from typing import Any
 import redis
 
 from producer.ops.damage import DamageNote
+from producer.ops.lanes import classes
+from producer.ops.lanetotals import shard_lanes
 from producer.ops.status import ShardAccess, gather_shard
 from producer.ops.textformat import ago_or_dash, printable, table
 from producer.ops.words import count
 from producer.protocol import keys
 from producer.protocol.errors import UsageError
+from producer.protocol.lanes import CLASSES, parse_lane
 from producer.redisio.shards import read_shards
 
 __all__ = [
@@ -76,6 +81,7 @@ class ModelSummary:
     dead: int
     oldest_entry_age_s: float | None
     damage: tuple[DamageNote, ...] = ()
+    classes: tuple[tuple[str, int], ...] = ()  # (class, backlog) over every lane, high first
 
     @property
     def blocked(self) -> bool:
@@ -138,7 +144,9 @@ class _CutShort(Exception):
 def find_models(access: ShardAccess, conn: redis.Redis, prefix: str) -> Found:
     """Scan every node (each master of a cluster; the one Redis else) for the keys a model
     leaves; the caller has refreshed ``access``'s slot map."""
-    key_re = re.compile(re.escape(prefix) + r":\{([^{}]+)\}:(requests|dead|shards|worker:.+)\Z")
+    key_re = re.compile(
+        re.escape(prefix) + r":\{([^{}]+)\}:(requests(?::.+)?|dead|shards|worker:.+)\Z"
+    )
     models: set[str] = set()
     workers: dict[str, int] = {}
     complete = True
@@ -147,7 +155,7 @@ def find_models(access: ShardAccess, conn: redis.Redis, prefix: str) -> Found:
             for match, kind in _patterns(prefix):
                 try:
                     for raw in _keys_of(access, client, match, kind):
-                        _take(key_re, raw, models, workers)
+                        _take(prefix, key_re, raw, models, workers)
                 except _CutShort:
                     complete = False
         finally:
@@ -157,8 +165,11 @@ def find_models(access: ShardAccess, conn: redis.Redis, prefix: str) -> Found:
     return Found(frozenset(models), workers, complete)
 
 
-def _take(key_re: re.Pattern[str], raw: Any, models: set[str], workers: dict[str, int]) -> None:
-    """Note the model a key names (a key of another layout is skipped)."""
+def _take(
+    prefix: str, key_re: re.Pattern[str], raw: Any, models: set[str], workers: dict[str, int]
+) -> None:
+    """Note the model a key names (a key of another layout is skipped); a lane stream
+    (``P:{T}:requests:C[:N]``) names its shard's model, never a model of its own."""
     key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     m = key_re.match(key)
     if m is None or not keys.is_valid_tag(m[1]):
@@ -171,6 +182,8 @@ def _take(key_re: re.Pattern[str], raw: Any, models: set[str], workers: dict[str
         workers[model] = workers.get(model, 0) + 1
     elif rest == "shards" and tag != model:
         return
+    elif rest.startswith("requests:") and parse_lane(prefix, tag, key) is None:
+        return  # a key that only looks like a lane stream of the shard
     models.add(model)
 
 
@@ -237,19 +250,19 @@ def _summary(
         gather_shard(access, prefix, tag, now_s, 0, retiring=tag in shards.retiring)
         for tag in shards.serve
     ]
-    ages = [
-        p.requests.oldest_entry_age_s for p in parts if p.requests.oldest_entry_age_s is not None
-    ]
+    lanes = [ln for p in parts for ln in shard_lanes(p) if ln.exists]
+    ages = [ln.oldest_entry_age_s for ln in lanes if ln.oldest_entry_age_s is not None]
     return ModelSummary(
         model=model,
         shards=len(parts),
         retiring=len(shards.retiring),
-        backlog=sum(p.requests.backlog for p in parts),
-        pending=sum(p.requests.group.pending for p in parts if p.requests.group),
+        backlog=sum(ln.backlog for ln in lanes),
+        pending=sum(ln.pending or 0 for ln in lanes),
         workers=workers,
         dead=sum(p.dead.count for p in parts),
         oldest_entry_age_s=max(ages) if ages else None,
         damage=tuple(note for p in parts for note in p.damage),
+        classes=tuple((c.cls, c.backlog) for c in classes(lanes)),
     )
 
 
@@ -269,6 +282,7 @@ def overview_to_json(overview: Overview) -> list[dict[str, Any]]:
             "workers": m.workers,
             "dead": m.dead,
             "oldest_entry_age_s": m.oldest_entry_age_s,
+            "classes": {cls: dict(m.classes).get(cls, 0) for cls in CLASSES},
             "blocked": m.blocked,
             "damage": [
                 {"kind": n.kind, "stream": n.stream, "blocking": n.blocking} for n in m.damage

@@ -22,9 +22,10 @@ __all__ = ["format_unknown", "is_unknown"]
 
 def is_unknown(status: ModelStatus) -> bool:
     """True when the model leaves no key here: no request stream on any shard, no shard list,
-    no dead letter, no live worker, and no damaged key under its name."""
+    no dead letter, no live worker, no lane, and no damaged key under its name."""
     return (
         not status.requests.exists  # summed over the shards: any of them
+        and not any(shard.lanes.lanes for shard in status.shards)
         and len(status.shards) <= 1
         and status.dead.count == 0
         and not status.workers

@@ -11,6 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from producer.ops.damage import damage_json, damage_lines
+from producer.ops.lanetotals import has_lanes
+from producer.ops.reportlanes import (
+    class_line,
+    classes_json,
+    lane_notes,
+    lane_table,
+    lanes_json,
+    tenant_table,
+    tenants_json,
+)
 from producer.ops.reportworkers import worker_section
 from producer.ops.status import DeadLetters, ModelStatus, RequestsInfo, iso_age_s
 from producer.ops.textformat import (
@@ -37,7 +47,9 @@ __all__ = ["format_status", "status_to_json"]
 
 def status_to_json(status: ModelStatus) -> dict[str, Any]:
     """The status as JSON values: the dataclasses' fields, with each worker's full record;
-    ``requests`` and ``dead`` are the totals, ``shards`` each shard's own."""
+    ``requests`` and ``dead`` are the totals (``requests``: of the default lanes), ``shards``
+    each shard's own with its ``lanes`` (the default first), ``classes`` and ``tenants`` the
+    lanes summed by class and by tenant over the shards."""
     return {
         "model": status.model,
         "prefix": status.prefix,
@@ -52,9 +64,15 @@ def status_to_json(status: ModelStatus) -> dict[str, Any]:
                 "node": s.node,
                 "requests": _requests_json(s.requests),
                 "dead": _dead_json(s.dead),
+                "lanes": lanes_json(s),
+                "lanes_ignored": s.lanes.ignored,
+                "lanes_over_bound": s.lanes.over,
+                "lanes_refused": s.lanes.refused,
             }
             for s in status.shards
         ],
+        "classes": classes_json(status),
+        "tenants": tenants_json(status),
         "workers": [
             {
                 "name": w.name,
@@ -142,12 +160,22 @@ def format_status(status: ModelStatus, *, redis_url: str | None = None) -> str:
         lines.append("")
         lines += _format_consumers(status.requests)
     else:
-        lines += _format_requests(status.requests)
+        lines += _format_requests(status.requests, other_lanes=has_lanes(status))
     lines.append("")
+    lines += _format_lanes(status)
     lines += _format_dead(status.dead, sharded=len(status.shards) > 1)
     lines.append("")
     lines += worker_section(status)
     return "\n".join(fit(map(printable, lines), WIDTH))
+
+
+def _format_lanes(status: ModelStatus) -> list[str]:
+    """Backlog by class on a line; with lanes besides the defaults, a row per lane (and per
+    tenant over several shards); what the lane sets hold that workers skip."""
+    lines = class_line(status, "Backlog by class: ")
+    lines += lane_table(status, title="Lanes (OLDEST: how long the lane's head has waited)")
+    lines += tenant_table(status)
+    return [*lines, *lane_notes(status), ""]
 
 
 def _format_shards(status: ModelStatus) -> list[str]:
@@ -205,8 +233,10 @@ def _format_memory(reading: MemoryReading | None, node: str | None = None) -> li
     return [f"Redis memory: {used}", f"  {more}", *notes]
 
 
-def _format_requests(req: RequestsInfo) -> list[str]:
+def _format_requests(req: RequestsInfo, *, other_lanes: bool = False) -> list[str]:
     lines = [f"Requests stream {req.key}"]
+    if not req.exists and other_lanes:
+        return [*lines, "  no requests stream yet (requests went to the other lanes below)"]
     if not req.exists:
         return [*lines, "  no requests stream yet (no request sent and no worker started)"]
     oldest = (

@@ -10,7 +10,9 @@ its own cluster master. Each shard is read from its own node (``ShardAccess``:
 ``ShardStatus``; ``ModelStatus.requests`` and ``.dead`` are their sums, so that what reads one
 number (a dashboard's ``.requests.backlog``) reads the whole queue. With one shard the sums are
 that shard, and the report is as it always was; with more, the text report adds a table of
-shards and a total line.
+shards and a total line. Each shard's other lanes (classes and tenants, contract section 7)
+are read by ``producer.ops.lanes`` into ``ShardStatus.lanes``; ``requests`` stays the default
+lanes' sum, and ``producer.ops.lanes.queue_total`` adds the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 import redis
 
 from producer.ops.damage import DamageNote, stream_damage, worker_damage
+from producer.ops.lanes import LaneRead, read_lanes
 from producer.protocol import keys
 from producer.redisio.connection import describe_connection
 from producer.redisio.memory import MemoryReading, parse_info_memory
@@ -110,7 +113,7 @@ class DeadLetters:
 class ShardStatus:
     """One shard of the queue: whether producers still send to it (``send``) or it is being
     drained (``retiring``), the master serving it (None on a single Redis), its request stream
-    and its dead letters."""
+    (the default lane), its dead letters, and its other lanes (``producer.ops.lanes``)."""
 
     tag: str
     state: str
@@ -118,6 +121,7 @@ class ShardStatus:
     requests: RequestsInfo
     dead: DeadLetters
     damage: tuple[DamageNote, ...] = ()  # what its streams show now (producer.ops.damage)
+    lanes: LaneRead = field(default_factory=LaneRead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,14 +263,16 @@ def gather_shard(
     *,
     retiring: bool = False,
 ) -> ShardStatus:
-    """One shard's request stream and dead letters, read from the node that serves it."""
+    """One shard's request stream, dead letters and other lanes, read from the node that
+    serves it."""
     requests = access.on(tag, _requests_info, keys.request_stream(prefix, tag), now_s)
     dead = access.on(tag, _dead_letters, keys.dead_key(prefix, tag), dead_limit, now_s, tag)
     state = "retiring" if retiring else "send"
     damage = access.on(
         tag, stream_damage, keys.request_stream(prefix, tag), keys.dead_key(prefix, tag)
     )
-    return ShardStatus(tag, state, access.node(tag), requests, dead, damage)
+    lanes = access.on(tag, read_lanes, prefix, tag, now_s)
+    return ShardStatus(tag, state, access.node(tag), requests, dead, damage + lanes.damage, lanes)
 
 
 def _fullest_memory(

@@ -26,6 +26,8 @@ from __future__ import annotations
 from datetime import datetime
 
 from producer.ops.damage import damage_lines
+from producer.ops.lanetotals import has_lanes, model_lanes, queue_total
+from producer.ops.reportlanes import WATCH_ROWS, class_line, lane_notes, lane_table
 from producer.ops.textformat import (
     INFO_REFUSED,
     memory_notes,
@@ -98,6 +100,7 @@ def render(
     lines.append("")
     lines += damage_lines(s.damage, s.observed_at)  # first: the queue below may be lying
     lines += _queue_lines(before, now)
+    lines += _lane_lines(now)
     lines += _shard_lines(before, now)
     lines += _memory_lines(before, now)
     lines += _dead_lines(before, now)
@@ -109,24 +112,21 @@ def render(
 
 
 def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
+    """The whole queue (every lane of every shard), by class, and how it flows."""
     req = now.status.requests
-    if not req.exists:
+    if not req.exists and not has_lanes(now.status):
         return [f"queue    no stream {req.key} yet (no request sent, no worker started)"]
-    group = req.group
+    backlog, pending, oldest_s = queue_total(now.status)
     # XLEN and XPENDING are read a moment apart: an entry answered and deleted in between is
     # still counted as held; the stream cannot hold fewer entries than its held ones.
-    held = min(group.pending if group else 0, req.backlog)
-    oldest = (
-        ""
-        if req.oldest_entry_age_s is None
-        else f", oldest {format_seconds(req.oldest_entry_age_s)}"
-    )
+    held = min(pending, backlog)
+    oldest = "" if oldest_s is None else f", oldest {format_seconds(oldest_s)}"
     lines = [
-        f"queue    backlog {req.backlog:,} (waiting {max(req.backlog - held, 0):,}, "
-        f"held {held:,}){oldest}"
+        f"queue    backlog {backlog:,} (waiting {max(backlog - held, 0):,}, held {held:,}){oldest}"
     ]
-    if group is None:
+    if req.group is None and req.exists:
         lines.append(f"         no consumer group {keys.CONSUMER_GROUP!r} yet")
+    lines += class_line(now.status, "classes  ", format_seconds)
     flow = flow_per_s(before, now)
     if flow is None:
         lines.append("flow     in and out per second from the next refresh on")
@@ -137,14 +137,21 @@ def _queue_lines(before: Snapshot | None, now: Snapshot) -> list[str]:
         parts.append(f"in {added_s:,.0f}/s")
     if finished_s is not None:
         parts.append(f"out {finished_s:,.0f}/s")
-    trend = (req.backlog - before.status.requests.backlog) / seconds if before else 0.0
+    trend = (backlog - queue_total(before.status)[0]) / seconds if before else 0.0
     parts.append(f"backlog {trend:+,.0f}/s")
     lines.append(f"flow     {', '.join(parts)} (last {seconds:.1f} s)")
-    if finished_s and trend < 0 and req.backlog:
-        lines.append(
-            f"         drains in about {format_seconds(req.backlog / -trend)} at this rate"
-        )
+    if finished_s and trend < 0 and backlog:
+        lines.append(f"         drains in about {format_seconds(backlog / -trend)} at this rate")
     return lines
+
+
+def _lane_lines(now: Snapshot) -> list[str]:
+    """With lanes besides the defaults: a row per lane (the first ``WATCH_ROWS``)."""
+    title = (
+        f"lanes    {count(len(model_lanes(now.status)), 'lane')} (oldest: how long its head waited)"
+    )
+    table = lane_table(now.status, title=title, held="HELD", limit=WATCH_ROWS)
+    return table + lane_notes(now.status, indent="         ")
 
 
 def _shard_lines(before: Snapshot | None, now: Snapshot) -> list[str]:

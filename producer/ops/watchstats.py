@@ -88,6 +88,8 @@ class Snapshot:
     entries_read: int | None
     scrapes: tuple[Scrape, ...] = ()
     counters: Mapping[str, Counters] = field(default_factory=dict)
+    # Each shard's other lanes' counters, by tag, then by lane stream key.
+    lane_counters: Mapping[str, Mapping[str, Counters]] = field(default_factory=dict)
 
 
 def take_snapshot(
@@ -105,6 +107,7 @@ def take_snapshot(
     ``topology`` to reuse one slot map over many snapshots (the caller refreshes it)."""
     access = status.ShardAccess(conn, retry_s, topology)
     counters: dict[str, Counters] = {}
+    lane_counters: dict[str, dict[str, Counters]] = {}
     try:
         if topology is None:
             access.refresh()
@@ -117,13 +120,18 @@ def take_snapshot(
                 added, read = access.on(shard.tag, _counters, shard.requests.key)
             group = shard.requests.group
             counters[shard.tag] = Counters(added, read, None if group is None else group.pending)
+            lane_counters[shard.tag] = {
+                ln.key: Counters(*access.on(shard.tag, _counters, ln.key), ln.pending)
+                for ln in shard.lanes.lanes
+                if ln.exists
+            }
     finally:
         access.close()
     existing = [counters[s.tag] for s in report.shards if s.requests.exists]
     total_added = _sum_or_none([c.added for c in existing]) if existing else None
     total_read = _sum_or_none([c.read for c in existing]) if existing else None
     scrapes = tuple(_scrape(url) for url in metrics_urls)
-    return Snapshot(clock(), report, total_added, total_read, scrapes, counters)
+    return Snapshot(clock(), report, total_added, total_read, scrapes, counters, lane_counters)
 
 
 def _sum_or_none(values: Sequence[int | None]) -> int | None:
@@ -295,17 +303,35 @@ def flow_per_s(
 def shard_flow_per_s(
     before: Snapshot | None, now: Snapshot, tag: str
 ) -> tuple[float | None, float | None, float] | None:
-    """One shard's requests added and answered per second; None when either snapshot lacks
-    its counters (a shard that came or went between them)."""
+    """One shard's requests added and answered per second over its lanes (a lane counts when
+    both snapshots have its counters: one that came or went between them is left out); None
+    when either snapshot lacks the shard's counters (a shard that came or went)."""
     if before is None or now.taken_s <= before.taken_s:
         return None
     then, current = before.counters.get(tag), now.counters.get(tag)
     if then is None or current is None:
         return None
     seconds = now.taken_s - before.taken_s
+    pairs = [(then, current)]
+    then_lanes = before.lane_counters.get(tag, {})
+    for key, lane_now in now.lane_counters.get(tag, {}).items():
+        if key in then_lanes:
+            pairs.append((then_lanes[key], lane_now))
+    deltas = [_delta(a, b) for a, b in pairs]
+    added = [d[0] for d in deltas if d[0] is not None]
+    finished = [d[1] for d in deltas if d[1] is not None]
+    return (
+        sum(added) / seconds if added else None,
+        sum(finished) / seconds if finished else None,
+        seconds,
+    )
+
+
+def _delta(then: Counters, current: Counters) -> tuple[int | None, int | None]:
+    """One stream's entries added and answered between two readings (None: unknown)."""
     added = None
     if current.added is not None and then.added is not None:
-        added = max(current.added - then.added, 0) / seconds
+        added = max(current.added - then.added, 0)
     finished = None
     if (
         current.read is not None
@@ -313,9 +339,8 @@ def shard_flow_per_s(
         and current.pending is not None
         and then.pending is not None
     ):
-        answered = (current.read - then.read) - (current.pending - then.pending)
-        finished = max(answered, 0) / seconds
-    return added, finished, seconds
+        finished = max((current.read - then.read) - (current.pending - then.pending), 0)
+    return added, finished
 
 
 def memory_per_s(before: Snapshot | None, now: Snapshot) -> float | None:
