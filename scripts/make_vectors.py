@@ -289,6 +289,8 @@ def encode(meaning: dict[str, Any]) -> bytes:
         return bytes.fromhex(meaning["hex"])
     if meaning["kind"] == "keys":
         return keys_of(meaning)["reply_key"].encode()
+    if meaning["kind"] == "lane":
+        return lane_of(meaning)["lane_stream"].encode()
     if meaning["kind"] == "request":
         return codec.encode_request(
             {name: array_of(t) for name, t in meaning["inputs"].items()},
@@ -350,6 +352,71 @@ def keys_of(meaning: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# (v3) Lanes: one stream per class and tenant on each shard. The hex block is the lane stream's
+# name in UTF-8; the meaning gives the lane set it is listed in (none for version 2's stream), the
+# tenant's request id and reply key, the commands of one submit, and the slot.
+LANES_HEADING = "### Version 3: the lane of a request"
+LANES_INTRO = (
+    "A request of class `C` and tenant `N` goes to its lane stream on the shard, listed in the "
+    "shard's lane set in the same `MULTI` (`SADD` then `XADD`); the default lane (class "
+    "`normal`, no tenant) is version 2's stream and is never listed. A tenant's request id is "
+    "`N.` then its own. The bytes are the lane stream's name, in UTF-8; every key of the "
+    "request keeps the shard's slot."
+)
+LANES_VECTORS: list[tuple[str, str, dict[str, Any]]] = [
+    (
+        "lane-default",
+        "Class `normal` without a tenant: version 2's stream, no lane set.",
+        {"kind": "lane", "prefix": "redbatch", "model": "demo", "tag": "demo", "class": "normal",
+         "tenant": None, "rid": "9f1c2e"},
+    ),
+    (
+        "lane-high",
+        "Class `high` without a tenant.",
+        {"kind": "lane", "prefix": "redbatch", "model": "demo", "tag": "demo", "class": "high",
+         "tenant": None, "rid": "9f1c2e"},
+    ),
+    (
+        "lane-tenant-low",
+        "Tenant `acme` in class `low`, on shard `demo~b`.",
+        {"kind": "lane", "prefix": "redbatch", "model": "demo", "tag": "demo~b", "class": "low",
+         "tenant": "acme", "rid": "9f1c2e"},
+    ),
+]  # fmt: skip
+
+
+def lane_of(meaning: dict[str, Any]) -> dict[str, Any]:
+    """A lane vector's meaning, completed with its keys, the request's commands and the slot."""
+    from redis.crc import key_slot
+
+    from producer.protocol import keys, lanes
+
+    prefix, tag, cls, tenant = (
+        meaning["prefix"],
+        meaning["tag"],
+        meaning["class"],
+        meaning["tenant"],
+    )
+    stream = lanes.lane_stream(prefix, tag, cls, tenant)
+    rid = lanes.tenant_rid(tenant, meaning["rid"])
+    default = cls == lanes.DEFAULT_CLASS and tenant is None
+    lane_set = None if default else lanes.lanes_key(prefix, tag)
+    commands = [] if default else [["MULTI"], ["SADD", lane_set, stream]]
+    commands.append(["XADD", stream, "*", "rid", rid, "body", "B"])
+    if not default:
+        commands.append(["EXEC"])
+    return {
+        **meaning,
+        "lane_stream": stream,
+        "lanes_key": lane_set,
+        "weights_key": lanes.weights_key(prefix, meaning["model"]),
+        "request_id": rid,
+        "reply_key": keys.reply_key(prefix, tag, rid),
+        "commands": commands,
+        "slot": key_slot(tag.encode()),
+    }
+
+
 def reply_of(meaning: dict[str, Any]) -> codec.Reply:
     """The Reply a reply vector's meaning describes."""
     if "meta_hex" in meaning:
@@ -394,6 +461,8 @@ def section() -> str:
     out += vectors(TEXT_VECTORS)
     out += [KEYS_HEADING, "", KEYS_INTRO, ""]
     out += vectors([(n, s, keys_of(m)) for n, s, m in KEYS_VECTORS])
+    out += [LANES_HEADING, "", LANES_INTRO, ""]
+    out += vectors([(n, s, lane_of(m)) for n, s, m in LANES_VECTORS])
     out.append(END)
     return "\n".join(out)
 

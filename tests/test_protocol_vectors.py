@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from producer.protocol import codec, keys
+from producer.protocol import codec, keys, lanes
 from producer.protocol.errors import WireFormatError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,6 +62,7 @@ REQUESTS = sorted(
 REPLIES = sorted(n for n, (_, m) in VECTORS.items() if m["kind"] == "reply")
 REJECTED = sorted(n for n, (_, m) in VECTORS.items() if "rejected" in m)
 KEYS = sorted(n for n, (_, m) in VECTORS.items() if m["kind"] == "keys")
+LANES = sorted(n for n, (_, m) in VECTORS.items() if m["kind"] == "lane")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,3 +396,30 @@ def test_key_vector_matches_the_contract_patterns(name: str) -> None:
     if "shards" in m:
         assert m["shards"][0] == m["model"]
         assert t in m["shards"]
+
+
+def test_the_lane_vectors_exist() -> None:
+    assert {"lane-default", "lane-high", "lane-tenant-low"} <= set(LANES)
+
+
+@pytest.mark.parametrize("name", LANES)
+def test_lane_vector_matches_the_contract_patterns(name: str) -> None:
+    """Contract section 1 (v3): lane streams, the lane set, a tenant's ids, one MULTI."""
+    raw, m = VECTORS[name]
+    p, t, c, n = m["prefix"], m["tag"], m["class"], m["tenant"]
+    base = f"{p}:{{{t}}}:requests"
+    want = base if (c, n) == ("normal", None) else f"{base}:{c}" if n is None else f"{base}:{c}:{n}"
+    assert raw == want.encode() == m["lane_stream"].encode()
+    rid = m["rid"] if n is None else f"{n}.{m['rid']}"
+    assert m["request_id"] == rid
+    assert m["reply_key"] == f"{p}:{{{t}}}:reply:{rid}"
+    assert m["weights_key"] == f"{p}:{{{m['model']}}}:weights"
+    xadd = ["XADD", want, "*", "rid", rid, "body", "B"]
+    if (c, n) == ("normal", None):
+        assert m["lanes_key"] is None
+        assert m["commands"] == [xadd]
+    else:
+        assert m["lanes_key"] == f"{p}:{{{t}}}:lanes"
+        assert m["commands"] == [["MULTI"], ["SADD", m["lanes_key"], want], xadd, ["EXEC"]]
+    assert m["slot"] == _crc16_xmodem(t.encode()) % 16384
+    assert lanes.parse_lane(p, t, want) == lanes.Lane(t, c, n)

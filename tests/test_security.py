@@ -93,8 +93,10 @@ def as_worker(server: LocalRedis, admin: redis.Redis) -> Iterator[redis.Redis]:
     client.close()
 
 
-def test_doc_defines_the_three_roles_and_turns_default_off() -> None:
-    assert set(PASSWORDS) == {"redbatch-producer", "redbatch-worker", "redbatch-operator"}
+def test_doc_defines_the_roles_and_turns_default_off() -> None:
+    assert set(PASSWORDS) == {
+        "redbatch-producer", "redbatch-worker", "redbatch-operator", "redbatch-tenant-example"
+    }  # fmt: skip
     assert "user default off" in ACL.splitlines()
 
 
