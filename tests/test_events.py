@@ -32,7 +32,7 @@ class Recorder(Events):
     def __init__(self, name: str, heard: list[tuple[str, str, Any]]) -> None:
         self.name, self.heard = name, heard
 
-    def batch_done(self, codes, queued_s, decode_s, runs, write_s) -> None:  # type: ignore[no-untyped-def]
+    def batch_done(self, codes, queued_s, decode_s, runs, write_s, classes=()) -> None:  # type: ignore[no-untyped-def]
         self.heard.append((self.name, "batch_done", (list(codes), list(decode_s), list(runs))))
 
     def redis_down(self, during: str) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import redis
 from eventually import eventually
 from harness import PREFIX, running_worker, write_config
+from prometheus_client import generate_latest
 
 from producer.protocol import keys
 from producer.protocol.codec import decode_reply, encode_request
@@ -57,6 +58,10 @@ def _reply(r: redis.Redis, rid: str, worker: Worker | None = None):  # type: ign
     return decode_reply(r.lindex(key, 0))
 
 
+def _metrics(worker: Worker) -> str:
+    return generate_latest(worker.metrics.registry).decode()
+
+
 def _drained(r: redis.Redis, stream: str) -> bool:
     groups = r.xinfo_groups(stream) if r.exists(stream) else []
     return r.xlen(stream) == 0 and all(g["pending"] == 0 for g in groups)
@@ -77,6 +82,17 @@ def test_every_lane_is_answered_once_with_its_class_and_tenant(tmp_path: Path, r
         streams = [lane_stream(PREFIX, MODEL, c, t) for c, t in sent]
         eventually(lambda: all(_drained(rconn, s) for s in streams), what="every lane drained")
         assert len(worker.lanes) == 5
+        # and the metrics count each request's queue wait under its class, and export each
+        # lane's backlog with its class and tenant
+        worker.registry.beat_soon()
+        eventually(
+            lambda: 'tenant="beta"' in _metrics(worker), what="the lanes' gauges after a beat"
+        )
+        text = _metrics(worker)
+    for cls, count in (("high", 5), ("normal", 10), ("low", 10)):
+        assert f'redbatch_queue_wait_seconds_count{{class="{cls}"}} {count}.0' in text
+    assert 'redbatch_backlog{class="low",shard="demo",tenant="beta"} ' in text
+    assert 'redbatch_backlog{class="high",shard="demo",tenant=""} ' in text
     # Then each is answered once, ok, and says its lane's class and tenant
     for (cls, tenant), got in replies.items():
         assert all(r.ok for r in got)

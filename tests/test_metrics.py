@@ -73,12 +73,13 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_batch_requests_sum") == 10  # 9 answered, 1 dead letter
     runs = _value(text, "redbatch_batch_rows_count")
     assert _value(text, "redbatch_inference_seconds_count") == runs
-    assert _value(text, "redbatch_queue_wait_seconds_count") == 10
+    assert _value(text, 'redbatch_queue_wait_seconds_count{class="normal"}') == 10  # v2 requests
+    assert _value(text, 'redbatch_queue_wait_seconds_count{class="high"}') == 0
     assert _value(text, "redbatch_decode_validate_seconds_count") == 10
     assert _value(text, "redbatch_reply_write_seconds_count") >= 1
     assert _value(text, "redbatch_warmup_seconds") > 0
-    assert _value(text, 'redbatch_backlog{shard="demo"}') == 1
-    assert _value(text, 'redbatch_pending{shard="demo"}') == 0
+    assert _value(text, 'redbatch_backlog{class="normal",shard="demo",tenant=""}') == 1
+    assert _value(text, 'redbatch_pending{class="normal",shard="demo",tenant=""}') == 0
     assert _value(text, 'redbatch_dead_letters{shard="demo"}') == 1
     assert _value(text, 'redbatch_requests_total{code="DEAD_LETTER"}') == 1
     assert 'redbatch_model_info{name="demo"' in text
@@ -90,7 +91,7 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_redis_used_memory_bytes") > 0
     assert _value(text, "redbatch_redis_maxmemory_bytes") == 0
     assert math.isnan(_value(text, "redbatch_redis_memory_headroom_ratio"))  # no limit set
-    assert 0 <= _value(text, 'redbatch_backlog_oldest_age_seconds{shard="demo"}') < 60
+    assert 0 <= _value(text, 'redbatch_backlog_oldest_age_seconds{class="normal",shard="demo",tenant=""}') < 60
 
 
 def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
@@ -111,7 +112,7 @@ def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
     # When Redis is at 60%, then past maxmemory twice, then back under
     text = sample(600, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(0.4)
-    assert _value(text, 'redbatch_backlog_oldest_age_seconds{shard="demo"}') == 2.5
+    assert _value(text, 'redbatch_backlog_oldest_age_seconds{class="normal",shard="demo",tenant=""}') == 2.5
     text = sample(1200, 1000)
     sample(1300, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(-0.2)

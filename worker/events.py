@@ -37,9 +37,11 @@ class Events:
         decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
+        classes: Sequence[str] = (),
     ) -> None:
         """A batch is in Redis: the codes of the answers written there, each request's wait and
-        decode time, each run's rows and seconds, and the write's seconds."""
+        decode time, each run's rows and seconds, the write's seconds, and each request's
+        class (beside ``queued_s``; none given: every one ``normal``)."""
 
     def redis_down(self, during: str) -> None:
         """Redis became unreachable (or full) while ``during`` (an ``OutageRetry``'s name)."""
@@ -100,12 +102,13 @@ class Fanout(Events):
         decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
+        classes: Sequence[str] = (),
     ) -> None:
         to = self._to["batch_done"]
         if len(to) > 1:  # materialised once: each sink iterates them
             codes, decode_s, runs = list(codes), list(decode_s), list(runs)
         for handle in to:
-            handle(codes, queued_s, decode_s, runs, write_s)
+            handle(codes, queued_s, decode_s, runs, write_s, classes)
 
     def redis_down(self, during: str) -> None:
         for handle in self._to["redis_down"]:

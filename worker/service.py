@@ -126,6 +126,7 @@ class Worker:
         )
         self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
         self.shards = ShardMap(cfg.model.name)
+        self._lane_series: set[tuple[str, str, str]] = set()  # (shard, class, tenant) exported
         self.lanes = Lanes(
             self.topology,
             cfg.model.name,
@@ -238,13 +239,20 @@ class Worker:
             self.queue.set_weights(weights)
 
     def _sample_stream(self) -> None:
-        """Each shard's streams' state (its lanes added up) and Redis memory, for metrics and
-        the log; lanes empty for long are removed there (``Lanes.sample``)."""
+        """Each lane's stream state and Redis memory, for metrics and the log; lanes empty for
+        long are removed there (``Lanes.sample``), and their series dropped."""
         fullest: MemoryReading | None = None
-        by_shard, damage, failed = self.lanes.sample()  # one master away: the others sampled
-        for tag, stats in by_shard.items():
-            self.metrics.stream_seen(stats, time.time() * 1000.0, shard=tag)
+        per_lane, damage, failed = self.lanes.sample()  # one master away: the others sampled
+        seen = set()
+        for lane, stats in per_lane:
+            labels = (lane.tag, lane.cls, lane.tenant or "")
+            self.metrics.stream_seen(stats, time.time() * 1000.0, *labels)
+            seen.add(labels)
             fullest = _fuller(fullest, stats.memory)
+        if failed is None:  # a lane not sampled for an outage keeps its last values
+            for gone in self._lane_series - seen:
+                self.metrics.lane_gone(*gone)
+            self._lane_series = seen
         self.metrics.memory_seen(fullest)
         self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch

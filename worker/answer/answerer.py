@@ -105,6 +105,7 @@ class Answerer:
             queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
             decode_s=[item.decode_ms / 1000.0 for item in batch],
             runs=runs,
+            classes=[_class_of(item) for item in batch],
         )
 
     def _answer(
@@ -476,3 +477,9 @@ def _by_signature(items: Sequence[Admitted]) -> list[list[Admitted]]:
     for item in items:
         groups.setdefault(item.request.signature, []).append(item)
     return list(groups.values())
+
+
+def _class_of(item: Item) -> str:
+    """The priority class of the lane ``item`` was read from (its default lane: normal)."""
+    lane = item.entry.lane
+    return "normal" if lane is None else lane.cls

@@ -55,6 +55,7 @@ class Batch:
 
     finishes: Sequence[Finish]
     queued_s: list[float] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)  # each request's class, beside queued_s
     decode_s: list[float] = field(default_factory=list)
     runs: list[tuple[int, float]] = field(default_factory=list)
     # once written: per finish, whether it was finished here (its reply written, its entry
@@ -202,6 +203,7 @@ class ReplyWriter(threading.Thread):
             decode_s=batch.decode_s,
             runs=batch.runs,
             write_s=write_s,
+            classes=batch.classes,
         )
         self.served["requests"] += len(codes)
         self.served["batches"] += 1 if codes else 0

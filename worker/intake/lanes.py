@@ -39,7 +39,7 @@ from worker.intake.reclaim import Reclaimer
 from worker.intake.settings import IntakeSettings
 from worker.intake.shardmap import ShardMap
 from worker.redisio.claims import Claims
-from worker.redisio.group import StreamStats, merged
+from worker.redisio.group import StreamStats
 from worker.redisio.lanegc import LaneSweeper, remove_lane
 from worker.redisio.stream import RequestStream
 
@@ -250,11 +250,11 @@ class Lanes:
 
     def sample(
         self,
-    ) -> tuple[dict[str, StreamStats], list[dict[str, Any]], redis.RedisError | None]:
-        """Each lane's stream sampled (one round trip a lane): the stats per shard (its lanes
-        added up), the streams' damage notes, and the first failure (that shard's master away:
-        the others are sampled). A lane empty for ``lane_idle_s`` is removed here."""
-        by_tag: dict[str, list[StreamStats]] = {}
+    ) -> tuple[list[tuple[LaneName, StreamStats]], list[dict[str, Any]], redis.RedisError | None]:
+        """Each lane's stream sampled (one round trip a lane): the stats per lane, the streams'
+        damage notes, and the first failure (that shard's master away: the others are
+        sampled). A lane empty for ``lane_idle_s`` is removed here (and sampled no more)."""
+        per_lane: list[tuple[LaneName, StreamStats]] = []
         damage: list[dict[str, Any]] = []
         failed: redis.RedisError | None = None
         for lane in self:
@@ -267,9 +267,9 @@ class Lanes:
                 failed = failed or exc
                 self.topology.follow(exc)
                 continue
-            by_tag.setdefault(lane.tag, []).append(stats)
+            per_lane.append((lane.name or LaneName(lane.tag), stats))
             damage += lane.stream.group.damage
-        return {tag: merged(stats) for tag, stats in by_tag.items()}, damage, failed
+        return per_lane, damage, failed
 
     def _remove(self, lane: Lane) -> None:
         """Remove an idle lane from Redis (when it is still empty) and retire it here."""

@@ -96,12 +96,53 @@ class Histogram(Collector):
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self._name, self._documentation)]
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
+    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
+        """The cumulative count per bucket (by ``le``) and the sum, as exposed."""
         with self._lock:
             cumulative = list(itertools.accumulate(self._counts))
             total = self._sum
+        return list(zip(self._le, cumulative, strict=True)), total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation)
-        family.add_metric([], list(zip(self._le, cumulative, strict=True)), total)
+        family.add_metric([], *self.snapshot())
+        yield family
+
+
+class ByClassHistogram(Collector):
+    """``Histogram`` with one series per priority class (label ``class``): the queue wait of
+    each class is what lanes are for (docs/protocol.md, "Lanes"). A batch's values come with
+    their classes; a batch of one class (the usual case) costs one ``observe_many``."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._parts = {
+            cls: Histogram(name, documentation, buckets, CollectorRegistry())
+            for cls in ("high", "normal", "low")
+        }
+        registry.register(self)
+
+    def observe_many(self, values: Sequence[float], classes: Sequence[str] = ()) -> None:
+        """``values`` of the classes ``classes`` (one each; none given: all ``normal``)."""
+        if not classes or all(c == classes[0] for c in classes):
+            self._parts[classes[0] if classes else "normal"].observe_many(values)
+            return
+        for cls, part in self._parts.items():
+            part.observe_many(v for v, c in zip(values, classes, strict=True) if c == cls)
+
+    @property
+    def count(self) -> int:
+        return sum(part.count for part in self._parts.values())
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=["class"])]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["class"])
+        for cls, part in self._parts.items():
+            family.add_metric([cls], *part.snapshot())
         yield family
 
 
@@ -160,9 +201,9 @@ class Metrics(Events):
         self.batch_requests = Histogram(
             "redbatch_batch_requests", "Requests per batch.", buckets=_ROW_BUCKETS, registry=r
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = ByClassHistogram(
             "redbatch_queue_wait_seconds",
-            "From enqueue (stream id time) to batch start.",
+            "From enqueue (stream id time) to batch start, by the request's class.",
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
@@ -186,19 +227,19 @@ class Metrics(Events):
         self.backlog = Gauge(
             "redbatch_backlog",
             "Entries in the shard's request stream (XLEN): unfinished work.",
-            ["shard"],
+            ["shard", "class", "tenant"],
             registry=r,
         )
         self.pending = Gauge(
             "redbatch_pending",
             "Entries of the shard read by a worker and not yet answered.",
-            ["shard"],
+            ["shard", "class", "tenant"],
             registry=r,
         )
         self.lag = Gauge(
             "redbatch_group_lag",
             "Entries of the shard not yet read by the group (-1 when Redis cannot tell).",
-            ["shard"],
+            ["shard", "class", "tenant"],
             registry=r,
         )
         self.dead_letters = Gauge(
@@ -210,7 +251,7 @@ class Metrics(Events):
         self.backlog_age = Gauge(
             "redbatch_backlog_oldest_age_seconds",
             "Age of the oldest entry in the shard's request stream (0 when it is empty).",
-            ["shard"],
+            ["shard", "class", "tenant"],
             registry=r,
         )
         self.used_memory = Gauge(
@@ -339,21 +380,35 @@ class Metrics(Events):
         self.hook_cpu.labels(stage=stage).inc(cpu_s)
         self.stages.add(stage, requests, wall_s, cpu_s)
 
-    def stream_seen(self, stats: StreamStats, now_ms: float, shard: str) -> None:
-        """Record one shard's stream state, sampled by the heartbeat."""
-        self.backlog.labels(shard=shard).set(stats.backlog)
-        self.pending.labels(shard=shard).set(stats.pending)
-        self.lag.labels(shard=shard).set(-1 if stats.lag is None else stats.lag)
-        self.dead_letters.labels(shard=shard).set(stats.dead)
+    def stream_seen(
+        self, stats: StreamStats, now_ms: float, shard: str, cls: str = "normal", tenant: str = ""
+    ) -> None:
+        """Record one lane's stream state (shard ``shard``, class ``cls``, ``tenant`` or ""),
+        sampled by the heartbeat; the dead letters are the shard's (its default lane's)."""
+        labels = {"shard": shard, "class": cls, "tenant": tenant}
+        self.backlog.labels(**labels).set(stats.backlog)
+        self.pending.labels(**labels).set(stats.pending)
+        self.lag.labels(**labels).set(-1 if stats.lag is None else stats.lag)
+        if cls == "normal" and not tenant:
+            self.dead_letters.labels(shard=shard).set(stats.dead)
         oldest = stats.oldest_ms
         age = 0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0
-        self.backlog_age.labels(shard=shard).set(age)
+        self.backlog_age.labels(**labels).set(age)
+
+    def lane_gone(self, shard: str, cls: str = "normal", tenant: str = "") -> None:
+        """Drop a removed lane's series, so that its last values do not linger."""
+        for gauge in (self.backlog, self.pending, self.lag, self.backlog_age):
+            with contextlib.suppress(KeyError):
+                gauge.remove(shard, cls, tenant)
 
     def shard_gone(self, shard: str) -> None:
-        """Drop a retired shard's series, so that its last values do not linger."""
-        for gauge in (self.backlog, self.pending, self.lag, self.dead_letters, self.backlog_age):
-            with contextlib.suppress(KeyError):
-                gauge.remove(shard)
+        """Drop a retired shard's series (every lane of it), so that none lingers."""
+        for gauge in (self.backlog, self.pending, self.lag, self.backlog_age):
+            for labels in [k for k in list(gauge._metrics) if k[0] == shard]:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+        with contextlib.suppress(KeyError):
+            self.dead_letters.remove(shard)
 
     def memory_seen(self, memory: MemoryReading | None) -> None:
         """Record Redis memory: on a cluster, the fullest node of the model's shards."""
@@ -393,13 +448,14 @@ class Metrics(Events):
         decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
+        classes: Sequence[str] = (),
     ) -> None:
         """Record one batch: the codes of the answers written, per-request waits (one each, so
         also the batch's size), each run's rows and seconds."""
         for code, count in Tally(codes).items():
             self.requests.labels(code=code).inc(count)
         self.batch_requests.observe(len(queued_s))
-        self.queue_wait.observe_many(queued_s)
+        self.queue_wait.observe_many(queued_s, classes)
         self.decode.observe_many(decode_s)
         for rows, seconds in runs:
             self.batch_rows.observe(rows)

@@ -61,6 +61,7 @@ class Progress(Events):
         decode_s: Iterable[float],
         runs: Iterable[tuple[int, float]],
         write_s: float,
+        classes: Sequence[str] = (),
     ) -> None:
         self.moved()
 
