@@ -142,21 +142,31 @@ def test_junk_in_the_lane_set_is_ignored_and_the_lanes_are_bounded(
     assert "reads at most 2 per shard" in caplog.text
 
 
-def test_names_of_streams_that_do_not_exist_cannot_push_real_lanes_out(
+def test_a_hundred_thousand_junk_members_change_nothing_a_worker_serves(
     tmp_path: Path, rconn
 ) -> None:
-    # Given a tenant that flooded the lane set with valid names of lanes of other "tenants"
-    # whose streams do not exist (its ACL role may SADD any name, but create only its own
-    # streams), sorting before a real lane, far more than max_lanes = 4 allows
-    fakes = [lane_stream(PREFIX, MODEL, "high", f"a{i:04d}") for i in range(300)]
-    rconn.sadd(LANES, *fakes)
-    real = _send(rconn, "low", "real", "r1")
+    # Given a worker serving a lane, when a tenant floods the lane set with 100,000 members
+    # (its ACL role may SADD any name, but create only its own streams): half of them names of
+    # lanes of other "tenants" whose streams do not exist, sorting before every real lane and
+    # far more than max_lanes = 4 allows, half no lane name at all
     config = _config(tmp_path, rconn, "[scheduling]\nmax_lanes = 4")
     with running_worker(config) as worker:
-        # Then the real lane is served, and no stream is made for a fake name
-        assert _reply(rconn, real, worker).ok
-        assert lane_stream(PREFIX, MODEL, "low", "real") in {lane.key for lane in worker.lanes}
-        assert not any(rconn.exists(f) for f in fakes[:20])
+        before = _send(rconn, "low", "real", "r0")
+        assert _reply(rconn, before, worker).ok
+        fakes = [lane_stream(PREFIX, MODEL, "high", f"a{i:05d}") for i in range(50_000)]
+        junk = [f"junk:{i}" for i in range(50_000)]
+        for start in range(0, 50_000, 10_000):
+            rconn.sadd(LANES, *fakes[start : start + 10_000], *junk[start : start + 10_000])
+        # Then the lane served goes on being served, and a lane first used after the flood is
+        # learnt as any other, within heartbeats
+        assert _reply(rconn, _send(rconn, "low", "real", "r1"), worker).ok
+        late = _send(rconn, "normal", "late", "l1")
+        assert _reply(rconn, late, worker).ok
+        served = {lane.key for lane in worker.lanes}
+        assert lane_stream(PREFIX, MODEL, "low", "real") in served
+        assert lane_stream(PREFIX, MODEL, "normal", "late") in served
+        assert len(served) == 3
+        assert not any(rconn.exists(f) for f in fakes[:100])  # no stream made for a fake name
 
 
 def test_a_crashed_workers_entries_on_a_lane_are_claimed_and_poison_dead_lettered(

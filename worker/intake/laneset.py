@@ -12,11 +12,15 @@ per shard and heartbeat, nothing more.
 
 A member is read only once its stream exists: a tenant's ACL role lets it create streams of its
 own lanes alone, but it may write any name into the set, so only existing streams count toward
-the bound, and names of streams that do not exist cannot push real lanes out. Each beat checks
-at most ``CHECKS_PER_BEAT`` names not yet served (``TYPE``, one pipeline), skipping for a minute
-a name found without a stream; a set flooded with such names (``redbatch status`` counts them)
-delays the discovery of a new lane by one beat per ``CHECKS_PER_BEAT`` of them, and never stops
-the lanes already served.
+the bound, and names of streams that do not exist cannot push real lanes out. Each beat looks
+for the stream (``TYPE``, pipelined a thousand at a time) of every name it has not looked for
+before, and looks again for ``RECHECK_PER_BEAT`` of the names it found without one, the least
+recently looked for first (a lane whose name was listed before its first request). So junk costs
+a worker what it cost the producer who wrote it, once; a flood of 100,000 names costs the first
+beat after it about a hundred round trips, and never stops or delays the lanes already served or
+a new lane's discovery, except a lane whose name was written before its stream existed: that
+one is found within (names without a stream) / ``RECHECK_PER_BEAT`` beats. Members are parsed
+once per shard and remembered while they stay in the set.
 
 Tenant weights (``P:{M}:weights``) are read on the same beat: integers from 1 to 1,000,000 by
 tenant name; anything else is ignored and logged once per (tenant, value).
@@ -24,9 +28,10 @@ tenant name; anything else is ignored and logged once per (tenant, value).
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
-from collections.abc import Callable, Collection, Iterable
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import redis
@@ -46,10 +51,10 @@ log = logging.getLogger(__name__)
 
 _EXAMPLES = 3  # junk members named in a log line
 _SEEN_MOST = 1024  # junk weights remembered for logging once
-#: Names of lanes not served yet whose stream is looked for per shard and beat.
-CHECKS_PER_BEAT = 256
-#: How long a name found without a stream is not looked for again.
-_ABSENT_S = 60.0
+#: Names found without a stream that are looked for again per beat (the longest unseen first).
+RECHECK_PER_BEAT = 1024
+_PIPELINE = 1000  # TYPE commands per round trip
+_ABSENT_MOST = 1_000_000  # names without a stream remembered (about 100 MB at the most)
 
 
 def lane_order(lane: Lane) -> tuple[int, str, str]:
@@ -60,13 +65,12 @@ def lane_order(lane: Lane) -> tuple[int, str, str]:
 class LaneSets:
     """The lanes to read per shard, from the shards' lane sets."""
 
-    def __init__(
-        self, prefix: str, max_lanes: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, prefix: str, max_lanes: int) -> None:
         self.prefix = prefix
         self.max_lanes = max_lanes
-        self.clock = clock
-        self._absent: dict[str, float] = {}  # lane stream key: when it was found missing
+        # lane stream keys found without a stream, the longest unseen first
+        self._absent: OrderedDict[str, None] = OrderedDict()
+        self._parsed: dict[str, dict[bytes | str, Lane | None]] = {}  # per shard, by member
         self._junk: dict[str, int] = {}  # per shard: junk members at the last log line
         self._over: set[str] = set()  # shards whose set is over the bound, said once
         self._refused: set[str] = set()  # shards whose set the ACL refused, said once
@@ -100,44 +104,51 @@ class LaneSets:
         self, client: redis.Redis, lanes: list[Lane], served: Collection[str]
     ) -> list[Lane]:
         """``lanes`` (sorted) whose streams exist: those served, and those a ``TYPE`` finds a
-        stream, at most ``CHECKS_PER_BEAT`` looked for, none found missing within a minute."""
-        now = self.clock()
+        stream among the names never looked for and the ``RECHECK_PER_BEAT`` least recently
+        looked for of those found without one."""
         keys = [lane.stream(self.prefix) for lane in lanes]
-        ask = [
-            k
-            for k in keys
-            if k not in served and now - self._absent.get(k, -_ABSENT_S) >= _ABSENT_S
-        ][:CHECKS_PER_BEAT]
-        found: set[str] = set()
-        if ask:
-            pipe = client.pipeline(transaction=False)
-            for key in ask:
-                pipe.type(key)
-            for key, kind in zip(ask, pipe.execute(), strict=True):
-                if _text(kind) == "stream":
-                    found.add(key)
-                    self._absent.pop(key, None)
-                else:  # none yet, or another type (junk): looked for again in a minute
-                    self._absent[key] = now
-            if len(self._absent) > 16 * CHECKS_PER_BEAT:  # forget the oldest half
-                for key in sorted(self._absent, key=self._absent.__getitem__)[
-                    : len(self._absent) // 2
-                ]:
-                    del self._absent[key]
+        unserved = [k for k in keys if k not in served]
+        new = [k for k in unserved if k not in self._absent]
+        listed = set(unserved)
+        again = list(itertools.islice((k for k in self._absent if k in listed), RECHECK_PER_BEAT))
+        found = self._streams(client, [*new, *again])
         return [
             lane for lane, key in zip(lanes, keys, strict=True) if key in served or key in found
         ]
+
+    def _streams(self, client: redis.Redis, names: list[str]) -> set[str]:
+        """Which of ``names`` hold a stream; the others are remembered as absent (last)."""
+        found: set[str] = set()
+        for start in range(0, len(names), _PIPELINE):
+            chunk = names[start : start + _PIPELINE]
+            pipe = client.pipeline(transaction=False)
+            for key in chunk:
+                pipe.type(key)
+            for key, kind in zip(chunk, pipe.execute(), strict=True):
+                if _text(kind) == "stream":
+                    found.add(key)
+                    self._absent.pop(key, None)
+                else:  # none yet, or another type (junk): looked for again in its turn
+                    self._absent[key] = None
+                    self._absent.move_to_end(key)
+        while len(self._absent) > _ABSENT_MOST:
+            self._absent.popitem(last=False)
+        return found
 
     def select(self, tag: str, members: Iterable[bytes | str], bound: bool = True) -> list[Lane]:
         """The lanes among ``members`` to read for shard ``tag``, sorted (and bounded)."""
         lanes: set[Lane] = set()
         junk: list[bytes | str] = []
+        before = self._parsed.get(tag, {})
+        parsed: dict[bytes | str, Lane | None] = {}
         for member in members:
-            lane = parse_lane(self.prefix, tag, member)
+            lane = before[member] if member in before else parse_lane(self.prefix, tag, member)
+            parsed[member] = lane
             if lane is None:
                 junk.append(member)
             elif not lane.is_default:  # the default lane is always read, listed or not
                 lanes.add(lane)
+        self._parsed[tag] = parsed
         self._say_junk(tag, junk)
         ordered = sorted(lanes, key=lane_order)
         return self._bounded(tag, ordered) if bound else ordered
