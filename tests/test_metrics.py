@@ -30,6 +30,10 @@ def _get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+#: The oldest entry's age of the demo shard's version 2 stream (its default lane).
+OLDEST = 'redbatch_backlog_oldest_age_seconds{class="normal",shard="demo",tenant=""}'
+
+
 def _value(text: str, series: str) -> float:
     match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
     assert match, f"{series} not in /metrics"
@@ -91,7 +95,7 @@ def test_metrics_match_the_work_done(tmp_path: Path, redis_url: str, rconn) -> N
     assert _value(text, "redbatch_redis_used_memory_bytes") > 0
     assert _value(text, "redbatch_redis_maxmemory_bytes") == 0
     assert math.isnan(_value(text, "redbatch_redis_memory_headroom_ratio"))  # no limit set
-    assert 0 <= _value(text, 'redbatch_backlog_oldest_age_seconds{class="normal",shard="demo",tenant=""}') < 60
+    assert 0 <= _value(text, OLDEST) < 60
 
 
 def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
@@ -112,7 +116,7 @@ def test_memory_gauges_and_alarm_follow_redis_past_maxmemory(
     # When Redis is at 60%, then past maxmemory twice, then back under
     text = sample(600, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(0.4)
-    assert _value(text, 'redbatch_backlog_oldest_age_seconds{class="normal",shard="demo",tenant=""}') == 2.5
+    assert _value(text, OLDEST) == 2.5
     text = sample(1200, 1000)
     sample(1300, 1000)
     assert _value(text, "redbatch_redis_memory_headroom_ratio") == pytest.approx(-0.2)

@@ -33,6 +33,7 @@ from producer.jobs.blocks import text_array
 from producer.jobs.checks import check_against_workers, model_dtypes, single_input_name
 from producer.protocol import keys
 from producer.protocol.errors import UsageError
+from producer.protocol.lanes import lane_stream, lanes_key
 from tools.localredis import LocalRedis, free_port
 
 pa = pytest.importorskip("pyarrow")
@@ -383,16 +384,18 @@ def test_a_model_without_a_live_worker_is_refused_naming_those_with_one(
         assert client.workers() == []
     r = redis.Redis.from_url(url)
     assert not r.exists(keys.request_stream(keys.DEFAULT_PREFIX, "minlm"))
+    assert not r.exists(lane_stream(keys.DEFAULT_PREFIX, "minlm", "low"))
 
     # With --wait-for-worker the requests are sent and wait for a worker (here: in vain)
     code = run_cli(url, *argv, "--wait-for-worker", "--input-name", "text", "--timeout-s", "0.5")
     err = capsys.readouterr().err
     assert code == 1
     assert "note: no live worker for model 'minlm'" in err
-    assert r.xlen(keys.request_stream(keys.DEFAULT_PREFIX, "minlm")) >= 1
+    low = lane_stream(keys.DEFAULT_PREFIX, "minlm", "low")  # a run is a batch job: class low
+    assert r.xlen(low) >= 1
     errors = (tmp_path / "v.npz.errors.jsonl").read_text()
     assert "WAIT_TIMEOUT" in errors
-    r.delete(keys.request_stream(keys.DEFAULT_PREFIX, "minlm"))
+    r.delete(low, lanes_key(keys.DEFAULT_PREFIX, "minlm"))
     r.close()
 
 

@@ -268,8 +268,10 @@ def test_entry_with_thousands_of_fields_and_no_rid_is_dead_lettered(multi_io, rc
         send(rconn, "multi_io", "after-odd", _ok_inputs())
         assert wait_reply(rconn, "after-odd").ok
     [(_, dead)] = rconn.xrange("redbatch:{multi_io}:dead")
-    # no rid and no body: only the reason, which names some of the fields it did not copy
-    assert set(dead) == {b"reason"}
+    # no rid and no body: only the reason, which names some of the fields it did not copy, and
+    # the lane it was read from
+    assert set(dead) == {b"reason", b"lane"}
+    assert dead[b"lane"] == b"redbatch:{multi_io}:requests"
     assert dead[b"reason"].startswith(b"entry has no 'rid' field; also had fields f0, f1")
     assert dead[b"reason"].endswith(b"and 3992 more")
     assert stream_is_empty(rconn, "multi_io")

@@ -220,6 +220,13 @@ class LaneQueue:
         with self.mutex:
             return self._reads
 
+    def full(self) -> bool:
+        """True when a lane holds all the reads it may (its reader waits), as ``Queue.full``."""
+        with self.mutex:
+            return self.maxsize > 0 and any(
+                lane.held >= self.maxsize for lane in self._lanes.values()
+            )
+
     # -- scheduling ----------------------------------------------------------------------------
 
     def putback(self, items: list[Item]) -> None:
