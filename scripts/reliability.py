@@ -68,6 +68,14 @@ def _steps(fuzz_n: int) -> list[Step]:
             ),
         ),
         Step(
+            "random_kills_lanes",
+            "The same across lanes: raw v2 XADDs, classes high and low, 3 classes for "
+            "2 tenants (MULTI; SADD; XADD)",
+            lambda d, seed: chaos.random_kills(
+                d, requests=3000, workers=4, kills=10, duration_s=40.0, seed=seed, lanes=True
+            ),
+        ),
+        Step(
             "fault_storm",
             "SIGKILL at random fault points (p = 0.01 each): 10 kills among 4 workers",
             lambda d, seed: chaos.fault_storm(
@@ -303,6 +311,7 @@ def _table(results: Sequence[tuple[Step, chaos.Result]]) -> list[str]:
 def render(results: Sequence[tuple[Step, chaos.Result]], command: str, seed: int) -> str:
     """The report: what was run, where, the table, and the totals."""
     rows = _table(results)
+    lanes = reliability_cluster.lane_table([(step.key, r) for step, r in results])
     total = [r for _, r in results]
     passed = sum(r.passed for r in total)
     return f"""# Reliability: the fault-injection suite's full tier
@@ -332,6 +341,17 @@ again (at-least-once), and that is allowed and counted, never a second reply.
 restarts, {sum(r.duplicates for r in total)} duplicate executions,
 {sum(r.lost for r in total)} lost, {sum(r.crashes for r in total)} crashes.
 
+## Lanes
+
+A laned scenario (contract section 7) sends each request to a lane drawn at random
+(`tests/chaos/lanes.py`): a fifth of them as raw version 2 `XADD`s to `P:{{T}}:requests`, the
+rest to classes high and low without a tenant and to all three classes of tenants `ta` and
+`tb`, as a version 3 producer does (`MULTI; SADD P:{{T}}:lanes LANE; XADD LANE ...; EXEC`, a
+tenant's rid beginning `ta.`). The oracle requires, besides everything above, each reply's
+`class` and `tenant` to be its lane's and every lane stream drained. Per lane:
+
+{chr(10).join(lanes) if lanes else "(no laned scenario in this run)"}
+
 ## What the columns mean
 
 - **kills**: workers that died of SIGKILL, whether sent by the driver at a random moment or by
@@ -348,7 +368,7 @@ restarts, {sum(r.duplicates for r in total)} duplicate executions,
   is drained (`recovered_by_resend`).
 
 The fast tier runs the same scenarios at small sizes in CI: `.venv/bin/python -m pytest
-tests/test_faults.py` (about 100 s on 2 cores).
+tests/test_faults.py` (about 100 s on 2 cores; its random kills go across lanes).
 
 ## Simulating lost writes under `appendfsync everysec`
 

@@ -26,15 +26,19 @@ def _passes(result: chaos.Result) -> None:
 
 
 def test_oracle_sees_lost_doubled_and_wrong_replies(tmp_path: Path) -> None:
-    # Given requests answered by hand: one right, one twice, one wrong, one with the wrong error
+    # Given requests answered by hand: one right, one twice, one wrong, one with the wrong error,
+    # one naming another lane than the one it was sent to
     with chaos.Run("oracle", tmp_path, seed=9) as run:
-        rids = run.requests.make(5, "o")
+        rids = run.requests.make(6, "o")
         model = ModelRef(chaos.MODEL, "1", "0" * 64)
 
-        def answer(rid: str, y: np.ndarray | None = None, code: str | None = None) -> bytes:
+        def answer(
+            rid: str, y: np.ndarray | None = None, code: str | None = None, cls: str = "normal"
+        ) -> bytes:
             err = ErrorInfo(code, "by hand") if code else None
             outputs = None if y is None else {"y": y}
-            return encode_reply(Reply(rid, err is None, model, "hand", {}, outputs, err, 1))
+            reply = Reply(rid, err is None, model, "hand", {}, outputs, err, 1, cls=cls)
+            return encode_reply(reply)
 
         good = [np.asarray(run.requests.expected[rid].y) for rid in rids]
         run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[0]), answer(rids[0], good[0]))
@@ -42,6 +46,9 @@ def test_oracle_sees_lost_doubled_and_wrong_replies(tmp_path: Path) -> None:
         run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[1]), answer(rids[1], good[1]))
         run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[2]), answer(rids[2], good[2] + 1))
         run.r.rpush(reply_key(chaos.PREFIX, chaos.MODEL, rids[3]), answer(rids[3], code="INTERNAL"))
+        run.r.rpush(
+            reply_key(chaos.PREFIX, chaos.MODEL, rids[5]), answer(rids[5], good[5], cls="low")
+        )
         # When the oracle judges them (the fifth has no reply)
         result = run.check(rids, timeout_s=1)
     # Then it names each fault
@@ -51,6 +58,7 @@ def test_oracle_sees_lost_doubled_and_wrong_replies(tmp_path: Path) -> None:
     assert f"more than one reply: ['{rids[1]}']" in text
     assert f"{rids[2]}: outputs differ" in text
     assert f"{rids[3]}: expected outputs" in text
+    assert f"{rids[5]}: sent to lane (normal, None), its reply says ('low', None)" in text
 
 
 @pytest.mark.parametrize("point", chaos.POINTS)
@@ -60,10 +68,18 @@ def test_a_worker_killed_at_each_phase_loses_nothing(tmp_path: Path, point: str)
     assert result.kills == 1
 
 
-def test_workers_killed_at_random_moments_lose_nothing(tmp_path: Path) -> None:
-    result = chaos.random_kills(tmp_path, requests=1000, workers=2, kills=3, duration_s=8.0)
+def test_workers_killed_at_random_moments_lose_nothing_across_lanes(tmp_path: Path) -> None:
+    # Given requests spread over lanes: raw version 2 XADDs to P:{T}:requests, classes high and
+    # low, and all three classes for two tenants (MULTI; SADD; XADD), and workers SIGKILLed at
+    # random moments
+    result = chaos.random_kills(
+        tmp_path, requests=1000, workers=2, kills=3, duration_s=8.0, lanes=True
+    )
+    # Then every request of every lane is answered exactly once, its reply naming its lane
     _passes(result)
     assert result.kills >= 3
+    assert len(result.lanes) == len(set(chaos.MIX)), result.lanes
+    assert all(row["sent"] == row["answered"] > 0 for row in result.lanes.values()), result.lanes
 
 
 def test_workers_killed_at_random_fault_points_lose_nothing(tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ The package, one module a job: ``common`` (names, fault points, the polling wait
 subprocesses and the restarting pool), ``load`` (the load driver), ``oracle`` (state and
 verdict), ``run`` (one scenario's world), ``worker_scenarios``, ``redis_scenarios`` and
 ``overload_scenarios`` (a Redis at ``maxmemory``: producers refused, workers draining);
+``lanes`` (which lane each request goes to: raw version 2 XADDs, classes, tenants, and the
+per-lane figures);
 ``cluster`` (shards placed on a Redis Cluster's masters, the oracle over every shard) and
 ``cluster_scenarios`` (a master killed and failed over, a slot migrated, under load).
 """
@@ -41,6 +43,7 @@ from .common import (
     ScenarioTimeout,
     wait_for,
 )
+from .lanes import MIX, label
 from .model import build_model, slow_depth
 from .oracle import Result, describe
 from .overload_scenarios import full_speed_small_maxmemory, stopped_workers_fill
@@ -60,6 +63,7 @@ from .workload import Expected, Requests
 __all__ = [
     "CRASH_VALUE",
     "DEAD",
+    "MIX",
     "MODEL",
     "POINTS",
     "PREFIX",
@@ -83,6 +87,7 @@ __all__ = [
     "flushall",
     "full_speed_small_maxmemory",
     "kill_master",
+    "label",
     "master_failover",
     "phase_kills",
     "place_shards",

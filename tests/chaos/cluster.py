@@ -9,7 +9,6 @@ dead-letter stream to be empty (the cluster scenarios send no poison).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,10 +18,8 @@ import redis
 from producer.ops.shards import plan_placement
 from producer.protocol.codec import WireFormatError, decode_reply
 from producer.protocol.keys import (
-    CONSUMER_GROUP,
     dead_key,
     reply_key,
-    request_stream,
     shards_key,
 )
 from producer.redisio.topology import Topology
@@ -97,41 +94,13 @@ class ShardedOracle(Oracle):
             for n in self._each(rids, lambda p, tag, rid: p.llen(reply_key(PREFIX, tag, rid)))
         ]
 
-    def drained(self) -> bool:
+    def streams(self) -> list[tuple[redis.Redis, str]]:
+        """Every shard's streams sent to, each with the client of its shard's master."""
         if not self.sharded:
-            return super().drained()
-        for tag in self.tags:
-            client, key = self.topology.client(tag), request_stream(PREFIX, tag)
-            try:
-                if client.xlen(key) or any(g["pending"] for g in client.xinfo_groups(key)):
-                    return False
-            except redis.ResponseError:
-                continue  # no stream or no group yet: nothing of it to drain
-        return True
-
-    def consumers(self) -> list[dict[str, Any]]:
-        """Every shard's consumers, merged by name (pending summed)."""
-        if not self.sharded:
-            return super().consumers()
-        pending: dict[bytes, int] = {}
-        for tag in self.tags:
-            with contextlib.suppress(redis.ResponseError):
-                client = self.topology.client(tag)
-                for c in client.xinfo_consumers(request_stream(PREFIX, tag), CONSUMER_GROUP):
-                    pending[c["name"]] = pending.get(c["name"], 0) + int(c["pending"])
-        return [{"name": name, "pending": n} for name, n in pending.items()]
-
-    def _groups(self) -> list[dict[str, Any]]:
-        if not self.sharded:
-            return super()._groups()
-        groups = []
-        for tag in self.tags:
-            with contextlib.suppress(redis.ResponseError):
-                client = self.topology.client(tag)
-                groups += [
-                    {"shard": tag, **g} for g in client.xinfo_groups(request_stream(PREFIX, tag))
-                ]
-        return groups
+            return super().streams()
+        return [
+            (self.topology.client(tag), key) for tag in self.tags for key in self.lane_streams(tag)
+        ]
 
     def describe_replies(self, rid: str) -> str:
         if not self.sharded:
@@ -162,6 +131,8 @@ class ShardedOracle(Oracle):
             got = reply.error.code if reply.error else "OK"
             if reply.rid != rid:
                 wrong.append(f"{rid}: reply names rid {reply.rid}")
+            elif (lane := self.lane_problem(rid, reply)) is not None:
+                wrong.append(lane)
             elif want.code is not None and got != want.code:
                 wrong.append(f"{rid}: expected {want.code}, got {got}")
             elif want.code is None and (not reply.ok or reply.outputs is None):
@@ -198,7 +169,7 @@ class ShardedOracle(Oracle):
         held: set[str] = set()
         for tag in {self.shard_of(rid) for rid in rids}:
             client = self.topology.client(tag)
-            for key in (request_stream(PREFIX, tag), dead_key(PREFIX, tag)):
+            for key in (*self.lane_streams(tag), dead_key(PREFIX, tag)):
                 entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(key)  # type: ignore[assignment]
                 held |= {f[b"rid"].decode() for _, f in entries if b"rid" in f}
         answered = self._each(rids, lambda p, tag, rid: p.exists(reply_key(PREFIX, tag, rid)))

@@ -19,10 +19,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from producer.protocol.lanes import lanes_key
 from producer.redisio.topology import tag_slot
 from tools.localcluster import ClusterNode, LocalCluster
 
-from .common import MODEL, ScenarioTimeout, wait_for
+from .common import MODEL, PREFIX, ScenarioTimeout, wait_for
 from .oracle import Result
 from .processes import Settings
 from .run import Run
@@ -42,10 +43,15 @@ def master_failover(
     drain_s: float = 60.0,
     seed: int = 21,
     cluster: bool | LocalCluster = True,
+    lanes: bool = False,
+    victim_shard: int = 0,
 ) -> Result:
-    """SIGKILL the master of the model's first shard (its registry and shard list too) while
-    paced requests flow to every shard and a tight XADD loop (``probe`` XADDs, one a round
-    trip, over at least ``probe_s``) runs against that one; its replica takes over.
+    """SIGKILL the master of the model's first shard (its registry and shard list too; with
+    ``victim_shard``, that shard's master instead) while paced requests flow to every shard
+    and a tight XADD loop (``probe`` XADDs, one a round trip, over at least ``probe_s``) runs
+    against that one; its replica takes over. With ``lanes`` every request, the tight loop's
+    too, goes to a lane drawn from ``lanes.MIX`` on its shard (raw version 2 XADDs among them),
+    so lanes of every shard are in use, and each reply must name its lane.
     ``cut_link_s`` > 0 first cuts the replication link for that long (the replica stopped, its
     link dropped), so that the master acknowledges writes its replica never sees. The killed
     node stays down (a machine lost) until every request is answered, or with
@@ -57,15 +63,19 @@ def master_failover(
     and ``lost_covered`` (lost ones answered once after that)."""
     s = Settings(claim_idle_ms=1000, max_wait_ms=10, work_depth=2)
     name = "failover" + ("-cut" if cut_link_s else "") + ("-restarted" if restart_killed else "")
+    name += "-lanes" if lanes else ""
     with Run(name, workdir, seed, s, cluster=cluster, shards=shards) as run:
         lc = _cluster(run)
+        target = run.tags[victim_shard]
         rids = run.spread(run.requests.make(requests, "fo", bad_fraction=0.02))
-        burst = run.spread(run.requests.make(probe, "probe"), [MODEL])
+        burst = run.spread(run.requests.make(probe, "probe"), [target])
+        if lanes:
+            rids, burst = run.laned(rids), run.laned(burst)
         everything = rids + burst
         for i in range(workers):
             run.pool.start(f"w{i}")
         run.pool.wait_ready()
-        victim = lc.node_for_slot(tag_slot(MODEL))
+        victim = lc.node_for_slot(tag_slot(target))
         sender = run.send_in_background(rids, rate_per_s=requests / duration_s)
         time.sleep(duration_s / 3)  # the kill schedule: a third of the way into the load
         # One XADD a round trip, spread over at least probe_s so that it spans the kill
@@ -98,6 +108,10 @@ def master_failover(
             lost_covered=len(covered),
             producer_redirects=dict(run.redirects),
         )
+        if victim_shard:
+            res.notes["victim_shard"] = target
+        if lanes:
+            res.notes["lane_set_sizes"] = _lane_set_sizes(run)
         stray = sorted(set(unanswered) - set(lost))
         if stray:
             res.problems.append(
@@ -106,6 +120,11 @@ def master_failover(
             )
         _explain(run, res)
         return res
+
+
+def _lane_set_sizes(run: Run) -> dict[str, int]:
+    """Each shard's lane set size now (the lanes producers registered there)."""
+    return {tag: int(run.topology.client(tag).scard(lanes_key(PREFIX, tag))) for tag in run.tags}
 
 
 def kill_master(run: Run, lc: LocalCluster, victim: ClusterNode, cut_link_s: float) -> float:
@@ -119,6 +138,8 @@ def kill_master(run: Run, lc: LocalCluster, victim: ClusterNode, cut_link_s: flo
         run.result.notes["replication_cut_s"] = cut_link_s
     lc.wait_ok(timeout_s=60)
     failover_s = time.monotonic() - t0
+    if victim.url == run.url:  # the seed is gone: producers started from now on (a resend)
+        run.url = lc.node_for_slot(tag_slot(MODEL)).url  # are given a live node to start from
     run.refresh_r()
     return failover_s
 

@@ -15,18 +15,17 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, MovedError
+from redis.exceptions import AskError, ExecAbortError, MovedError
 from redis.retry import Retry
 
-from producer.protocol.keys import request_stream
 from producer.redisio.topology import Topology, is_redirect
 
-from .common import MODEL, PREFIX, ScenarioTimeout
+from .common import MODEL, ScenarioTimeout
 from .workload import Requests
 
 
@@ -40,16 +39,27 @@ def _port(client: redis.Redis) -> int:
     return int(client.connection_pool.connection_kwargs.get("port", 0))
 
 
+def _first_error(replies: Sequence[object]) -> redis.ResponseError | None:
+    """The error that refused one request's commands: a queued command's (a redirect) before
+    the ``EXECABORT`` it causes; None when they went through."""
+    errors = [r for r in replies if isinstance(r, redis.ResponseError)]
+    if not errors:
+        return None
+    return next((e for e in errors if not isinstance(e, ExecAbortError)), errors[0])
+
+
 class Producer:
     """One sender's connections: the seed's alone on a single Redis, one per master on a
     cluster. ``xadd`` returns the port of the node that answered and the XADDs it refused with
     a cluster redirect (by rid); ``redirected`` acts on those before the next try."""
 
-    def __init__(self, url: str, cluster: bool) -> None:
+    def __init__(self, url: str, cluster: bool, tags: Sequence[str] = ()) -> None:
         self.seed = producer_client(url)
         self.topology = Topology(self.seed) if cluster else None
         if self.topology is not None:
             self.topology.refresh()
+            for tag in tags:  # a client knows every shard of its model, so every master of
+                self.topology.client(tag)  # them: one of those answers when the seed is gone
         self._ask: tuple[str, int] | None = None  # the next try goes there, after ASKING
         self._nodes: dict[tuple[str, int], redis.Redis] = {}
 
@@ -63,24 +73,35 @@ class Producer:
         return (self.seed if self.topology is None else self.topology.client(tag)), False
 
     def xadd(
-        self, tag: str, items: Sequence[tuple[str, bytes]]
+        self, items: Sequence[tuple[str, bytes, str, str | None]], tag: str
     ) -> tuple[int, dict[str, redis.ResponseError]]:
+        """XADD each ``(rid, body, stream, lane_set)`` of shard ``tag`` in one pipeline: a
+        request of the default lane (``lane_set`` None) as version 2 does, any other as version
+        3 does, ``MULTI; SADD lane_set stream; XADD stream ...; EXEC``."""
         client, asking = self._client(tag)
-        stream = request_stream(PREFIX, tag)
         pipe = client.pipeline(transaction=False)
-        for rid, body in items:
-            if asking:
+        sizes = []
+        for rid, body, stream, lane_set in items:
+            if asking:  # in a MULTI the flag holds until EXEC
                 pipe.execute_command("ASKING")
-            pipe.xadd(stream, {"rid": rid, "body": body})
+            if lane_set is None:
+                pipe.xadd(stream, {"rid": rid, "body": body})
+            else:
+                pipe.execute_command("MULTI")
+                pipe.sadd(lane_set, stream)
+                pipe.xadd(stream, {"rid": rid, "body": body})
+                pipe.execute_command("EXEC")
+            sizes.append(asking + (1 if lane_set is None else 4))
         replies = pipe.execute(raise_on_error=False)
-        if asking:
-            replies = replies[1::2]
         refused: dict[str, redis.ResponseError] = {}
-        for (rid, _), reply in zip(items, replies, strict=True):
-            if isinstance(reply, Exception):
-                if not is_redirect(reply):
-                    raise reply
-                refused[rid] = reply
+        at = 0
+        for (rid, *_), size in zip(items, sizes, strict=True):
+            error = _first_error(replies[at : at + size])
+            at += size
+            if error is not None:
+                if not is_redirect(error):
+                    raise error
+                refused[rid] = error
         return _port(client), refused
 
     def redirected(self, errors: Iterable[redis.ResponseError]) -> None:
@@ -114,11 +135,14 @@ class LoadDriver:
 
     url: str
     cluster: bool
+    tags: list[str]  # the model's shard tags
     requests: Requests
     confirmed: set[str]
     resent: Counter[str]
     acked_by: dict[str, int]  # rid -> port of the node that confirmed its XADD (the last time)
     redirects: Counter[str]  # cluster redirects met, by kind (MovedError, AskError, ...)
+    # (rid's lane stream, its lane set key or None for the default lane): ``LaneBook``'s
+    stream_of: Callable[[str], tuple[str, str | None]]
 
     def shard_of(self, rid: str) -> str:
         """The shard tag ``rid`` is sent to (``Run`` spreads rids over shards)."""
@@ -135,7 +159,7 @@ class LoadDriver:
         """XADD ``rids`` in pipelined chunks, paced at ``rate_per_s`` if given. A chunk that fails
         (Redis down, connection killed) is re-sent whole with the same rids until it goes through:
         an XADD whose answer was lost may have been applied, so its rid may appear twice."""
-        producer = Producer(self.url, self.cluster)
+        producer = Producer(self.url, self.cluster, self.tags)
         start = time.monotonic()
         try:
             for i in range(0, len(rids), chunk):
@@ -159,7 +183,8 @@ class LoadDriver:
         todo = list(rids)
         while True:
             try:
-                port, refused = producer.xadd(tag, [(r, self.requests.bodies[r]) for r in todo])
+                items = [(r, self.requests.bodies[r], *self.stream_of(r)) for r in todo]
+                port, refused = producer.xadd(items, tag)
             except (redis.ConnectionError, redis.TimeoutError):
                 attempt += 1
                 if time.monotonic() > deadline:

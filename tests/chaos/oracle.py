@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import redis
 
-from producer.protocol.codec import WireFormatError, decode_reply
+from producer.protocol.codec import Reply, WireFormatError, decode_reply
 from producer.protocol.keys import CONSUMER_GROUP, reply_key
 
-from .common import DEAD, MODEL, PREFIX, STREAM, ScenarioTimeout, wait_for
+from .common import DEAD, MODEL, PREFIX, ScenarioTimeout, wait_for
+from .lanes import LaneBook
 
 if TYPE_CHECKING:
     from .processes import Pool, Settings
@@ -41,6 +42,8 @@ class Result:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    # per lane (``lanes.label``): sent, answered, lost, doubled, duplicates; empty unless laned
+    lanes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -56,7 +59,7 @@ def describe(res: Result) -> str:
 _BAD_CODES = frozenset({"MALFORMED", "INVALID_INPUT"})
 
 
-class Oracle:
+class Oracle(LaneBook):
     """The state and verdict half of ``Run``: reads Redis and the exec log, fills ``result``."""
 
     r: redis.Redis
@@ -68,6 +71,11 @@ class Oracle:
     exec_log: Path
     _t0: float
 
+    def streams(self) -> list[tuple[redis.Redis, str]]:
+        """(client, key) of every request stream to judge: each lane sent to, the default
+        lane always."""
+        return [(self.r, key) for key in self.lane_streams(MODEL)]
+
     # State -----------------------------------------------------------------------------------
 
     def reply_counts(self, rids: Sequence[str]) -> list[int]:
@@ -77,19 +85,24 @@ class Oracle:
         return [int(n) for n in pipe.execute()]
 
     def drained(self) -> bool:
-        """XLEN 0 and nothing pending (a missing stream or group counts as drained)."""
-        try:
-            if self.r.xlen(STREAM):
-                return False
-            return all(g["pending"] == 0 for g in self.r.xinfo_groups(STREAM))
-        except redis.ResponseError:
-            return True
+        """XLEN 0 and nothing pending in every stream (a missing stream or group, a lane the
+        workers removed once empty, counts as drained)."""
+        for client, key in self.streams():
+            try:
+                if client.xlen(key) or any(g["pending"] for g in client.xinfo_groups(key)):
+                    return False
+            except redis.ResponseError:
+                continue
+        return True
 
     def consumers(self) -> list[dict[str, Any]]:
-        try:
-            return list(self.r.xinfo_consumers(STREAM, CONSUMER_GROUP))
-        except redis.ResponseError:
-            return []
+        """Every stream's consumers, merged by name (pending summed)."""
+        pending: dict[bytes, int] = {}
+        for client, key in self.streams():
+            with contextlib.suppress(redis.ResponseError):
+                for c in client.xinfo_consumers(key, CONSUMER_GROUP):
+                    pending[c["name"]] = pending.get(c["name"], 0) + int(c["pending"])
+        return [{"name": name, "pending": n} for name, n in pending.items()]
 
     def pending_of(self, name: str) -> int:
         return next((int(c["pending"]) for c in self.consumers() if c["name"].decode() == name), 0)
@@ -137,7 +150,8 @@ class Oracle:
         try:
             wait_for(self.drained, left, "an empty stream with nothing pending", 0.2)
         except ScenarioTimeout as exc:
-            res.problems.append(f"{exc}: XLEN {self.r.xlen(STREAM)}, groups {self._groups()}")
+            lengths = {key: self._xlen(client, key) for client, key in self.streams()}
+            res.problems.append(f"{exc}: XLEN {lengths}, groups {self._groups()}")
 
         letters: list[tuple[bytes, dict[bytes, bytes]]] = self.r.xrange(DEAD)  # type: ignore[assignment]
         dead = [f[b"rid"].decode() for _, f in letters if b"rid" in f]
@@ -168,7 +182,15 @@ class Oracle:
         if unlogged:  # the count above would be meaningless
             res.problems.append(f"{len(unlogged)} answered requests not in REDBATCH_EXEC_LOG")
         res.notes["resent_by_producer"] = sum(self.resent.values())
+        res.lanes = self.lane_figures(rids, counts, execs)
         return self.finish()
+
+    @staticmethod
+    def _xlen(client: redis.Redis, key: str) -> int | str:
+        try:
+            return int(client.xlen(key))
+        except redis.ResponseError as exc:
+            return str(exc)
 
     def describe_replies(self, rid: str) -> str:
         """Every reply in ``rid``'s list (worker, outcome) and its executions, for a report."""
@@ -183,9 +205,20 @@ class Oracle:
         return f"replies {seen}, executions {self.executions()[rid]}, sent {1 + self.resent[rid]}x"
 
     def _groups(self) -> list[dict[str, Any]]:
-        with contextlib.suppress(redis.ResponseError):
-            return list(self.r.xinfo_groups(STREAM))
-        return []
+        groups = []
+        for client, key in self.streams():
+            with contextlib.suppress(redis.ResponseError):
+                groups += [{"stream": key, **g} for g in client.xinfo_groups(key)]
+        return groups
+
+    def lane_problem(self, rid: str, reply: Reply) -> str | None:
+        """What is wrong with ``reply``'s ``class`` and ``tenant`` for ``rid``'s lane."""
+        cls, tenant = self.lane(rid)
+        if (reply.cls, reply.tenant) != (cls, tenant):
+            return (
+                f"{rid}: sent to lane ({cls}, {tenant}), its reply says {(reply.cls, reply.tenant)}"
+            )
+        return None
 
     def _judge_replies(self, rids: Sequence[str]) -> tuple[list[str], list[str]]:
         """(problems, rids answered with outputs) for requests that have a reply."""
@@ -203,6 +236,8 @@ class Oracle:
                 continue
             if reply.rid != rid:
                 wrong.append(f"{rid}: reply names rid {reply.rid}")
+            elif (lane := self.lane_problem(rid, reply)) is not None:
+                wrong.append(lane)
             elif want.code is not None:
                 got = reply.error.code if reply.error else "OK"
                 if got != want.code:

@@ -86,6 +86,7 @@ class Run(LoadDriver, ShardedOracle):
         self.resent: Counter[str] = Counter()
         self.acked_by: dict[str, int] = {}
         self.redirects: Counter[str] = Counter()
+        self.lane_of: dict[str, tuple[str, str | None]] = {}
         self._t0 = time.monotonic()
         self.r: redis.Redis
         self.topology: Topology

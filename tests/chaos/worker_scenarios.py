@@ -37,13 +37,16 @@ def random_kills(
     duration_s: float = 10.0,
     seed: int = 1,
     cluster: bool | LocalCluster = False,
+    lanes: bool = False,
 ) -> Result:
     """SIGKILL a serving worker at random moments under paced load (one holding entries when
     there is one); each is restarted, half the time under its old name (it takes back its own
     pending entries), half under a new one (another worker must claim them, and the dead
-    consumer must be removed)."""
+    consumer must be removed). With ``lanes`` each request goes to a lane drawn from
+    ``lanes.MIX`` (raw version 2 XADDs among them), and each reply must name its lane."""
     s = Settings(claim_idle_ms=1000, max_wait_ms=50, work_width=512, work_depth=4)
-    with Run("random-kills", workdir, seed, s, cluster=cluster) as run:
+    name = "random-kills" + ("-lanes" if lanes else "")
+    with Run(name, workdir, seed, s, cluster=cluster) as run:
         generation = Counter[str]()
         names = random.Random(seed + 1)  # used on the pool's watcher threads
 
@@ -56,6 +59,8 @@ def random_kills(
 
         run.pool.restart = restart
         rids = run.requests.make(requests, "rk", bad_fraction=0.03)
+        if lanes:
+            rids = run.laned(rids)
         for i in range(workers):
             run.pool.start(f"w{i}")
         run.pool.wait_ready()
