@@ -115,6 +115,24 @@ def test_a_slot_map_routes_each_tag_to_its_master() -> None:
     assert slots.node(0) == Node("10.0.0.1", 7000, "id1")
     assert slots.node(16383) == Node("10.0.0.9", 7001, "id2")  # empty host: the seed's
     assert [n.port for n in slots.masters()] == [7000, 7001]
+    assert slots.replicas == [Node("10.0.0.4", 7003, "id4")]  # asked when the masters are gone
+
+
+def test_a_refresh_asks_the_replicas_the_last_map_named_when_its_seed_is_gone(
+    rconn: redis.Redis,
+) -> None:
+    # Given a client that only ever talked to its seed, whose last map named a replica (here:
+    # the live test server) and a master that no longer answers
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    topology = Topology(dead)
+    live = rconn.connection_pool.connection_kwargs
+    reply = [[0, 16383, [b"127.0.0.1", 1, b"gone"], [live["host"].encode(), live["port"], b"r"]]]
+    topology._apply(reply)
+    # When it refreshes, the seed refusing, it asks the replica: a single Redis answers that it
+    # is no cluster (before, it tried the dead seed alone and raised)
+    assert topology.refresh() is False
+    topology.close()
+    dead.close()
 
 
 def test_moved_repoints_every_tag_of_that_slot_at_once(rconn: redis.Redis) -> None:

@@ -82,17 +82,17 @@ class SlotMap:
 
     ranges: list[tuple[int, int, Node]] = field(default_factory=list)
     moved: dict[int, Node] = field(default_factory=dict)  # slots a MOVED repointed since
+    replicas: list[Node] = field(default_factory=list)  # asked for the map when masters are gone
 
     @classmethod
     def parse(cls, reply: Any, seed_host: str) -> SlotMap:
         """From ``CLUSTER SLOTS``; a master announced with an empty host is the seed's host."""
-        ranges = []
+        ranges, replicas = [], []
         for row in reply or []:
             start, end, master = int(row[0]), int(row[1]), row[2]
-            host = _text(master[0]) or seed_host
-            node_id = _text(master[2]) if len(master) > 2 else ""
-            ranges.append((start, end, Node(host, int(master[1]), node_id)))
-        return cls(sorted(ranges, key=lambda r: r[0]))
+            ranges.append((start, end, _node(master, seed_host)))
+            replicas += [_node(replica, seed_host) for replica in row[3:]]
+        return cls(sorted(ranges, key=lambda r: r[0]), replicas=replicas)
 
     @property
     def cluster(self) -> bool:
@@ -113,6 +113,12 @@ class SlotMap:
         for _, _, node in self.ranges:
             seen.setdefault((node.host, node.port), node)
         return list(seen.values())
+
+
+def _node(entry: Any, seed_host: str) -> Node:
+    """A node of a ``CLUSTER SLOTS`` row: host (empty: the seed's), port, id."""
+    node_id = _text(entry[2]) if len(entry) > 2 else ""
+    return Node(_text(entry[0]) or seed_host, int(entry[1]), node_id)
 
 
 def _text(value: Any) -> str:
@@ -224,6 +230,9 @@ class _Routing(Generic[ClientT, PoolT]):
         node = self.slots.node(slot)
         if node is None:
             return self._seed_pool
+        return self._node_pool(node)
+
+    def _node_pool(self, node: Node) -> Any:
         key = (node.host, node.port)
         pool = self._pools.get(key)
         if pool is None:
@@ -235,6 +244,15 @@ class _Routing(Generic[ClientT, PoolT]):
     def pools(self) -> Iterable[Any]:
         """Every pool made for a node (not the seed's, which its owner closes)."""
         return list(self._pools.values())
+
+    def _known_pools(self) -> list[Any]:
+        """A pool for every node the last map named, masters and replicas: a client that only
+        ever talked to its seed still finds the replica that took over when the seed died."""
+        with self._lock:
+            nodes = [*self.slots.masters(), *self.slots.replicas]
+            for node in nodes:
+                self._node_pool(node)
+            return list(self._pools.values())
 
 
 class Topology(_Routing[redis.Redis, redis.ConnectionPool]):
@@ -277,7 +295,7 @@ class Topology(_Routing[redis.Redis, redis.ConnectionPool]):
 
     def _askable(self) -> Iterable[redis.Redis]:
         yield self.seed
-        for pool in self.pools():
+        for pool in self._known_pools():
             yield redis.Redis(connection_pool=pool)
 
     def close(self) -> None:
@@ -313,7 +331,7 @@ class AsyncTopology(_Routing[redis.asyncio.Redis, redis.asyncio.ConnectionPool])
 
     def _askable(self) -> Iterable[redis.asyncio.Redis]:
         yield self.seed
-        for pool in self.pools():
+        for pool in self._known_pools():
             yield redis.asyncio.Redis(connection_pool=pool)
 
     async def close(self) -> None:
