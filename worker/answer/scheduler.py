@@ -10,8 +10,9 @@ preprocessing stage) and the ``Batcher``, with the same ``put``/``get`` surface.
   ``min_share_low``) of the rows handed out over the last ``window_rows`` goes first, so none
   starves under a saturating higher class.
 - **Tenants.** Within a class, deficit round-robin by rows across the flows with work: a flow's
-  quantum is its weight (``set_weights``; 1 when unset) times ``max_rows // 4`` rows, the same
-  ratios as a quantum of ``weight`` rows with a quarter as many hand-outs per batch. Rows carry
+  quantum is its weight (``set_weights``; 1 when unset) times ``max_rows`` rows, the same
+  ratios as a quantum of ``weight`` rows with one hand-out per batch, so a batch mostly comes
+  from one lane and takes one finish step (a batch mixing lanes takes one per lane). Rows carry
   over within a turn, so a tenant's share over any 100 batches is its weight's within a
   quantum. An item larger than a quantum waits for its flow's deficit to reach it.
 - **One lane, no cost.** While a single flow has work (the common case), ``get`` hands out its
@@ -152,7 +153,8 @@ class LaneQueue:
         self._lane_of = lane_of
         self._describe = describe
         self._min_share = (0.0, scheduling.min_share_normal, scheduling.min_share_low)
-        self._base = max(1, max_rows // 4)
+        self._base = max(1, max_rows)
+        self._share_rows = max(1, max_rows // 4)
         self._weights: Mapping[Hashable, int] = {}
         self._lanes: dict[Hashable, _Lane] = {}
         self._flows: dict[tuple[int, Hashable], _Flow] = {}
@@ -280,7 +282,12 @@ class LaneQueue:
     def _contended(self) -> list[Item]:
         """Several flows have work: the chosen class's flow in turn, at most its deficit and a
         batch of rows."""
-        ring = self._rings[self._pick_class()]
+        cls, for_share = self._pick_class()
+        ring = self._rings[cls]
+        # A class served for its minimum share takes a quarter batch at a time, so its share
+        # is met closely; otherwise a turn is up to a batch, so that a batch mostly comes from
+        # one lane (one finish step: 64 tenant lanes then cost 0.95 of one lane, not 0.84).
+        most = self._share_rows if for_share else self.max_rows
         while True:
             flow = ring[0]
             items = flow.reads[0][1]
@@ -290,13 +297,13 @@ class LaneQueue:
                 if flow.deficit < head:  # a large item: it waits for more turns
                     ring.rotate(-1)
                     continue
-            return self._take(ring, flow, head)
+            return self._take(ring, flow, head, most)
 
-    def _take(self, ring: deque[_Flow], flow: _Flow, head: int) -> list[Item]:
-        """From ``flow``'s oldest read, the items its deficit (and a batch) allows; the first
-        always."""
+    def _take(self, ring: deque[_Flow], flow: _Flow, head: int, most: int) -> list[Item]:
+        """From ``flow``'s oldest read, the items its deficit (and ``most`` rows) allows; the
+        first always."""
         lane, items = flow.reads[0]
-        cap = min(flow.deficit, self.max_rows)
+        cap = min(flow.deficit, most)
         n, rows, end = 1, head, len(items)
         while n < end:
             more = items[n].rows
@@ -323,14 +330,15 @@ class LaneQueue:
             ring.rotate(-1)  # its turn ends
         return chunk
 
-    def _pick_class(self) -> int:
-        """The highest class with work, unless a lower one with work is below its share."""
+    def _pick_class(self) -> tuple[int, bool]:
+        """The highest class with work, unless a lower one with work is below its share (then
+        that one, and True)."""
         rings = self._rings
         top = 0 if rings[0] else 1 if rings[1] else 2
         for cls in range(top + 1, len(rings)):
             if rings[cls] and self._window.share(cls) < self._min_share[cls]:
-                return cls
-        return top
+                return cls, True
+        return top, False
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
