@@ -20,7 +20,7 @@ import pytest
 
 from producer.jobs.job import UsageError
 from tools import bench, benchkit, synthetic
-from tools.bench import burn, cli, load, pipelines, pipereport
+from tools.bench import burn, cli, lanereport, lanes, load, pipelines, pipereport, tenants
 from tools.bench.__main__ import main
 from tools.localredis import LocalRedis
 
@@ -637,3 +637,81 @@ def test_the_documented_tables_are_the_documented_report() -> None:
     assert not missing, "paste `python scripts/bench_markdown.py docs/bench.json`:\n" + "\n".join(
         missing[:5]
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The lanes presets (issue 28): their options and the pure parts of their judging
+
+
+def test_lanes_presets_take_their_sizes_from_the_command_line() -> None:
+    argv = ["--scenario", "lanes-backlog,lanes-tenants", "--lane-low-rows", "5000"]
+    argv += ["--lane-request-rows", "8", "--tenant-weights", "2:1,1:4", "--min-share-s", "2"]
+    options = _bench_options(argv)
+    assert options.scenarios == ("lanes-backlog", "lanes-tenants")
+    assert options.lane_low_rows == 5000
+    assert options.lane_request_rows == 8
+    assert options.tenant_weights == ((2, 1), (1, 4))
+    assert options.min_share_s == 2.0
+    assert _bench_options(["--scenario", "lanes-tenants"]).tenant_weights == ((1, 1), (3, 1))
+
+
+@pytest.mark.parametrize("weights", ["0:1", "3", "a:b", ""])
+def test_bad_tenant_weights_exit_2(weights: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--scenario", "lanes-tenants", "--tenant-weights", weights]) == 2
+    assert "weight" in capsys.readouterr().err
+
+
+def test_tenant_windows_judge_only_batches_where_both_had_work() -> None:
+    # Given 50 batches of tenant a alone, then 300 batches of 24 rows of a and 8 of b, then b
+    # alone: the contended run is judged (3:1 exactly), the one-sided ends are not.
+    batches = [{"ta": 32, "tb": 0}] * 50 + [{"ta": 24, "tb": 8}] * 300 + [{"ta": 0, "tb": 32}] * 40
+    judged = tenants.windows_of(batches, (3, 1))
+    assert judged["batches_contended"] == 300
+    assert judged["windows"] == 201
+    assert judged["ratio_min"] == judged["ratio_max"] == 3.0
+    assert judged["met"]
+    assert judged["one_tenant_batches"] == {"ta": 0, "tb": 0}
+    # a stretch where a's lane held nothing: b alone for 3 batches, a window 11% off
+    gap = [{"ta": 24, "tb": 8}] * 100 + [{"ta": 0, "tb": 32}] * 3 + [{"ta": 24, "tb": 8}] * 100
+    dipped = tenants.windows_of(gap, (3, 1))
+    assert dipped["one_tenant_batches"] == {"ta": 0, "tb": 3}
+    assert dipped["ratio_min"] == pytest.approx(2328 / 872)
+    # and a run that serves 2:1 under weights 3:1 is a third off
+    skewed = tenants.windows_of([{"ta": 20, "tb": 10}] * 150, (3, 1))
+    assert skewed["worst_error"] == pytest.approx(1 / 3)
+    assert not skewed["met"]
+
+
+def test_class_requests_read_the_queue_wait_counts_by_class() -> None:
+    samples = {
+        "redbatch_queue_wait_seconds_count{class=high}": 7.0,
+        "redbatch_queue_wait_seconds_count{class=low}": 3.0,
+        "redbatch_queue_wait_seconds_sum{class=low}": 99.0,
+        "redbatch_requests_total{code=OK}": 10.0,
+    }
+    assert lanes.class_requests(samples) == {"high": 7.0, "normal": 0.0, "low": 3.0}
+
+
+def test_lane_targets_judge_the_issue_criteria() -> None:
+    report: dict[str, Any] = {
+        "lanes": {
+            "backlog": {
+                "enqueue": {"low_rows": 1_000_000},
+                "busy": {"p99": 30.0},
+                "p99_bound_ms": 40.0,
+                "p99_bound_with_caller_runs_ms": 25.0,
+                "drain_with_caller_rows_per_s": 800.0,
+                "drain_alone_rows_per_s": 1000.0,
+            },
+            "tenants": [{"weights": [3, 1], "worst_error": 0.05}],
+            "min_share": {"low_share": 0.065, "min_share_low": 0.05},
+        }
+    }
+    met = {t["id"]: t["met"] for t in lanereport.lane_targets(report)}
+    assert met == {
+        "lanes-caller-p99": True,
+        "lanes-caller-p99-mixed-runs": False,  # 30 ms over a bound of 25
+        "lanes-drain": False,  # 0.8 of the rate alone
+        "lanes-tenants-3:1": True,
+        "lanes-min-share": False,  # 30% over the configured share
+    }

@@ -18,11 +18,12 @@ The modules, from the bottom up:
   redis-server (or local cluster), workers and benchkit runs the bench starts; ``shards``: a
   model's shards placed on distinct masters (``--cluster --shards N``), and Redis CPU per
   request by master; ``provenance``: what the figures depend on (machine, versions, commit);
-- ``runner``: one run (ceilings, phases, the report); ``scenarios``, ``drain`` and
-  ``pipelines``: the presets; ``burn``: the preprocessing-bound handler the pipeline preset
+- ``runner``: one run (ceilings, phases, the report); ``scenarios``, ``drain``,
+  ``pipelines``, ``lanes`` and ``tenants``: the presets (``laneopts``: the lanes presets'
+  sizes on the command line); ``burn``: the preprocessing-bound handler the pipeline preset
   serves; ``hooks``: a pipeline's preprocessing alone on N threads (run as a process, like
   ``tools.benchkit``);
-- ``report`` and ``pipereport``: targets, tables, JSON, chart; ``cli``: the
+- ``report``, ``pipereport`` and ``lanereport``: targets, tables, JSON, chart; ``cli``: the
   ``python -m tools.bench`` options.
 
 This package exports what ``tools.bench.__main__`` runs (``add_arguments``, ``run_command``), the

@@ -22,6 +22,7 @@ from producer.jobs.job import UsageError
 from producer.protocol import keys
 from producer.protocol.errors import ConnectionFailed
 from producer.redisio.connection import redact_url
+from tools.bench.laneopts import add_lanes_arguments, lanes_options
 from tools.bench.load import CALLERS
 from tools.bench.pipelines import IMAGE_CONFIG
 from tools.bench.processes import private_cluster, private_redis
@@ -56,6 +57,7 @@ examples:
   python -m tools.bench --scenario all --quiet-s 60      # on a shared host: wait for idle cores
   python -m tools.bench --scenario tiny-closed,heavy-closed --rounds 5   # ratios robust to drift
   python -m tools.bench --scenario heavy-closed --duration-s 5
+  python -m tools.bench --scenario lanes-backlog,lanes-tenants --no-ceilings --quiet-s 30
   python -m tools.bench --model tiny --concurrency 1,4,16,64 --plot tiny.png
   python -m tools.bench --model resnet18 --providers cuda,cpu --concurrency 1,16,64   # on a GPU
   python -m tools.bench --model heavy --rate 1000,2000,4000 --arrivals bursty --burst-size 8
@@ -249,6 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="drain backlog",
     )
+    add_lanes_arguments(parser)
     add("--no-ceilings", action="store_true", help="skip the bare and protocol ceilings")
     add(
         "--rounds",
@@ -398,6 +401,7 @@ def _options(args: argparse.Namespace) -> Options:
         shards=args.shards,
         cluster=args.cluster,
         replicas=args.replicas,
+        **lanes_options(args),
     )
 
 

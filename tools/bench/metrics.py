@@ -67,7 +67,7 @@ def scrape(urls: Sequence[str]) -> dict[str, float]:
 def worker_view(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """What the worker saw between two scrapes: requests, runs, batch rows, and per stage the
     observations and the mean time per observation and per request."""
-    diff = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    diff = _fold_labels({k: v - before.get(k, 0.0) for k, v in after.items()})
     requests = sum(v for k, v in diff.items() if k.startswith("redbatch_requests_total{"))
     runs = diff.get("redbatch_batch_rows_count", 0.0)
     buckets: dict[str, float] = {}
@@ -130,6 +130,18 @@ def pipeline_view(
         "requests_per_s": r.requests_per_s,
         "verdict": stages.verdict(r),
     }
+
+
+def _fold_labels(diff: dict[str, float]) -> dict[str, float]:
+    """A stage timed by label (the queue wait, by class) summed under its bare name too, as
+    one stage; a stage the worker times without labels is left as it is."""
+    folded = dict(diff)
+    for key, value in diff.items():
+        name, brace, _ = key.partition("{")
+        stage = name.startswith("redbatch_") and name.endswith(("_seconds_count", "_seconds_sum"))
+        if brace and stage and name not in diff:
+            folded[name] = folded.get(name, 0.0) + value
+    return folded
 
 
 def _is_stage_count(key: str) -> bool:

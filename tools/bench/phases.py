@@ -82,6 +82,17 @@ class Options:
     shards: int = 1  # the custom load's model: shards placed on distinct masters (--shards)
     cluster: bool = False  # a private local cluster instead of a single Redis (--cluster)
     replicas: int = 1  # with cluster: replicas per master (--replicas)
+    lane_low_rows: int = 1_000_000  # lanes-backlog: the low backlog's rows
+    lane_normal_rows: int = 100_000  # lanes-backlog: the normal backlog's rows
+    lane_request_rows: int = 32  # lanes-backlog: rows per backlog request
+    lane_caller_s: float = 10.0  # lanes-backlog: each window (idle, alone, with the caller)
+    lane_rounds: int = 2  # lanes-backlog: pairs of windows (backlog alone, with the caller)
+    tenant_rows: int = 100_000  # lanes-tenants: each tenant's backlog
+    tenant_request_rows: int = 4  # lanes-tenants: rows per request
+    tenant_weights: tuple[tuple[int, int], ...] = ((1, 1), (3, 1))
+    min_share_s: float = 15.0  # lanes-tenants: the minimum share's window
+    min_share_high_rows: int = 150_000  # lanes-tenants: the saturating high backlog
+    min_share_low_rows: int = 30_000  # lanes-tenants: the low backlog beside it
 
 
 class Workers:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.chart import plot, pyplot
+from tools.bench.lanereport import format_lanes, lane_targets
 from tools.bench.load import CALLERS
 from tools.bench.pipereport import format_pipelines, image_reference
 
@@ -138,7 +139,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         if rounds:
             target["round_ratios"] = [r["ratio"] for r in rounds]
         found.append(target)
-    return found
+    return found + lane_targets(report)
 
 
 def _rounds_note(target: dict[str, Any]) -> str:
@@ -190,6 +191,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", *_format_batches(report["phases"])]
     if report.get("drain"):
         lines += ["", *_format_drain(report["drain"])]
+    lines += format_lanes(report)
     if report["targets"]:
         lines += ["", "targets (ratio = measured / reference)"]
         for t in report["targets"]:

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tools.bench.drain import drain
+from tools.bench.lanes import lanes_backlog
 from tools.bench.load import CALLERS
 from tools.bench.phases import Phases
 from tools.bench.pipelines import image_again, pipelines, threads_again
 from tools.bench.processes import WorkerSetup
+from tools.bench.tenants import lanes_tenants
 
 __all__ = ["SCENARIOS", "Paired", "Scenario"]
 
@@ -147,5 +149,15 @@ SCENARIOS: dict[str, Scenario] = {
     "drain": Scenario(
         drain,
         "100,000 tiny requests enqueued, then a worker started: drain rate, peak vs idle RSS",
+    ),
+    "lanes-backlog": Scenario(
+        lanes_backlog,
+        "heavy: a high caller alone, then behind 1,000,000 low and 100,000 normal rows "
+        "(--lane-*): its p99, and the backlog's drain rate with and without it",
+    ),
+    "lanes-tenants": Scenario(
+        lanes_tenants,
+        "heavy: two backlogged tenants of one class at weights 1:1 and 3:1, rows per 100 "
+        "batches; the low class's share under a saturating high backlog (--tenant-*)",
     ),
 }
