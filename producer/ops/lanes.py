@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from producer.ops.damage import DamageNote
+from producer.ops.entries import entry_age_s, redis_text
 from producer.protocol import keys
 from producer.protocol.lanes import CLASSES, Lane, lanes_key, parse_lane
 
@@ -132,9 +133,11 @@ def read_lanes(conn: redis.Redis, prefix: str, tag: str, now_s: float) -> LaneRe
     for i, lane in enumerate(lanes):
         kind, length, head, groups = replies[4 * i : 4 * i + 4]
         key = lane.stream(prefix)
-        if _text(kind) not in ("stream", "none"):
-            damage.append(_wrong_type(key, _text(kind)))
-        found.append(_lane_status(lane, key, _text(kind) == "stream", length, head, groups, now_s))
+        if redis_text(kind) not in ("stream", "none"):
+            damage.append(_wrong_type(key, redis_text(kind)))
+        found.append(
+            _lane_status(lane, key, redis_text(kind) == "stream", length, head, groups, now_s)
+        )
     return LaneRead(tuple(found), ignored, over, damage=tuple(damage))
 
 
@@ -146,10 +149,10 @@ def _lane_status(
     backlog = length if isinstance(length, int) else 0
     oldest = None
     if isinstance(head, list) and head:
-        oldest = _id_age_s(_text(head[0][0]), now_s)
+        oldest = entry_age_s(redis_text(head[0][0]), now_s)
     pending = None
     for group in groups if isinstance(groups, list) else []:
-        if _text(group.get("name")) == keys.CONSUMER_GROUP:
+        if redis_text(group.get("name")) == keys.CONSUMER_GROUP:
             pending = int(group.get("pending") or 0)
     return LaneStatus(lane, key, True, backlog, pending, oldest)
 
@@ -208,17 +211,3 @@ def tenants(lanes: Sequence[LaneStatus]) -> tuple[TenantSummary, ...]:
 def _oldest(lanes: Sequence[LaneStatus]) -> float | None:
     ages = [ln.oldest_entry_age_s for ln in lanes if ln.oldest_entry_age_s is not None]
     return max(ages) if ages else None
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    return str(value)
-
-
-def _id_age_s(entry_id: str, now_s: float) -> float:
-    try:
-        ms = int(entry_id.split("-", 1)[0])
-    except ValueError:
-        return 0.0
-    return max(0.0, now_s - ms / 1000.0)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import redis
 
 from producer.ops.damage import DamageNote, stream_damage, worker_damage
+from producer.ops.entries import entry_age_s, redis_text
 from producer.ops.lanes import LaneRead, read_lanes
 from producer.protocol import keys
 from producer.redisio.connection import describe_connection
@@ -372,16 +373,16 @@ def _memory(conn: redis.Redis) -> MemoryReading | None:
 
 
 def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
-    if _text(conn.type(key)) != "stream":
+    if redis_text(conn.type(key)) != "stream":
         return RequestsInfo(key, exists=False, backlog=0, oldest_entry_age_s=None, group=None)
     backlog = int(conn.xlen(key))
     oldest = conn.xrange(key, "-", "+", count=1)
-    oldest_age = _id_age_s(_text(oldest[0][0]), now_s) if oldest else None
+    oldest_age = entry_age_s(redis_text(oldest[0][0]), now_s) if oldest else None
     group = None
     for raw in conn.xinfo_groups(key):
-        if _text(raw["name"]) == keys.CONSUMER_GROUP:
+        if redis_text(raw["name"]) == keys.CONSUMER_GROUP:
             consumers = tuple(
-                ConsumerInfo(_text(c["name"]), int(c["pending"]), int(c["idle"]))
+                ConsumerInfo(redis_text(c["name"]), int(c["pending"]), int(c["idle"]))
                 for c in conn.xinfo_consumers(key, keys.CONSUMER_GROUP)
             )
             lag = raw.get("lag")
@@ -391,7 +392,7 @@ def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
                 # Redis can report a lag from before a restart (an AOF replay) larger than the
                 # stream; the entries waiting can never outnumber the entries there are.
                 lag=None if lag is None else min(int(lag), backlog),
-                last_delivered_id=_text(raw["last-delivered-id"]),
+                last_delivered_id=redis_text(raw["last-delivered-id"]),
                 consumers=tuple(sorted(consumers, key=lambda c: c.name)),
             )
     return RequestsInfo(
@@ -402,18 +403,18 @@ def _requests_info(conn: redis.Redis, key: str, now_s: float) -> RequestsInfo:
 def _dead_letters(
     conn: redis.Redis, key: str, limit: int, now_s: float, tag: str = ""
 ) -> DeadLetters:
-    if _text(conn.type(key)) != "stream":
+    if redis_text(conn.type(key)) != "stream":
         return DeadLetters(key, count=0, recent=())
     recent = []
     for entry_id, fields in (conn.xrevrange(key, "+", "-", count=limit) or []) if limit else []:
-        decoded = {_text(k): v for k, v in (fields or {}).items()}
+        decoded = {redis_text(k): v for k, v in (fields or {}).items()}
         rid = decoded.get("rid")
         recent.append(
             DeadLetter(
-                entry_id=_text(entry_id),
-                rid=None if rid is None else _text(rid),
-                reason=_text(decoded.get("reason", b"(no reason recorded)")),
-                age_s=_id_age_s(_text(entry_id), now_s),
+                entry_id=redis_text(entry_id),
+                rid=None if rid is None else redis_text(rid),
+                reason=redis_text(decoded.get("reason", b"(no reason recorded)")),
+                age_s=entry_age_s(redis_text(entry_id), now_s),
                 tag=tag,
             )
         )
@@ -425,7 +426,7 @@ def _live_workers(
 ) -> tuple[tuple[WorkerInfo, ...], tuple[str, ...]]:
     """Workers whose record is still there; names whose record expired are removed from the set."""
     set_key = keys.workers_key(prefix, model)
-    members = sorted((_text(m), m) for m in conn.smembers(set_key))
+    members = sorted((redis_text(m), m) for m in conn.smembers(set_key))
     live: list[WorkerInfo] = []
     expired: list[tuple[str, Any]] = []  # removed as stored, so a name not UTF-8 goes too
     for name, raw_name in members:
@@ -458,23 +459,6 @@ def _parse_record(raw: bytes | str) -> dict[str, Any]:
     if not isinstance(record, dict):
         return {"state": "unreadable", "error": "record is not a JSON object"}
     return record
-
-
-def _text(value: Any) -> str:
-    """Bytes from Redis as text; bytes that are not UTF-8 become ``\\xNN``, so that a report
-    shows what is stored rather than a replacement character."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    return str(value)
-
-
-def _id_age_s(entry_id: str, now_s: float) -> float:
-    """Age of a stream entry from the millisecond time in its id."""
-    try:
-        ms = int(entry_id.split("-", 1)[0])
-    except ValueError:
-        return 0.0
-    return max(0.0, now_s - ms / 1000.0)
 
 
 def epoch_s(stamp: Any) -> float | None:
