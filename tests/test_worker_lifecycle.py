@@ -361,7 +361,7 @@ def test_a_draining_worker_shows_draining_until_it_exits(
         worker.reader.join(timeout=30)
         send(rconn, "demo", "after-stop", {"features": x})
         # "first" was deleted once answered
-        eventually(lambda: metrics.backlog.labels(shard="demo")._value.get() == 2)
+        eventually(lambda: metrics.backlog.labels("demo", "normal", "")._value.get() == 2)
         assert thread.is_alive()
         proceed.set()
         thread.join(timeout=30)
