@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import AskError, ClusterDownError, ConnectionError, MovedError
+from redis.retry import Retry
 
 from producer.protocol import keys
 from producer.redisio.retry import is_transient
@@ -123,7 +125,9 @@ def test_a_refresh_asks_the_replicas_the_last_map_named_when_its_seed_is_gone(
 ) -> None:
     # Given a client that only ever talked to its seed, whose last map named a replica (here:
     # the live test server) and a master that no longer answers
-    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5)
+    dead = redis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)
+    )
     topology = Topology(dead)
     live = rconn.connection_pool.connection_kwargs
     reply = [[0, 16383, [b"127.0.0.1", 1, b"gone"], [live["host"].encode(), live["port"], b"r"]]]
