@@ -17,8 +17,9 @@ from harness import running_worker, send, wait_reply, write_config
 from prometheus_client import CollectorRegistry, generate_latest
 
 from producer.redisio.memory import MemoryReading
+from worker.ops.histograms import Histogram
 from worker.ops.memalarm import MemoryAlarm
-from worker.ops.metrics import Histogram, Metrics, MetricsServer
+from worker.ops.metrics import Metrics, MetricsServer
 from worker.redisio.stream import StreamStats
 
 
@@ -209,3 +210,16 @@ def test_an_idle_client_timed_out_leaves_no_traceback(
     finally:
         server.close()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_lane_gone_from_a_sample_loses_its_series_and_the_others_keep_theirs() -> None:
+    metrics = Metrics()
+    stats = StreamStats(3, 1, 2, 0, oldest_ms=1_000, memory=None)
+    metrics.stream_seen(stats, now_ms=2_000, shard="demo")
+    metrics.stream_seen(stats, 2_000, "demo", "low", "acme")
+    metrics.keep_lanes({("demo", "normal", "")})  # the acme lane was removed
+    text = generate_latest(metrics.registry).decode()
+    assert _value(text, 'redbatch_backlog{class="normal",shard="demo",tenant=""}') == 3
+    assert 'tenant="acme"' not in text
+    metrics.shard_gone("demo")
+    assert 'shard="demo"' not in generate_latest(metrics.registry).decode()

@@ -126,7 +126,6 @@ class Worker:
         )
         self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
         self.shards = ShardMap(cfg.model.name)
-        self._lane_series: set[tuple[str, str, str]] = set()  # (shard, class, tenant) exported
         self.lanes = Lanes(
             self.topology,
             cfg.model.name,
@@ -250,9 +249,7 @@ class Worker:
             seen.add(labels)
             fullest = _fuller(fullest, stats.memory)
         if failed is None:  # a lane not sampled for an outage keeps its last values
-            for gone in self._lane_series - seen:
-                self.metrics.lane_gone(*gone)
-            self._lane_series = seen
+            self.metrics.keep_lanes(seen)
         self.metrics.memory_seen(fullest)
         self._memory_alarm.seen(fullest)
         self.registry.update(stages=self.metrics.stages.snapshot())  # for status --watch

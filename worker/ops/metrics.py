@@ -8,16 +8,14 @@ warm and reading from the stream.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 import logging
 import os
 import sys
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -30,13 +28,11 @@ from prometheus_client import (
     ProcessCollector,
     make_wsgi_app,
 )
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from producer.protocol.errors import ERROR_CODES
 from producer.redisio.memory import MemoryReading
 from worker.events import Events
+from worker.ops.histograms import ByClassHistogram, Histogram
 from worker.redisio.group import StreamStats
 
 __all__ = ["Metrics", "MetricsServer"]
@@ -49,101 +45,6 @@ OUTAGE_TASKS = ("starting up", "reading requests", "writing replies")
 CLAIM_KINDS = ("reclaimed", "own", "poisoned", "deleted")
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-
-
-class Histogram(Collector):
-    """A histogram observed a batch at a time, exposed as prometheus_client's own would be.
-
-    prometheus_client's ``Histogram.observe`` takes a lock and walks the buckets in Python for
-    each value, and the worker observes two values per request. Here a batch's values are
-    bucketed by bisection under one lock. (No ``_created`` sample: nothing reads it.)
-    """
-
-    def __init__(
-        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
-    ) -> None:
-        self._name, self._documentation = name, documentation
-        self._bounds = [float(b) for b in buckets]
-        self._le = [*(floatToGoString(b) for b in buckets), "+Inf"]
-        self._counts = [0] * (len(buckets) + 1)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe(self, value: float) -> None:
-        self.observe_many((value,))
-
-    def observe_many(self, values: Iterable[float]) -> None:
-        """Count each value in the first bucket whose upper bound it does not exceed."""
-        bounds, counts = self._bounds, self._counts
-        with self._lock:
-            for value in values:
-                counts[bisect.bisect_left(bounds, value)] += 1
-                self._sum += value
-
-    @property
-    def sum(self) -> float:
-        """The sum of every value observed."""
-        with self._lock:
-            return self._sum
-
-    @property
-    def count(self) -> int:
-        """How many values were observed."""
-        with self._lock:
-            return sum(self._counts)
-
-    def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self._name, self._documentation)]
-
-    def snapshot(self) -> tuple[list[tuple[str, int]], float]:
-        """The cumulative count per bucket (by ``le``) and the sum, as exposed."""
-        with self._lock:
-            cumulative = list(itertools.accumulate(self._counts))
-            total = self._sum
-        return list(zip(self._le, cumulative, strict=True)), total
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._documentation)
-        family.add_metric([], *self.snapshot())
-        yield family
-
-
-class ByClassHistogram(Collector):
-    """``Histogram`` with one series per priority class (label ``class``): the queue wait of
-    each class is what lanes are for (docs/protocol.md, "Lanes"). A batch's values come with
-    their classes; a batch of one class (the usual case) costs one ``observe_many``."""
-
-    def __init__(
-        self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry
-    ) -> None:
-        self._name, self._documentation = name, documentation
-        self._parts = {
-            cls: Histogram(name, documentation, buckets, CollectorRegistry())
-            for cls in ("high", "normal", "low")
-        }
-        registry.register(self)
-
-    def observe_many(self, values: Sequence[float], classes: Sequence[str] = ()) -> None:
-        """``values`` of the classes ``classes`` (one each; none given: all ``normal``)."""
-        if not classes or all(c == classes[0] for c in classes):
-            self._parts[classes[0] if classes else "normal"].observe_many(values)
-            return
-        for cls, part in self._parts.items():
-            part.observe_many(v for v, c in zip(values, classes, strict=True) if c == cls)
-
-    @property
-    def count(self) -> int:
-        return sum(part.count for part in self._parts.values())
-
-    def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self._name, self._documentation, labels=["class"])]
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._documentation, labels=["class"])
-        for cls, part in self._parts.items():
-            family.add_metric([cls], *part.snapshot())
-        yield family
 
 
 STAGES = ("preprocess", "postprocess")
@@ -226,19 +127,19 @@ class Metrics(Events):
         # for the model's queue, max for its oldest entry.
         self.backlog = Gauge(
             "redbatch_backlog",
-            "Entries in the shard's request stream (XLEN): unfinished work.",
+            "Entries in the lane's stream (XLEN): unfinished work.",
             ["shard", "class", "tenant"],
             registry=r,
         )
         self.pending = Gauge(
             "redbatch_pending",
-            "Entries of the shard read by a worker and not yet answered.",
+            "Entries of the lane read by a worker and not yet answered.",
             ["shard", "class", "tenant"],
             registry=r,
         )
         self.lag = Gauge(
             "redbatch_group_lag",
-            "Entries of the shard not yet read by the group (-1 when Redis cannot tell).",
+            "Entries of the lane not yet read by the group (-1 when Redis cannot tell).",
             ["shard", "class", "tenant"],
             registry=r,
         )
@@ -250,10 +151,11 @@ class Metrics(Events):
         )
         self.backlog_age = Gauge(
             "redbatch_backlog_oldest_age_seconds",
-            "Age of the oldest entry in the shard's request stream (0 when it is empty).",
+            "Age of the oldest entry in the lane's stream (0 when it is empty).",
             ["shard", "class", "tenant"],
             registry=r,
         )
+        self._lanes: set[tuple[str, str, str]] = set()  # (shard, class, tenant) exported
         self.used_memory = Gauge(
             "redbatch_redis_used_memory_bytes",
             "Redis used_memory (NaN when INFO is refused to the worker).",
@@ -386,6 +288,7 @@ class Metrics(Events):
         """Record one lane's stream state (shard ``shard``, class ``cls``, ``tenant`` or ""),
         sampled by the heartbeat; the dead letters are the shard's (its default lane's)."""
         labels = {"shard": shard, "class": cls, "tenant": tenant}
+        self._lanes.add((shard, cls, tenant))
         self.backlog.labels(**labels).set(stats.backlog)
         self.pending.labels(**labels).set(stats.pending)
         self.lag.labels(**labels).set(-1 if stats.lag is None else stats.lag)
@@ -395,18 +298,18 @@ class Metrics(Events):
         age = 0.0 if oldest is None else max(now_ms - oldest, 0.0) / 1000.0
         self.backlog_age.labels(**labels).set(age)
 
-    def lane_gone(self, shard: str, cls: str = "normal", tenant: str = "") -> None:
-        """Drop a removed lane's series, so that its last values do not linger."""
-        for gauge in (self.backlog, self.pending, self.lag, self.backlog_age):
-            with contextlib.suppress(KeyError):
-                gauge.remove(shard, cls, tenant)
+    def keep_lanes(self, lanes: set[tuple[str, str, str]]) -> None:
+        """Drop the series of every lane not in ``lanes`` (shard, class, tenant): a lane
+        removed, or a retired shard's, so that its last values do not linger."""
+        for gone in self._lanes - lanes:
+            for gauge in (self.backlog, self.pending, self.lag, self.backlog_age):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*gone)
+        self._lanes &= lanes
 
     def shard_gone(self, shard: str) -> None:
         """Drop a retired shard's series (every lane of it), so that none lingers."""
-        for gauge in (self.backlog, self.pending, self.lag, self.backlog_age):
-            for labels in [k for k in list(gauge._metrics) if k[0] == shard]:
-                with contextlib.suppress(KeyError):
-                    gauge.remove(*labels)
+        self.keep_lanes({lane for lane in self._lanes if lane[0] != shard})
         with contextlib.suppress(KeyError):
             self.dead_letters.remove(shard)
 
