@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["format_lanes", "lane_targets"]
+__all__ = ["format_lanes", "lane_targets", "make_target"]
 
 
-def _target(
+def make_target(
     target_id: str, what: str, measured: float, reference: float, op: str, threshold: float
 ) -> dict[str, Any]:
+    """One target of the report: ``measured / reference`` held against ``threshold``."""
     ratio = measured / reference if reference else 0.0
     met = ratio >= threshold if op == ">=" else ratio <= threshold
     return {
@@ -37,7 +38,7 @@ def lane_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     if backlog:
         rows = backlog["enqueue"]["low_rows"]
         found.append(
-            _target(
+            make_target(
                 "lanes-caller-p99",
                 f"high caller behind {rows:,} low rows: p99 ms over max(3 x idle p99, idle p99 "
                 "+ 3 x the backlog's mean batch run)",
@@ -48,7 +49,7 @@ def lane_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
         found.append(
-            _target(
+            make_target(
                 "lanes-caller-p99-mixed-runs",
                 "the same, the mean batch run taken over every run while the caller ran (its "
                 "own one-row runs included)",
@@ -59,7 +60,7 @@ def lane_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
         found.append(
-            _target(
+            make_target(
                 "lanes-drain",
                 "backlog rows/s with the high caller over without it",
                 backlog["drain_with_caller_rows_per_s"],
@@ -71,7 +72,7 @@ def lane_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     for part in lanes.get("tenants") or []:
         label = ":".join(map(str, part["weights"]))
         found.append(
-            _target(
+            make_target(
                 f"lanes-tenants-{label}",
                 f"tenants at {label}: worst rows ratio over 100 batches off the weights' "
                 "(1 + error)",
@@ -84,7 +85,7 @@ def lane_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     share = lanes.get("min_share")
     if share:
         found.append(
-            _target(
+            make_target(
                 "lanes-min-share",
                 "low class's share of rows under a saturating high backlog over min_share_low "
                 "(within 20%: 0.8 to 1.2)",

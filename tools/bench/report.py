@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.bench.chart import plot, pyplot
-from tools.bench.lanereport import format_lanes, lane_targets
+from tools.bench.lanereport import format_lanes, lane_targets, make_target
 from tools.bench.load import CALLERS
 from tools.bench.pipereport import format_pipelines, image_reference
 
@@ -124,18 +124,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         reference = middle["reference"] if middle else once_reference
         if measured is None or not reference:
             continue
-        ratio = measured / reference
-        met = ratio >= threshold if op == ">=" else ratio <= threshold
-        target = {
-            "id": target_id,
-            "what": what,
-            "measured": measured,
-            "reference": reference,
-            "ratio": ratio,
-            "op": op,
-            "threshold": threshold,
-            "met": bool(met),
-        }
+        target = make_target(target_id, what, measured, reference, op, threshold)
         if rounds:
             target["round_ratios"] = [r["ratio"] for r in rounds]
         found.append(target)
