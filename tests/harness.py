@@ -161,3 +161,16 @@ def tls_files(where: Path) -> TlsFiles:
     cert.private_key_pem.write_to_path(files.key)
     ca.cert_pem.write_to_path(files.ca)
     return files
+
+
+#: The docs/security.md marker before its aclfile block (the tests load that block verbatim).
+ACL_MARKER = "<!-- aclfile: tests/test_security.py reads the next code block verbatim -->"
+#: The administrator the security tests add to the doc's users, for their own checks.
+ADMIN, ADMIN_PASSWORD = "test-admin", "test-admin-password"
+
+
+def doc_aclfile() -> str:
+    """The code block after the marker in docs/security.md, verbatim."""
+    doc = Path(__file__).resolve().parents[1] / "docs" / "security.md"
+    _, after = doc.read_text(encoding="utf-8").split(ACL_MARKER, 1)
+    return after.split("```", 2)[1].strip("\n")

@@ -14,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from harness import direct_run, running_worker, send, tls_files, wait_reply, write_config
+from harness import (
+    ADMIN,
+    ADMIN_PASSWORD,
+    direct_run,
+    doc_aclfile,
+    running_worker,
+    send,
+    tls_files,
+    wait_reply,
+    write_config,
+)
 
 from producer import AsyncClient, Client
 from producer.cli.main import main as redbatch_main
@@ -39,19 +49,10 @@ from worker.errors import WorkerError
 from worker.service import Worker, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "security.md"
-MARKER = "<!-- aclfile: tests/test_security.py reads the next code block verbatim -->"
-ADMIN, ADMIN_PASSWORD = "test-admin", "test-admin-password"
 MODEL = "demo"
 STREAM = request_stream("redbatch", MODEL)
 DEAD = dead_key("redbatch", MODEL)
 X = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
-
-
-def doc_aclfile() -> str:
-    """The code block after the marker in docs/security.md, verbatim."""
-    _, after = DOC.read_text(encoding="utf-8").split(MARKER, 1)
-    return after.split("```", 2)[1].strip("\n")
 
 
 ACL = doc_aclfile()

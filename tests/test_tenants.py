@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from harness import running_worker, write_config
+from harness import ADMIN, ADMIN_PASSWORD, doc_aclfile, running_worker, write_config
 
 from producer import Client
 from producer.protocol.errors import StreamExhausted
@@ -21,22 +21,13 @@ from producer.protocol.keys import cancel_key, reply_key, request_stream
 from producer.protocol.lanes import lane_stream, lanes_key
 from tools.localredis import LocalRedis
 
-ROOT = Path(__file__).resolve().parents[1]
-MARKER = "<!-- aclfile: tests/test_security.py reads the next code block verbatim -->"
-ADMIN, ADMIN_PASSWORD = "test-admin", "test-admin-password"
 MODEL = "demo"
 P = "redbatch"
 X = np.zeros((1, 16), np.float32)
 MAX_ID = "18446744073709551615-18446744073709551615"
 
 
-def _doc_aclfile() -> str:
-    text = (ROOT / "docs" / "security.md").read_text(encoding="utf-8")
-    block = text[text.index(MARKER) :]
-    return block.split("```")[1].strip("\n")
-
-
-ACL = _doc_aclfile()
+ACL = doc_aclfile()
 TEMPLATE = next(line for line in ACL.splitlines() if "redbatch-tenant-example " in line)
 # Tenant "beta" made from the template as the doc says: "example" replaced, and the password
 BETA = TEMPLATE.replace("example", "beta")
