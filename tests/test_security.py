@@ -48,7 +48,6 @@ from worker.config import load_config
 from worker.errors import WorkerError
 from worker.service import Worker, prepare
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "demo"
 STREAM = request_stream("redbatch", MODEL)
 DEAD = dead_key("redbatch", MODEL)
