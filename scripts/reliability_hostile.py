@@ -39,7 +39,18 @@ def run(scenario: Hostile, workdir: Path, seed: int) -> chaos.Result:
     res = chaos.Result(scenario.key)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *scenario.tests],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            *scenario.tests,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import redis
 
-__all__ = ["LocalRedis", "RedisNotInstalled", "TlsFiles", "free_port"]
+__all__ = ["LocalRedis", "PortTaken", "RedisNotInstalled", "TlsFiles", "free_port"]
 
 INSTALL_HINT = (
     "redis-server is not installed. Install it with 'sudo apt-get install redis-server' "
@@ -32,6 +32,13 @@ INSTALL_HINT = (
 
 class RedisNotInstalled(RuntimeError):
     """Raised when no redis-server binary is on PATH."""
+
+
+class PortTaken(RuntimeError):
+    """Raised when redis-server could not listen on its port: another process holds it."""
+
+
+_PORT_DRAWS = 5
 
 
 def free_port() -> int:
@@ -75,6 +82,7 @@ class LocalRedis:
         if username is not None and acl is None:
             raise ValueError("username needs acl: without an aclfile only 'default' exists")
         self.port = port or free_port()
+        self._own_port = port is None  # drawn here: another may be drawn if it is taken
         self.extra_args = extra_args
         self.username = username
         self.password = password
@@ -107,7 +115,19 @@ class LocalRedis:
         return Path(self._dir.name)
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
-        """Start the server and return once it answers PING."""
+        """Start the server and return once it answers PING. A port drawn here that another
+        process took between the draw and the start (test modules run in parallel) is drawn
+        again, a few times."""
+        for attempt in range(_PORT_DRAWS):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:
+                if not self._own_port or attempt == _PORT_DRAWS - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> LocalRedis:
         assert self.binary is not None
         args = [
             self.binary,
@@ -166,7 +186,8 @@ class LocalRedis:
                 if self._proc is not None and self._proc.poll() is not None:
                     err = self._proc.stderr.read().decode() if self._proc.stderr else ""
                     log = self._log_tail()
-                    raise RuntimeError(f"redis-server exited at start: {err.strip()} {log}")
+                    kind = PortTaken if "already in use" in f"{err} {log}" else RuntimeError
+                    raise kind(f"redis-server exited at start: {err.strip()} {log}")
                 if self._answers(client):
                     return
                 if time.monotonic() > deadline:
@@ -176,15 +197,25 @@ class LocalRedis:
             client.close()
 
     def _answers(self, client: redis.Redis) -> bool:
-        """True once PING succeeds; wrong credentials are not worth waiting for."""
+        """True once PING succeeds and the server answering is this class's own process (not
+        another that holds the port); wrong credentials are not worth waiting for."""
         try:
-            return bool(client.ping())
+            return bool(client.ping()) and self._is_ours(client)
         except redis.AuthenticationError as exc:
             raise RuntimeError(
                 f"redis-server on port {self.port} refused this class's own credentials: {exc}"
             ) from exc
         except redis.ConnectionError:
             return False
+
+    def _is_ours(self, client: redis.Redis) -> bool:
+        if self._proc is None:
+            return True
+        try:
+            pid = client.info("server").get("process_id")
+        except redis.exceptions.NoPermissionError:
+            return True  # a user without INFO: PING had to do
+        return pid == self._proc.pid
 
     def _log_tail(self, lines: int = 5) -> str:
         """The last lines of the server log: where a bad aclfile or TLS file is explained."""
