@@ -172,8 +172,16 @@ def fault_storm(
             run.pool.start(f"w{i}", armed)
         run.pool.wait_ready()
         run.send(rids, rate_per_s=requests / duration_s, chunk=4)
-        with contextlib.suppress(ScenarioTimeout):
-            run.pool.wait_exits(kills, timeout_s=30)
+        deadline = time.monotonic() + 60
+        while run.pool.kills < kills and time.monotonic() < deadline:
+            # The dice can spare the armed workers through the whole load (bigger batches on a
+            # slower machine mean fewer hits): give them more work until they have died.
+            run.pool.wait_ready(count=workers)
+            extra = run.requests.make(8 * s.max_batch_size, "fs")
+            rids += extra
+            run.send(extra, chunk=4)
+            with contextlib.suppress(ScenarioTimeout):
+                run.pool.wait_exits(len(run.pool.exits) + 1, timeout_s=3)
         run.pool.wait_ready(count=workers)
         res = run.check(rids, timeout_s=60)
         if res.kills < kills:
