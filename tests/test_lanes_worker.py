@@ -111,6 +111,27 @@ def test_a_lane_added_later_is_learnt_without_a_restart(tmp_path: Path, rconn) -
         assert lane_stream(PREFIX, MODEL, "high", "late") in {lane.key for lane in worker.lanes}
 
 
+def test_a_new_lane_is_learnt_within_the_lane_watch_not_at_the_next_heartbeat(
+    tmp_path: Path, rconn
+) -> None:
+    # Given a worker whose heartbeat comes every 5 s, and which has just started
+    config = _config(tmp_path, rconn, "[scheduling]\nlane_watch_ms = 100")
+    with running_worker(config) as worker:
+        assert worker.registry.interval_s == 5.0
+        # When a caller sends the first request of a new lane (no beat forced here)
+        rid = _send(rconn, "high", "fresh", "f1")
+        # Then it is answered well before the next heartbeat: the lane watch asked for a beat
+        eventually(lambda: _answered(rconn, rid), timeout_s=3.0, what="the reply before a beat")
+        assert worker.lane_watch.triggered >= 1
+        # and a set of junk past 4 x max_lanes waits for the heartbeat instead
+        rconn.sadd(LANES, *(f"junk:{i}" for i in range(4 * 64 + 1)))
+        seen = worker.lane_watch.triggered
+        eventually(
+            lambda: worker.lane_watch.sizes.get(MODEL, 0) > 4 * 64, what="the watch saw the set"
+        )
+        assert worker.lane_watch.triggered == seen
+
+
 def test_junk_in_the_lane_set_is_ignored_and_the_lanes_are_bounded(
     tmp_path: Path, rconn, caplog
 ) -> None:

@@ -102,11 +102,7 @@ def _produce(url: str, out: Path, rows_per_request: int, concurrency: int) -> in
         str(rows_per_request),
         "--concurrency",
         str(concurrency),
-        # The shared normal lane the worker reads from its start: a batch job's default low lane
-        # is learnt at the worker's next heartbeat (up to 5 s), which would be most of this run.
-        "--priority",
-        "normal",
-    ]
+    ]  # class low, a batch job's default: the worker learns its lane within lane_watch_ms
     print(f"demo: redbatch {' '.join(cmd[3:])}", flush=True)
     return subprocess.run(cmd, env=dict(os.environ, REDIS_URL=url), check=False).returncode
 

@@ -150,6 +150,8 @@ class Worker:
             lane_idle_s=cfg.scheduling.lane_idle_s,
         )
         self._weights = Weights()  # P:{M}:weights, read on each beat for the scheduler
+        # A new lane is learnt in lane_watch_ms (a beat asked for), not at the next heartbeat.
+        self.lane_watch = self.lanes.watch(self.registry.beat_soon, cfg.scheduling.lane_watch_ms)
         # Redis memory as the answer path sees it: error replies compact and short-lived past
         # half of maxmemory, error-only batches held past 1.25 x (worker/answer/pressure.py)
         pressure = MemoryPressure(lambda tag: self.shards.stream(tag).client)
@@ -351,6 +353,7 @@ class Worker:
         try:
             starting.call(self.topology.refresh)
             starting.call(self.stream.ensure_group)
+            starting.call(self.lane_watch.poll)  # sizes first: a lane added after is seen
             starting.call(self._follow_shards)
             if not starting.call(self.registry.beat_first) and not starting.call(
                 lambda: self.registry.take_over_name(self.stop)
@@ -369,6 +372,8 @@ class Worker:
             log.info("stopped before Redis could be reached; nothing was read")
             return False
         self.registry.start()
+        if self.lane_watch.interval_s > 0:
+            self.lane_watch.start()
         self.writer.start()
         if self.prep is not None:
             self.prep.start()

@@ -186,7 +186,7 @@ def lanes_backlog(b: Phases) -> None:
     result: dict[str, Any] = {"model": LANES_MODEL, "max_batch_size": setup.max_batch_size}
     try:
         with Client(setup.served, url=b.url, prefix=PREFIX) as client:
-            _caller(client, one, 2.0)  # warm: the high lane is learnt at a sync (up to 5 s)
+            _caller(client, one, 2.0)  # warm: the high lane is learnt (lane_watch_ms)
             say(f"lanes-backlog: one high caller alone for {o.lane_caller_s:g} s")
             idle = _Window(worker, o.lane_request_rows)
             result["idle"] = percentiles(_caller(client, one, o.lane_caller_s))

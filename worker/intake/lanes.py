@@ -11,7 +11,8 @@ name its entries carry (``RawEntry.shard``: the shard's tag for a default lane, 
 for any other), where the later stages find them for the cancel recheck, the finish step and the
 release of leases.
 
-The shard list and each shard's lane set are read again on every heartbeat (``sync``): a shard
+The shard list and each shard's lane set are read again on every heartbeat (``sync``), and at
+once when a lane set's size changed (``worker.intake.lanewatch``): a shard
 or lane added gets a lane at once; a lane whose shard was retired (drained, then dropped from
 ``P:{M}:retiring``) or which left its lane set stops reading, and closes once what it holds is
 answered. A lane set is untrusted (``worker.intake.laneset``: junk ignored, lanes bounded). A
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -33,6 +34,7 @@ from producer.protocol.lanes import Lane as LaneName
 from producer.protocol.lanes import lanes_key
 from producer.redisio.topology import Topology
 from worker.intake.laneset import LaneSets
+from worker.intake.lanewatch import LaneWatch
 from worker.intake.leases import LeaseKeeper, Leases
 from worker.intake.read import Reader
 from worker.intake.reclaim import Reclaimer
@@ -164,6 +166,18 @@ class Lanes:
     def tags(self) -> list[str]:
         """The shards served (their default lanes)."""
         return [lane.tag for lane in self if lane.name is None]
+
+    def watch(self, on_change: Callable[[], None], interval_ms: float) -> LaneWatch:
+        """A ``LaneWatch`` of the shards served, calling ``on_change`` (not started)."""
+        return LaneWatch(
+            self.topology,
+            self.settings.prefix,
+            self.tags,
+            on_change,
+            self.settings.stop,
+            interval_s=interval_ms / 1000.0,
+            max_lanes=self.sets.max_lanes,
+        )
 
     def start(self) -> None:
         """Start every lane made so far (the first, and any ``sync`` added before start)."""
