@@ -28,7 +28,7 @@ from worker.model.schema import ValidRequest
 from worker.redisio.cancels import CancelCheck
 from worker.redisio.stream import RawEntry
 
-__all__ = ["Admitted", "DeadLetter", "Item", "Outcome", "Refused"]
+__all__ = ["Admitted", "DeadLetter", "Item", "Outcome", "Part", "Refused", "Whole"]
 
 
 class _Delivered:
@@ -65,10 +65,18 @@ class Admitted(_Delivered):
     raw: dict[str, np.ndarray] | None = None
     wanted: tuple[str, ...] | None = None
     preprocess_ms: float = 0.0
+    # Set when the batcher split its rows across batches (worker/answer/parts.py): which rows
+    # of the whole request this item holds, and where the parts are joined again.
+    part: Part | None = None
 
     @property
     def rows(self) -> int:
         return self.request.rows
+
+    @property
+    def counted(self) -> bool:
+        """True once per request: a whole one, or its first part (queue wait, the exec log)."""
+        return self.part is None or self.part.start == 0
 
     @property
     def shard(self) -> str:
@@ -107,6 +115,23 @@ class DeadLetter(_Delivered):
 
 
 Item = Admitted | Refused | DeadLetter
+
+
+@dataclass(slots=True, eq=False)
+class Whole:
+    """A request split into parts: as admitted, and the outcomes of its parts that ran."""
+
+    item: Admitted
+    outcomes: dict[int, Outcome]  # by the part's first row
+    rows_done: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """An item that holds rows ``start`` onward of ``whole``'s request (as many as it has)."""
+
+    whole: Whole
+    start: int
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
+from worker.answer.parts import splittable
 from worker.answer.pressure import MemoryPressure
 from worker.answer.scheduler import LaneQueue
 from worker.answer.writer import ReplyWriter
@@ -123,6 +124,8 @@ class Worker:
             cfg.batching.max_batch_size,
             cfg.batching.max_wait_ms,
             adaptive=cfg.batching.adaptive_wait,
+            # worker/answer/parts.py: not with a pipeline (its hooks take requests whole)
+            split=cfg.scheduling.split_requests and splittable(self.pipeline, prepared.schema),
         )
         self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
         self.shards = ShardMap(cfg.model.name)
@@ -440,7 +443,7 @@ class Worker:
             self.lanes.close_keepers()
             written = self.writer.failure is None
             if written and not self._gave_up:
-                self._forget_self()
+                self.lanes.forget_self()
             self.registry.close(remove=written)  # ends the heartbeat, then removes the record
         log.info("stopped", extra={"fields": {"worker": self.name, **self.served}})
 
@@ -461,15 +464,6 @@ class Worker:
         except WorkerError:
             if not self._gave_up:
                 raise
-
-    def _forget_self(self) -> None:
-        """Leave the group on a clean exit, so restarts do not pile up consumers."""
-        for lane in self.lanes:
-            try:
-                if lane.claims.forget_self():
-                    log.debug("removed consumer %s from %s's group", self.name, lane.tag)
-            except (redis.RedisError, OSError) as exc:
-                log.warning("could not remove consumer %s from the group (%s)", self.name, exc)
 
     # -- one batch --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import redis
 from producer.protocol.codec import ErrorInfo
 from producer.protocol.errors import WireFormatError
 from producer.protocol.replies import ReplyEncoder
+from worker.answer import parts
 from worker.answer.assemble import FeedBuffers
 from worker.answer.pressure import MemoryPressure, compact_error, compact_ttl
 from worker.answer.replybound import (
@@ -100,12 +101,13 @@ class Answerer:
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
             finishes = [self._failure(item, error, started_ms) for item in batch]
+        counted = [i for i in batch if not isinstance(i, Admitted) or i.counted]  # not tails
         return Batch(
             finishes,
-            queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in batch],
-            decode_s=[item.decode_ms / 1000.0 for item in batch],
+            queued_s=[max(started_ms - item.entry.id_ms, 0.0) / 1000.0 for item in counted],
+            decode_s=[item.decode_ms / 1000.0 for item in counted],
             runs=runs,
-            classes=[_class_of(item) for item in batch],
+            classes=[parts.class_of(item) for item in counted],
         )
 
     def _answer(
@@ -120,7 +122,7 @@ class Answerer:
                     if error is None:
                         runnable.append(item)
                     else:
-                        finishes.append(self._refusal(item, error, started_ms))
+                        finishes += self._refusals([Outcome(item, None, error, 0, 0.0)], started_ms)
                 case Refused():
                     finishes.append(self._refusal(item, item.error, started_ms))
                 case DeadLetter():
@@ -130,7 +132,7 @@ class Answerer:
             for item in group:  # cancels and deadlines again, just before the run
                 error = cancels.already(item) or _expired(item)
                 if error is not None:
-                    finishes.append(self._refusal(item, error, started_ms))
+                    finishes += self._refusals([Outcome(item, None, error, 0, 0.0)], started_ms)
                 else:
                     live.append(item)
             if live:
@@ -169,14 +171,8 @@ class Answerer:
         together (what they share is packed once)."""
         finishes = []
         runs: dict[tuple[int, float], list[Outcome]] = {}
-        for outcome in outcomes:
+        for outcome in parts.join(self._cancelled_after(outcomes, check)):
             item = outcome.item
-            if check.cancelled(item):  # its cancel check answered after the run started
-                self.events.cancelled_after_run()
-                finishes.append(
-                    self._refusal(item, cancels.cancelled_error(), started_ms, outcome.inference_ms)
-                )
-                continue
             if outcome.error is None:
                 runs.setdefault((outcome.batch_rows, outcome.inference_ms), []).append(outcome)
                 continue
@@ -191,6 +187,25 @@ class Answerer:
         for (rows, inference_ms), done in runs.items():
             finishes += self._ok_run(done, rows, round(inference_ms, 3), started_ms)
         return finishes
+
+    def _cancelled_after(
+        self, outcomes: Sequence[Outcome], check: cancels.RunCheck
+    ) -> list[Outcome]:
+        """``outcomes``, those whose cancel check answered after the run started CANCELLED."""
+        kept = []
+        for o in outcomes:
+            if not check.cancelled(o.item):
+                kept.append(o)
+                continue
+            self.events.cancelled_after_run()
+            kept.append(
+                Outcome(o.item, None, cancels.cancelled_error(), o.batch_rows, o.inference_ms)
+            )
+        return kept
+
+    def _refusals(self, outcomes: Sequence[Outcome], started_ms: float) -> list[Finish]:
+        """Error outcomes refused before a run: a part's only once its request is joined."""
+        return [self._refusal(o.item, o.error, started_ms) for o in parts.join(outcomes) if o.error]
 
     def _ok_run(
         self, done: Sequence[Outcome], rows: int, inference_ms: float, started_ms: float
@@ -477,9 +492,3 @@ def _by_signature(items: Sequence[Admitted]) -> list[list[Admitted]]:
     for item in items:
         groups.setdefault(item.request.signature, []).append(item)
     return list(groups.values())
-
-
-def _class_of(item: Item) -> str:
-    """The priority class of the lane ``item`` was read from (its default lane: normal)."""
-    lane = item.entry.lane
-    return "normal" if lane is None else lane.cls

@@ -16,7 +16,9 @@ Waiting is adaptive, in two ways:
   burst that has ended (C callers who each sent their one request) closes its batch soon after
   its last request rather than waiting out the window for requests that are not coming.
 
-A redelivered request (one a worker may have died on) always runs in a batch of its own.
+A redelivered request (one a worker may have died on) always runs in a batch of its own. With
+``split``, a request of a lower class than the batch holds that does not fit fills the batch with
+its first rows, and the rest is first in line for the next batch (``worker.answer.parts``).
 
 With lanes (``worker.answer.scheduler.LaneQueue``, which has ``putback``) the batcher holds
 nothing between batches: what it took and did not fit the batch it formed goes back to its lane
@@ -32,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from worker.answer.parts import split
 from worker.items import Item
 
 __all__ = ["Batcher", "Source"]
@@ -71,8 +74,11 @@ class Batcher:
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], float] = lambda: time.time() * 1000.0,
         adaptive: bool = True,
+        split: bool = False,
     ) -> None:
         self.source = source
+        self.split = split  # requests' rows may be split across batches (worker/answer/parts.py)
+        self.splits = 0  # requests split so far
         self.max_rows = max_rows
         self.max_wait_ms = max_wait_ms
         self.clock = clock
@@ -121,6 +127,11 @@ class Batcher:
                     break
                 gained += 1
             if item.alone or rows + item.rows > self.max_rows:
+                parts = split(batch, item, self.max_rows - rows) if self.split else None
+                if parts is not None:  # a lower class's rows fill the room behind a higher one
+                    batch.append(parts[0])
+                    item = parts[1]
+                    self.splits += 1
                 self._buffer.appendleft(item)  # first in line for the next batch
                 break
             batch.append(item)

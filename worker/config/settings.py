@@ -179,6 +179,9 @@ class SchedulingConfig:
         300.0, NUMBER, "An empty lane with nothing pending this long is removed.", min=1.0,
         max=float(_DAY_S),
     )  # fmt: skip
+    split_requests: bool = setting(
+        True, BOOL, "Lower-class rows fill the room a higher class leaves, split across batches."
+    )
     lane_watch_ms: float = setting(
         500.0, NUMBER, "How often lane sets are checked for new lanes; 0: at heartbeats only.",
         min=0.0, max=60_000.0,

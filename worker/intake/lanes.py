@@ -304,6 +304,16 @@ class Lanes:
     def reading(self) -> bool:
         return any(lane.reader.is_alive() for lane in self)
 
+    def forget_self(self) -> None:
+        """Leave each lane's group on a clean exit, so restarts do not pile up consumers."""
+        consumer = self.settings.consumer
+        for lane in self:
+            try:
+                if lane.claims.forget_self():
+                    log.debug("removed consumer %s from %s's group", consumer, lane.key)
+            except (redis.RedisError, OSError) as exc:
+                log.warning("could not remove consumer %s from the group (%s)", consumer, exc)
+
     def close_keepers(self) -> None:
         for lane in self:
             lane.keeper.close()
