@@ -24,9 +24,17 @@ from producer.redisio.topology import tag_slot
 from tools.localcluster import ClusterNode, LocalCluster
 
 from .common import MODEL, PREFIX, ScenarioTimeout, wait_for
+from .lanes import MIX
 from .oracle import Result
 from .processes import Settings
 from .run import Run
+
+
+def _lanes_served(run: Run, rids: list[str]) -> bool:
+    """Each lane of ``MIX`` has an answered request among ``rids`` (those sent so far)."""
+    sent = [rid for rid in rids if rid in run.confirmed]
+    answered = [rid for rid, n in zip(sent, run.reply_counts(sent), strict=True) if n]
+    return {run.lane(rid) for rid in answered} == set(MIX)
 
 
 def master_failover(
@@ -78,6 +86,9 @@ def master_failover(
         victim = lc.node_for_slot(tag_slot(target))
         sender = run.send_in_background(rids, rate_per_s=requests / duration_s)
         time.sleep(duration_s / 3)  # the kill schedule: a third of the way into the load
+        if lanes:  # and not before the workers serve every lane of the victim's shard
+            on_target = [rid for rid in rids if run.shard_of(rid) == target]
+            wait_for(lambda: _lanes_served(run, on_target), 30, "every lane of the shard served")
         # One XADD a round trip, spread over at least probe_s so that it spans the kill
         prober = run.send_in_background(burst, chunk=1, rate_per_s=probe / probe_s)
         wait_for(
