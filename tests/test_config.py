@@ -606,3 +606,21 @@ def test_reference_config_documents_the_v2_keys() -> None:
     text = (ROOT / "configs" / "reference.toml").read_text()
     for key in ("max_element_bytes", "batch_axis", "[pipeline]", "timeout_s", "[outputs."):
         assert key in text
+
+
+def test_a_bad_value_in_a_part_of_a_split_request_is_placed_by_the_whole_requests_row(
+    model_dir: Path,
+) -> None:
+    # A request's rows split across batches (worker/answer/parts.py): its tail starts at row 30
+    import numpy as np
+
+    from worker.model.schema import Schema, ValidRequest
+    from worker.model.session import TensorSpec
+
+    config = _parse(model_dir, inputs={"x": {"min": 0.0}})
+    inputs = (TensorSpec("x", np.dtype("float32"), ("N", 3)),)
+    schema = Schema(inputs, (TensorSpec("y", np.dtype("float32"), ("N",)),), config)
+    feeds = {"x": np.array([[1.0, 1.0, 1.0], [1.0, -5.0, 1.0]], np.float32)}
+    tail = ValidRequest({"x": feeds["x"]}, 2, ((3,),), ("y",), first_row=30)
+    rejected = schema.screen(feeds, [tail])
+    assert "at [31, 1] is below the minimum 0" in rejected[0].message

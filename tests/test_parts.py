@@ -7,6 +7,7 @@ batch of its own, and every such request costs the backlog a whole run.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,34 @@ def test_a_part_that_failed_fails_the_whole_request_once_all_parts_are_in() -> N
     assert (whole.item.rid, whole.error, whole.outputs) == ("r1", error, None)
 
 
+def test_a_higher_class_is_never_split_behind_a_lower_part_nor_rows_of_another_shape() -> None:
+    q, batcher = _batcher()
+    q.put([_item(LOW, 1, 32)])
+    q.put([_item(HIGH, 9, 1)])
+    batcher.next_batch(1.0)
+    [tail] = batcher.next_batch(1.0)
+    assert tail.part is not None
+    # a high request never waits behind a low tail for the rest of its rows
+    assert parts.split([tail], _item(HIGH, 2, 20), 31) is None
+    # a low request whose rows have another shape would not share the high rows' run
+    other = _item(LOW, 3, 32)
+    other.request = dataclasses.replace(other.request, signature=((3,),))
+    assert parts.split([_item(HIGH, 4, 1)], other, 31) is None
+    assert parts.split([_item(HIGH, 4, 1)], _item(LOW, 5, 32), 31) is not None
+
+
+def test_once_a_part_failed_the_rest_is_refused_with_its_error() -> None:
+    q, batcher = _batcher()
+    q.put([_item(LOW, 1, 32)])
+    q.put([_item(HIGH, 9, 1)])
+    head = batcher.next_batch(1.0)[1]
+    [tail] = batcher.next_batch(1.0)
+    assert parts.failed(tail) is None
+    error = Rejected("CANCELLED", "the caller cancelled it")
+    assert parts.join([Outcome(head, None, error, 0, 0.0)]) == []
+    assert parts.failed(tail) == error
+
+
 MODEL = "demo"
 
 
@@ -147,6 +176,10 @@ def test_a_worker_joins_split_low_requests_into_their_exact_outputs(tmp_path: Pa
             thread.join(30)
         # Then requests were split (rows of a low request ran in two batches) ...
         assert worker.batcher.splits > 0
+        counted = worker.metrics.registry.get_sample_value(
+            "redbatch_requests_split_total", {"class": "low"}
+        )
+        assert counted == worker.batcher.splits
     # ... and each low request has one reply, its outputs exactly its own rows' in order
     for rid, x in low.items():
         key = keys.reply_key(PREFIX, MODEL, rid)

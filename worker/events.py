@@ -63,6 +63,10 @@ class Events:
     def cancelled_after_run(self) -> None:
         """A request ran, then was answered CANCELLED: its cancel key counted, but too late."""
 
+    def split(self, cls: str) -> None:
+        """A request of class ``cls`` had its rows split across two batches, its first rows
+        filling the room a higher class left (``worker.answer.parts``)."""
+
     def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
         """A pipeline hook call (``stage``: preprocess or postprocess) on ``requests`` requests
         took ``wall_s`` seconds, ``cpu_s`` of them on its thread's CPU."""
@@ -133,6 +137,10 @@ class Fanout(Events):
     def cancelled_after_run(self) -> None:
         for handle in self._to["cancelled_after_run"]:
             handle()
+
+    def split(self, cls: str) -> None:
+        for handle in self._to["split"]:
+            handle(cls)
 
     def hook_ran(self, stage: str, requests: int, wall_s: float, cpu_s: float) -> None:
         for handle in self._to["hook_ran"]:

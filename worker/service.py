@@ -126,6 +126,7 @@ class Worker:
             adaptive=cfg.batching.adaptive_wait,
             # worker/answer/parts.py: not with a pipeline (its hooks take requests whole)
             split=cfg.scheduling.split_requests and splittable(self.pipeline, prepared.schema),
+            events=self.events,
         )
         self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
         self.shards = ShardMap(cfg.model.name)

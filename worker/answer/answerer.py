@@ -36,6 +36,7 @@ from worker.answer.replybound import (
     too_large,
 )
 from worker.answer.run import run_batch
+from worker.answer.unicode import unencodable
 from worker.answer.writer import Batch
 from worker.errors import Rejected
 from worker.events import Events
@@ -100,7 +101,12 @@ class Answerer:
         except Exception:  # a bug here must not stop the worker or leave requests unanswered
             log.exception("batch failed unexpectedly; answering its requests INTERNAL")
             error = Rejected("INTERNAL", "the worker failed on this batch; retry.", retryable=True)
-            finishes = [self._failure(item, error, started_ms) for item in batch]
+            finishes = []
+            for item in batch:  # a part's error waits for its request's other parts
+                if isinstance(item, Admitted) and item.part is not None:
+                    finishes += self._refusals([Outcome(item, None, error, 0, 0.0)], started_ms)
+                else:
+                    finishes.append(self._failure(item, error, started_ms))
         counted = [i for i in batch if not isinstance(i, Admitted) or i.counted]  # not tails
         return Batch(
             finishes,
@@ -118,7 +124,7 @@ class Answerer:
         for item in batch:
             match item:
                 case Admitted():
-                    error = cancels.already(item) or _expired(item)
+                    error = cancels.already(item) or _expired(item) or parts.failed(item)
                     if error is None:
                         runnable.append(item)
                     else:
@@ -130,7 +136,7 @@ class Answerer:
         for group in _by_signature(runnable):
             live = []
             for item in group:  # cancels and deadlines again, just before the run
-                error = cancels.already(item) or _expired(item)
+                error = cancels.already(item) or _expired(item) or parts.failed(item)
                 if error is not None:
                     finishes += self._refusals([Outcome(item, None, error, 0, 0.0)], started_ms)
                 else:
@@ -239,7 +245,7 @@ class Answerer:
         for outcome, reply in zip(done, replies, strict=True):
             item = outcome.item
             if reply is None:
-                error = _unencodable("the model's", outcome.outputs or {}, item.rid)
+                error = unencodable("the model's", outcome.outputs or {}, item.rid)
                 finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
             elif fits:
                 finishes.append(self._finish(item, reply, "OK", item.reply_ttl_s))
@@ -296,7 +302,7 @@ class Answerer:
                     meta_raw=item.meta_raw,
                 )
             except WireFormatError:  # postprocess refuses such outputs; kept per request anyway
-                error = _unencodable("the pipeline's postprocess", result, item.rid)
+                error = unencodable("the pipeline's postprocess", result, item.rid)
                 finishes.append(self._refusal(item, error, started_ms, outcome.inference_ms))
                 continue
             finishes.append(self._ok(item, reply, result, started_ms))
@@ -441,38 +447,6 @@ class Answerer:
 def _queued_ms(entry: RawEntry, started_ms: float) -> float:
     """From enqueue (the stream id's time) to the batch's start, as replies report it."""
     return round(max(started_ms - entry.id_ms, 0.0), 3)
-
-
-def _unencodable(whose: str, outputs: Mapping[str, Any], rid: str) -> Rejected:
-    """INFERENCE_FAILED for outputs whose reply UTF-8 cannot encode: the model (or the
-    pipeline) made them, so the fault is not the caller's (the pipeline's postprocess
-    answers its own such output so: ``worker.pipeline.hooks``)."""
-    name = next((n for n, a in outputs.items() if _not_unicode(a)), None)
-    what = "an output" if name is None else f"output {name!r}"
-    error = Rejected(
-        "INFERENCE_FAILED",
-        f"{whose} {what} holds a string that is not valid Unicode (a lone surrogate, which "
-        "UTF-8 cannot encode).",
-    )
-    log.warning(
-        "a reply could not be encoded",
-        extra={"fields": {"rid": rid, "error": error.message}},
-    )
-    return error
-
-
-def _not_unicode(value: Any) -> bool:
-    """Whether an output holds a str that UTF-8 cannot encode (a lone surrogate)."""
-    array = np.asarray(value)
-    if array.dtype.kind not in "OU":
-        return False
-    try:
-        for element in array.flat:
-            if isinstance(element, str):
-                element.encode()
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def _expired(item: Admitted) -> Rejected | None:

@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from worker.answer.parts import split
+from worker.answer.parts import class_of, split
+from worker.events import NO_EVENTS, Events
 from worker.items import Item
 
 __all__ = ["Batcher", "Source"]
@@ -75,10 +76,12 @@ class Batcher:
         wall_ms: Callable[[], float] = lambda: time.time() * 1000.0,
         adaptive: bool = True,
         split: bool = False,
+        events: Events = NO_EVENTS,
     ) -> None:
         self.source = source
         self.split = split  # requests' rows may be split across batches (worker/answer/parts.py)
         self.splits = 0  # requests split so far
+        self.events = events
         self.max_rows = max_rows
         self.max_wait_ms = max_wait_ms
         self.clock = clock
@@ -132,6 +135,7 @@ class Batcher:
                     batch.append(parts[0])
                     item = parts[1]
                     self.splits += 1
+                    self.events.split(class_of(item))
                 self._buffer.appendleft(item)  # first in line for the next batch
                 break
             batch.append(item)

@@ -6,8 +6,11 @@ its own (a memory-bound model reads all its weights whatever the rows; measured 
 docs/benchmarks.md, "lanes-backlog"). So the batcher splits a request of a lower class than
 what the batch already holds when it does not fit: its first rows (the head) fill the batch, and
 the rest (the tail) goes back first in its lane for the next batch, where the next request
-is split behind it in turn, so the batches stay full. Requests of one class are never split
-otherwise, so traffic without classes batches exactly as before.
+of its class is split behind it in turn, so the batches stay full. A request is split only
+behind rows of a higher class, or behind a part of its own class, and only when they share a
+run (equal shapes): traffic of one class alone batches exactly as before, and a higher class
+is never split behind a lower one. Once one part failed (cancelled, late, invalid, the
+runtime's error), the rest is answered with that error without running.
 
 Only a request whose rows are all on axis 0 of every input and output may be split (not with a
 pipeline, whose hooks take a request whole, nor with batch axes other than 0), and never a
@@ -25,10 +28,11 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from producer.protocol.lanes import CLASSES, DEFAULT_CLASS
+from worker.errors import Rejected
 from worker.items import Admitted, Item, Outcome, Part, Whole
 from worker.model.schema import Schema
 
-__all__ = ["class_of", "join", "split", "splittable"]
+__all__ = ["class_of", "failed", "join", "split", "splittable"]
 
 
 def splittable(pipeline: object | None, schema: Schema) -> bool:
@@ -52,8 +56,7 @@ def split(batch: Sequence[Item], item: Item, room: int) -> tuple[Admitted, Admit
     (see the module); None when it may not."""
     if not isinstance(item, Admitted) or item.alone or not 0 < room < item.rows:
         return None
-    rank = class_rank(item)
-    if not any(_part_of(other) or class_rank(other) < rank for other in batch):
+    if not any(_makes_room(other, item) for other in batch):
         return None
     whole, base = (item.part.whole, item.part.start) if item.part else (Whole(item, {}), 0)
     return _rows(item, 0, room, Part(whole, base)), _rows(
@@ -61,16 +64,28 @@ def split(batch: Sequence[Item], item: Item, room: int) -> tuple[Admitted, Admit
     )
 
 
-def _part_of(item: Item) -> bool:
-    return isinstance(item, Admitted) and item.part is not None
+def _makes_room(other: Item, item: Admitted) -> bool:
+    """Whether ``other`` in a batch lets ``item`` be split behind it: ``other`` is of a higher
+    class, or a part of the same class (the chain); and they share a run (equal shapes), or
+    the split would buy nothing."""
+    if not isinstance(other, Admitted) or other.request.signature != item.request.signature:
+        return False
+    mine, theirs = class_rank(item), class_rank(other)
+    return theirs < mine or (other.part is not None and theirs == mine)
+
+
+def failed(item: Admitted) -> Rejected | None:
+    """The error an earlier part of ``item``'s request met, if any: the rest need not run."""
+    if item.part is None:
+        return None
+    return next((o.error for o in item.part.whole.outcomes.values() if o.error), None)
 
 
 def _rows(item: Admitted, first: int, end: int, part: Part) -> Admitted:
     request = item.request
     inputs = {name: array[first:end] for name, array in request.inputs.items()}
-    return dataclasses.replace(
-        item, request=dataclasses.replace(request, inputs=inputs, rows=end - first), part=part
-    )
+    sliced = dataclasses.replace(request, inputs=inputs, rows=end - first, first_row=part.start)
+    return dataclasses.replace(item, request=sliced, part=part)
 
 
 def join(outcomes: Iterable[Outcome]) -> list[Outcome]:
@@ -83,8 +98,9 @@ def join(outcomes: Iterable[Outcome]) -> list[Outcome]:
             joined.append(outcome)
             continue
         whole = part.whole
+        if part.start not in whole.outcomes:  # a part answered twice (a failed batch) counts once
+            whole.rows_done += outcome.item.rows
         whole.outcomes[part.start] = outcome
-        whole.rows_done += outcome.item.rows
         if whole.rows_done >= whole.item.rows:
             joined.append(_joined(whole))
     return joined
@@ -93,7 +109,9 @@ def join(outcomes: Iterable[Outcome]) -> list[Outcome]:
 def _joined(whole: Whole) -> Outcome:
     parts = [whole.outcomes[start] for start in sorted(whole.outcomes)]
     taken = sum(p.inference_ms for p in parts)
-    rows = max(p.batch_rows for p in parts)  # the head's batch, which it filled: >= its rows
+    # the largest run, and at least the request's rows (the reply-size check relies on it)
+    rows = max(whole.item.rows, *(p.batch_rows for p in parts))
+    whole.outcomes.clear()  # no cycle (whole -> outcome -> part -> whole) outlives the reply
     error = next((p.error for p in parts if p.error is not None), None)
     if error is not None or any(p.outputs is None for p in parts):
         return Outcome(whole.item, None, error, rows, taken)

@@ -60,6 +60,7 @@ class ValidRequest:
     signature: Signature
     outputs: tuple[str, ...]
     fixed: Mapping[str, np.ndarray] | None = None
+    first_row: int = 0  # of the whole request, when this is a part of it (worker/answer/parts.py)
 
 
 class Schema:
@@ -251,7 +252,7 @@ class Schema:
         for index, request in enumerate(requests):
             try:
                 for name, rule in self._value_checked:
-                    _check_values(rule, request.inputs[name])
+                    _check_values(rule, request.inputs[name], request.first_row)
             except Rejected as exc:
                 rejected[index] = exc
         return rejected
@@ -319,7 +320,8 @@ def _check_dtype_and_shape(
                 )
 
 
-def _check_values(rule: InputRule, arr: np.ndarray) -> None:
+def _check_values(rule: InputRule, arr: np.ndarray, first_row: int = 0) -> None:
+    """Raise INVALID_INPUT at the first bad value; its row counted from ``first_row``."""
     name = rule.spec.name
     if rule.is_float and rule.reject_non_finite and arr.size:
         finite = np.isfinite(arr)
@@ -327,7 +329,7 @@ def _check_values(rule: InputRule, arr: np.ndarray) -> None:
             where = _first(~finite)
             raise Rejected(
                 "INVALID_INPUT",
-                f"input {name!r}: value {arr[where]} at {list(where)} is not finite "
+                f"input {name!r}: value {arr[where]} at {_at(where, first_row)} is not finite "
                 "(limits.reject_non_finite = true).",
             )
     # fmin/fmax skip NaN, which min/max would return, letting every value of the batch pass
@@ -336,16 +338,20 @@ def _check_values(rule: InputRule, arr: np.ndarray) -> None:
         where = _first(arr < rule.min)
         raise Rejected(
             "INVALID_INPUT",
-            f"input {name!r}: value {arr[where]} at {list(where)} is below the minimum "
+            f"input {name!r}: value {arr[where]} at {_at(where, first_row)} is below the minimum "
             f"{rule.min:g} (inputs.{name}.min).",
         )
     if rule.max is not None and arr.size and np.fmax.reduce(arr, axis=None) > rule.max:
         where = _first(arr > rule.max)
         raise Rejected(
             "INVALID_INPUT",
-            f"input {name!r}: value {arr[where]} at {list(where)} is above the maximum "
+            f"input {name!r}: value {arr[where]} at {_at(where, first_row)} is above the maximum "
             f"{rule.max:g} (inputs.{name}.max).",
         )
+
+
+def _at(where: tuple[int, ...], first_row: int) -> list[int]:
+    return [where[0] + first_row, *where[1:]] if where else []
 
 
 def _first(mask: np.ndarray) -> tuple[int, ...]:

@@ -212,6 +212,13 @@ class Metrics(Events):
             "run (compute spent for nothing).",
             registry=r,
         )
+        self.splits = Counter(
+            "redbatch_requests_split",
+            "Requests whose rows were split across two batches to fill the room a higher class "
+            "left, by class.",
+            ["class"],
+            registry=r,
+        )
         self.hook_seconds = {
             stage: Histogram(
                 f"redbatch_{stage}_seconds",
@@ -343,6 +350,9 @@ class Metrics(Events):
 
     def cancelled_after_run(self) -> None:
         self.cancelled_runs.inc()
+
+    def split(self, cls: str) -> None:
+        self.splits.labels(cls).inc()
 
     def batch_done(
         self,
