@@ -43,8 +43,23 @@ def random_kills(
     there is one); each is restarted, half the time under its old name (it takes back its own
     pending entries), half under a new one (another worker must claim them, and the dead
     consumer must be removed). With ``lanes`` each request goes to a lane drawn from
-    ``lanes.MIX`` (raw version 2 XADDs among them), and each reply must name its lane."""
-    s = Settings(claim_idle_ms=1000, max_wait_ms=50, work_width=512, work_depth=4)
+    ``lanes.MIX`` (raw version 2 XADDs among them), and each reply must name its lane; batches
+    then hold 4 rows, so that lower-class requests of 2 or 3 rows are often split across two
+    batches behind higher-class ones (worker/answer/parts.py), and killed between the parts.
+
+    A restarted worker takes back its own pending entries first, each alone, and a kill that
+    falls on it again meanwhile finds the same entries in hand: with ``kills`` of 3 a healthy
+    request can be held at every death and be poisoned, as max_deliveries 3 says it must (seen
+    once in the fast tier across lanes). As in ``fault_storm`` the oracle wants every healthy
+    request answered, so deliveries are allowed past the kills; the crash pill tests poisoning."""
+    s = Settings(
+        claim_idle_ms=1000,
+        max_wait_ms=50,
+        work_width=512,
+        work_depth=4,
+        max_batch_size=4 if lanes else 32,
+        max_deliveries=kills + 2,
+    )
     name = "random-kills" + ("-lanes" if lanes else "")
     with Run(name, workdir, seed, s, cluster=cluster) as run:
         generation = Counter[str]()
