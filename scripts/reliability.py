@@ -348,12 +348,12 @@ A laned scenario (contract section 7) sends each request to a lane drawn at rand
 rest to classes high and low without a tenant and to all three classes of tenants `ta` and
 `tb`, as a version 3 producer does (`MULTI; SADD P:{{T}}:lanes LANE; XADD LANE ...; EXEC`, a
 tenant's rid beginning `ta.`). The oracle requires, besides everything above, each reply's
-`class` and `tenant` to be its lane's and every lane stream drained. Since a high request
-sits in most batches, low requests are split across two batches there
-(`worker/answer/parts.py`), and a worker killed between a request's parts leaves it whole for
-the next: the oracle's "answered once" and "duplicates executed" cover the splitting too. The
-cluster tier's `failover_lanes` kills the master only once a request of every lane of its shard
-was answered. Per lane:
+`class` and `tenant` to be its lane's and every lane stream drained. The laned random kills
+run batches of 4 rows, so that lower-class requests of 2 and 3 rows are often split across two
+batches behind higher-class ones (`worker/answer/parts.py`) and a worker is killed between a
+request's parts (the next one runs it whole): "answered once", the outputs the oracle checks and
+"duplicates executed" cover the splitting too. The cluster tier's `failover_lanes` kills the
+master only once a request of every lane of its shard was answered. Per lane:
 
 {chr(10).join(lanes) if lanes else "(no laned scenario in this run)"}
 
