@@ -29,10 +29,10 @@ from worker.config import (
     URL_FROM_ENV,
     RedisConfig,
     WorkerConfig,
-    load_config,
     sections,
 )
 from worker.config.keys import describe
+from worker.config.served import load_served
 from worker.errors import WorkerError
 from worker.ops.faults import FaultPoints
 from worker.ops.logs import configure_logging
@@ -168,10 +168,20 @@ def _main(args: argparse.Namespace) -> int:
         log.error("--name %r must match [A-Za-z0-9_.:-]{1,128}", name)
         return 2
     try:
-        config = load_config(args.config)
+        served = load_served(args.config)
     except WorkerError as exc:
         log.error("%s", exc)
         return 2
+    if len(served.models) > 1:
+        log.error(
+            "%s lists %d models ([[models]]): a worker serves one model per process for now. Run "
+            "one worker per model, each with a config of its own ([model], or one [[models]] "
+            "entry).",
+            args.config,
+            len(served.models),
+        )
+        return 2
+    config = served.models[0]
     try:  # the fault-injection suite's variables, read here at the edge (worker/ops/faults.py)
         faults = FaultPoints.from_env(os.environ)
     except ValueError as exc:

@@ -42,6 +42,7 @@ __all__ = [
     "RedisConfig",
     "WarmupConfig",
     "WorkerConfig",
+    "WorkerTable",
     "load_config",
     "parse_config",
     "sections",
@@ -273,6 +274,15 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerTable:
+    """``[worker]``: the worker process across the models it serves (``worker.config.served``)."""
+
+    max_loaded_models: int = setting(
+        0, INT, "Model sessions held at once; 0: every model the config lists.", min=0, max=1024
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerConfig:
     redis: RedisConfig
     model: ModelConfig
@@ -306,6 +316,7 @@ def sections() -> dict[str, dict[str, Key]]:
         "inputs.NAME": declared(InputConfig),
         "outputs.NAME": declared(OutputConfig),
         "pipeline": declared(PipelineConfig),
+        "worker": declared(WorkerTable),
     }
 
 
@@ -325,23 +336,38 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> W
 
 
 def parse_config(
-    data: Mapping[str, Any], base_dir: Path, redis_url: str | None = None
+    data: Mapping[str, Any],
+    base_dir: Path,
+    redis_url: str | None = None,
+    *,
+    model_where: str = "model",
 ) -> WorkerConfig:
-    """Build a WorkerConfig from parsed TOML; paths are relative to ``base_dir``."""
+    """Build a WorkerConfig from parsed TOML; paths are relative to ``base_dir``.
+
+    ``model_where`` is how errors name the model's table (``models[1]`` for a ``[[models]]``
+    entry, whose per-model tables are then named under it: ``models[1].batching``)."""
     root = Table(data, "")
-    root.check_keys([f.name for f in fields(WorkerConfig) if f.name != "source"])
+    # [worker] is the process's across its models (worker.config.served reads it)
+    root.check_keys([*(f.name for f in fields(WorkerConfig) if f.name != "source"), "worker"])
+    if "model" not in data:
+        raise ConfigError("Config needs a [model] table (or a [[models]] array).")
+    under = "" if model_where == "model" else f"{model_where}."
+
+    def own(name: str) -> Table:  # a per-model table, named where its entry is
+        return Table(data.get(name, {}), f"{under}{name}")
+
     return WorkerConfig(
         redis=_redis(root.table("redis"), redis_url),
-        model=_model(root.table("model", required=True), base_dir),
-        batching=root.table("batching").build(BatchingConfig),
+        model=_model(Table(data["model"], model_where), base_dir),
+        batching=own("batching").build(BatchingConfig),
         scheduling=root.table("scheduling").build(SchedulingConfig),
-        limits=root.table("limits").build(LimitsConfig),
-        delivery=root.table("delivery").build(DeliveryConfig),
-        warmup=root.table("warmup").build(WarmupConfig),
+        limits=own("limits").build(LimitsConfig),
+        delivery=own("delivery").build(DeliveryConfig),
+        warmup=own("warmup").build(WarmupConfig),
         metrics=root.table("metrics").build(MetricsConfig),
-        inputs={name: _input(t, name) for name, t in root.table("inputs").tables()},
-        outputs={n: t.build(OutputConfig, name=n) for n, t in root.table("outputs").tables()},
-        pipeline=root.table("pipeline").build(PipelineConfig) if "pipeline" in data else None,
+        inputs={name: _input(t, name) for name, t in own("inputs").tables()},
+        outputs={n: t.build(OutputConfig, name=n) for n, t in own("outputs").tables()},
+        pipeline=own("pipeline").build(PipelineConfig) if "pipeline" in data else None,
         source=base_dir,
     )
 
@@ -371,13 +397,14 @@ def _model(t: Table, base_dir: Path) -> ModelConfig:
     if not path.is_file():
         what = "which is not a file" if path.exists() else "which does not exist"
         raise ConfigError(
-            f"Config 'model.path' points to {path}, {what}. Paths are relative to the config file."
+            f"Config '{t.where('path')}' points to {path}, {what}. Paths are relative to the "
+            "config file."
         )
     names = values.pop("providers", declared(ModelConfig)["providers"].shown)
     for extra in set(PROVIDERS) - set(names):
         if extra in t.data:
             raise ConfigError(
-                f"Config has [model.{extra}] options but 'model.providers' does not list "
+                f"Config has [{t.where(extra)}] options but '{t.where('providers')}' does not list "
                 f"{extra!r}. Add it to providers or remove the table."
             )
     providers = tuple(_provider(n, t.table(n), base_dir) for n in names)
