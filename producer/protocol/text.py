@@ -25,6 +25,7 @@ __all__ = [
     "decode_text",
     "text_elements",
     "text_name",
+    "utf8_encodable",
 ]
 
 STRING: np.dtype[Any] = np.dtype(object, metadata={"wire": "string"})
@@ -182,3 +183,15 @@ def decode_text(
 
 def _size(element: str | bytes) -> int:
     return len(element.encode()) if isinstance(element, str) else len(element)
+
+
+def utf8_encodable(arr: np.ndarray) -> bool:
+    """Whether every str element encodes as UTF-8, as the wire needs (a lone surrogate does
+    not: a model or a hook that builds text from bytes can make one)."""
+    try:
+        for element in arr.flat:
+            if isinstance(element, str):
+                element.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

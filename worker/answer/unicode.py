@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from producer.protocol.text import utf8_encodable
 from worker.errors import Rejected
 
 __all__ = ["not_unicode", "unencodable"]
@@ -41,12 +42,4 @@ def unencodable(whose: str, outputs: Mapping[str, Any], rid: str) -> Rejected:
 def not_unicode(value: Any) -> bool:
     """Whether an output holds a str that UTF-8 cannot encode (a lone surrogate)."""
     array = np.asarray(value)
-    if array.dtype.kind not in "OU":
-        return False
-    try:
-        for element in array.flat:
-            if isinstance(element, str):
-                element.encode()
-    except UnicodeEncodeError:
-        return True
-    return False
+    return array.dtype.kind in "OU" and not utf8_encodable(array)

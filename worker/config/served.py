@@ -12,13 +12,12 @@ settings as before; errors name the entry (``models[1].batching.max_batch_size``
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.config.settings import WorkerConfig, WorkerTable, parse_config
+from worker.config.settings import WorkerConfig, WorkerTable, parse_config, read_toml
 from worker.config.table import Table
 from worker.errors import ConfigError
 
@@ -41,16 +40,8 @@ class ServedConfig:
 def load_served(path: str | Path, environ: Mapping[str, str] | None = None) -> ServedConfig:
     """Read a TOML file; ``REDIS_URL`` in ``environ`` (default: os.environ) overrides redis.url."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"Cannot read config file {path}: {exc.strerror}.") from exc
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from exc
     env = os.environ if environ is None else environ
-    return parse_served(data, base_dir=path.resolve().parent, redis_url=env.get("REDIS_URL"))
+    return parse_served(read_toml(path), path.resolve().parent, redis_url=env.get("REDIS_URL"))
 
 
 def parse_served(

@@ -45,6 +45,7 @@ __all__ = [
     "WorkerTable",
     "load_config",
     "parse_config",
+    "read_toml",
     "sections",
 ]
 
@@ -323,16 +324,20 @@ def sections() -> dict[str, dict[str, Key]]:
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> WorkerConfig:
     """Read a TOML file; ``REDIS_URL`` in ``environ`` (default: os.environ) overrides redis.url."""
     path = Path(path)
+    env = os.environ if environ is None else environ
+    return parse_config(read_toml(path), path.resolve().parent, redis_url=env.get("REDIS_URL"))
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The config file's tables; ConfigError when it cannot be read or is not TOML."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"Cannot read config file {path}: {exc.strerror}.") from exc
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"Config file {path} is not valid TOML: {exc}.") from exc
-    env = os.environ if environ is None else environ
-    return parse_config(data, base_dir=path.resolve().parent, redis_url=env.get("REDIS_URL"))
 
 
 def parse_config(

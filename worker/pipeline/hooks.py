@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from producer.protocol.codec import RequestBody, as_tensor, wire_dtype
+from producer.protocol.text import utf8_encodable
 from worker.config import WorkerConfig
 from worker.errors import Rejected
 from worker.events import NO_EVENTS, Events
@@ -241,7 +242,7 @@ class Pipeline:
                 return _wrong_form(
                     "postprocess", f"output {name!r} has dtype {arr.dtype}, which the wire lacks"
                 )
-            if arr.dtype.kind == "O" and not _utf8(arr):
+            if arr.dtype.kind == "O" and not utf8_encodable(arr):
                 return _wrong_form(
                     "postprocess", f"output {name!r} holds a string that is not valid Unicode"
                 )
@@ -253,17 +254,6 @@ class Pipeline:
                 )
             outputs[name] = arr
         return outputs
-
-
-def _utf8(arr: np.ndarray) -> bool:
-    """Whether every str element encodes as UTF-8 (a lone surrogate does not)."""
-    try:
-        for element in arr.flat:
-            if isinstance(element, str):
-                element.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _raw_inputs(item: Item) -> Inputs:
