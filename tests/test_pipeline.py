@@ -90,7 +90,8 @@ def _text(*rows: str) -> dict[str, np.ndarray]:
 
 
 def test_requests_are_preprocessed_run_and_postprocessed(config: Path, rconn: redis.Redis) -> None:
-    with running_worker(config):
+    with running_worker(config) as worker:
+        assert not worker.batcher.split  # hooks take requests whole (worker/answer/parts.py)
         send(rconn, "multi_io", "r1", _text("1,2,3", "4,5,6"))
         reply = wait_reply(rconn, "r1")
     assert reply.ok, reply.error
