@@ -245,13 +245,7 @@ class LaneQueue:
             self._window.remove(flow.cls, rows)
             if exact:
                 flow.deficit += rows
-            flow.reads.appendleft((lane, items))
-            lane.held += 1
-            self._reads += 1
-            if not flow.ringed:
-                flow.ringed = True
-                self._busy += 1
-                self._rings[flow.cls].appendleft(flow)
+            self._push(lane, items, first=True)
             self.not_empty.notify()
 
     def set_weights(self, weights: Mapping[Any, int]) -> None:
@@ -342,15 +336,18 @@ class LaneQueue:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
-    def _push(self, lane: _Lane, items: list[Item]) -> None:
+    def _push(self, lane: _Lane, items: list[Item], first: bool = False) -> None:
+        """Queue a read in its flow, last (a new read) or ``first`` (one given back), and the
+        flow in its class's ring the same way when it was not there."""
         flow = lane.flow
-        flow.reads.append((lane, items))
+        (flow.reads.appendleft if first else flow.reads.append)((lane, items))
         lane.held += 1
         self._reads += 1
         if not flow.ringed:
             flow.ringed = True
             self._busy += 1
-            self._rings[flow.cls].append(flow)
+            ring = self._rings[flow.cls]
+            (ring.appendleft if first else ring.append)(flow)
 
     def _release(self, lane: _Lane) -> None:
         """A read of ``lane`` handed out: room for its reader."""
