@@ -38,6 +38,16 @@ def rconn(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture
+def admin(server: LocalRedis) -> Iterator[redis.Redis]:
+    """An administrator's client of the module's own ACL ``server`` fixture (the security and
+    tenant tests), flushing what the test left."""
+    client = server.client(socket_timeout=60)
+    yield client
+    client.flushall()
+    client.close()
+
+
 @pytest.fixture(autouse=True)
 def _root_logging_restored() -> Iterator[None]:
     """A test that runs a command's main() in-process lets it point the root logger at that

@@ -41,14 +41,6 @@ def server() -> Iterator[LocalRedis]:
         yield s
 
 
-@pytest.fixture
-def admin(server: LocalRedis) -> Iterator[redis.Redis]:
-    client = server.client(socket_timeout=60)
-    yield client
-    client.flushall()
-    client.close()
-
-
 def url(server: LocalRedis, user: str) -> str:
     return server.url_for(user, PASSWORDS[user])
 
