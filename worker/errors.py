@@ -5,6 +5,7 @@
     WorkerError                 root; never escapes the CLI as a traceback
     ├── ConfigError             the config file is wrong; names the dotted key and the fix
     ├── ModelError              the model cannot be loaded, batched or warmed up as configured
+    ├── ModelUnavailable        a model of several cannot be loaded on demand; its batch fails
     └── Rejected                one request is answered with an error code instead of a result
 
 ``Rejected`` is the only one raised per request; it carries the contract code and never stops
@@ -13,7 +14,7 @@ the worker.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "ModelError", "Rejected", "WorkerError"]
+__all__ = ["ConfigError", "ModelError", "ModelUnavailable", "Rejected", "WorkerError"]
 
 
 class WorkerError(Exception):
@@ -36,3 +37,9 @@ class Rejected(WorkerError):
         self.code = code
         self.message = message
         self.retryable = retryable
+
+
+class ModelUnavailable(WorkerError):
+    """Raised when a model's session is not held and cannot be loaded now (several models in one
+    worker, ``worker.model.held``): its batch is answered INTERNAL, retryable, and the worker
+    goes on serving its other models."""

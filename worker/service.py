@@ -34,7 +34,7 @@ from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
 from worker.answer.batcher import Batcher
 from worker.answer.finisher import Finisher
-from worker.answer.parts import splittable
+from worker.answer.parts import class_rank, splittable
 from worker.answer.pressure import MemoryPressure
 from worker.answer.scheduler import LaneQueue
 from worker.answer.writer import ReplyWriter
@@ -47,6 +47,7 @@ from worker.intake.read import Reader
 from worker.intake.settings import IntakeSettings
 from worker.intake.shardmap import ShardMap
 from worker.items import Item
+from worker.model.held import HeldModel
 from worker.ops.memalarm import MemoryAlarm
 from worker.ops.metrics import Metrics
 from worker.ops.progress import GiveUpAfter, Progress, RunClock, cut_connections
@@ -472,6 +473,8 @@ class Worker:
         """Answer every item of the batch (worker/answer/answerer.py), then hand the finish steps
         to the writer, which finishes the batch in one round trip while the next one runs (or here,
         when no next one waits)."""
+        if isinstance(self.model, HeldModel):  # its turn on the device goes by the batch's class
+            self.model.rank = min(class_rank(item) for item in batch)
         answered = self.answers.answer(batch)
         self.events.point("after_inference")
         self.writer.submit(answered, here=self._write_here(answered.runs))

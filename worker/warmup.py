@@ -20,6 +20,7 @@ from worker.answer.run import run_batch
 from worker.config import WorkerConfig
 from worker.errors import ModelError, Rejected
 from worker.items import Admitted, Refused
+from worker.model.held import HeldModel
 from worker.model.schema import Schema, ValidRequest
 from worker.model.session import Model, OnnxModel, check_sha256, read_model_file
 from worker.ops.record import build_record
@@ -151,7 +152,7 @@ class Prepared:
     """A loaded, checked and warmed model: everything done before Redis is touched."""
 
     config: WorkerConfig
-    model: OnnxModel
+    model: OnnxModel | HeldModel  # HeldModel: one of several models (worker.fleet)
     schema: Schema
     model_ref: ModelRef
     record: dict[str, Any]

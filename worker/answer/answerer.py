@@ -42,6 +42,7 @@ from worker.errors import Rejected
 from worker.events import Events
 from worker.intake.leases import Stuck
 from worker.items import Admitted, DeadLetter, Item, Outcome, Refused
+from worker.model.held import HeldModel
 from worker.model.schema import Schema
 from worker.model.session import OnnxModel
 from worker.pipeline.hooks import Pipeline
@@ -58,7 +59,7 @@ class Answerer:
 
     def __init__(
         self,
-        model: OnnxModel,
+        model: OnnxModel | HeldModel,
         schema: Schema,
         stream_of: Callable[[str], RequestStream],
         encoder: ReplyEncoder,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.answer.assemble import FeedBuffers
-from worker.errors import Rejected
+from worker.errors import ModelUnavailable, Rejected
 from worker.events import NO_EVENTS, Events
 from worker.items import Admitted, Outcome
 from worker.model.axes import Axes
@@ -97,6 +97,9 @@ class _Runner:
             outputs, whole = self._run(
                 feeds if feeds is not None else self.assemble(items), rows, items[0]
             )
+        except ModelUnavailable as exc:  # not held, and could not be loaded: every item alike
+            error = Rejected("INTERNAL", str(exc), retryable=True)
+            return [Outcome(item, None, error, item.rows, 0.0) for item in items]
         except _RunFailed as exc:
             if len(items) == 1:
                 elapsed = (time.perf_counter() - started) * 1000.0
@@ -121,6 +124,8 @@ class _Runner:
         self.events.run_starts(feeds)
         try:
             outputs = self.model.run(feeds, self.output_names)
+        except ModelUnavailable:
+            raise
         except Exception as exc:  # the runtime raises untyped errors; their text is the message
             raise _RunFailed(f"the model failed on this request: {exc}") from exc
         whole: dict[str, np.ndarray] = {}

@@ -32,6 +32,7 @@ from prometheus_client import (
 from producer.protocol.errors import ERROR_CODES
 from producer.redisio.memory import MemoryReading
 from worker.events import Events
+from worker.model.held import HeldState
 from worker.ops.histograms import ByClassHistogram, Histogram
 from worker.redisio.group import StreamStats
 
@@ -248,7 +249,34 @@ class Metrics(Events):
         self.warmup = Gauge("redbatch_warmup_seconds", "Time spent warming up.", registry=r)
         self.ready = Gauge("redbatch_ready", "1 while warm and reading the stream.", registry=r)
         self.model = Info("redbatch_model", "The model and runtime served.", registry=r)
+        self._held_series(r)
         self._zero_known_labels()
+
+    def _held_series(self, r: CollectorRegistry) -> None:
+        """A model's session under a budget of several (worker/model/held.py)."""
+        self.loaded = Gauge("redbatch_model_loaded", "1 while the session is held.", registry=r)
+        self.loads = Counter("redbatch_model_loads", "Session loads after start.", registry=r)
+        self.evictions = Counter(
+            "redbatch_model_evictions", "Sessions released for the budget.", registry=r
+        )
+        self.load_time = Gauge(
+            "redbatch_model_load_seconds", "The last load, warmup included.", registry=r
+        )
+        self.held_bytes = Gauge(
+            "redbatch_model_held_bytes", "Resident memory the last load added.", registry=r
+        )
+        self.loaded.set(1)
+        self._seen_held = (1, 0)
+
+    def held_seen(self, state: HeldState) -> None:
+        """Record a load or release of the session."""
+        loads, evictions = self._seen_held
+        self.loads.inc(max(state.loads - loads, 0))
+        self.evictions.inc(max(state.evictions - evictions, 0))
+        self._seen_held = (state.loads, state.evictions)
+        self.loaded.set(1 if state.loaded else 0)
+        self.load_time.set(state.load_s)
+        self.held_bytes.set(state.held_bytes)
 
     def _zero_known_labels(self) -> None:
         """Export every known label at 0 from the start: a series that first appears at 1 hides
