@@ -456,12 +456,11 @@ def test_good_redis_urls_are_accepted(model_dir: Path, url: str) -> None:
 def test_cli_malformed_redis_url_exits_2_before_the_model_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from worker import cli
 
     def no_prepare(*args: object) -> None:
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(cli, "prepare", no_prepare)
+    monkeypatch.setattr("worker.fleet.loading.prepare", no_prepare)
     monkeypatch.setenv("REDIS_URL", "redis://user:s3cret@127.0.0.1:notaport/0")
     config = write_config(tmp_path, "demo", "redis://127.0.0.1:1/0")
     assert main(["--config", str(config)]) == 2

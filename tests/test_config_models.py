@@ -3,6 +3,7 @@ model would have alone, worker-wide tables shared, and errors name the entry."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -103,16 +104,16 @@ def test_errors_name_the_entry_and_the_fix(folder: Path, change, words: list[str
         assert word in str(raised.value)
 
 
-def test_the_worker_refuses_several_models_for_now_and_serves_one_entry(
+def test_the_worker_checks_several_models_and_one_entry(
     folder: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     two = folder / "two.toml"
     two.write_text(TWO)
-    assert main(["--config", str(two), "--check"]) == 2
-    err = capsys.readouterr().err
-    assert "lists 2 models" in err
-    assert "one worker per model" in err
+    assert main(["--config", str(two), "--check"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["model"]["name"] for r in records] == [m.model.name for m in load_served(two).models]
     one = folder / "one.toml"
     one.write_text(TWO.split('[[models]]\nname = "tiny"', maxsplit=1)[0])
     assert len(load_served(one).models) == 1
     assert main(["--config", str(one), "--check"]) == 0
+    assert "model" in json.loads(capsys.readouterr().out)  # one model: its record alone

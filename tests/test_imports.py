@@ -140,6 +140,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("ops",),
         ("warmup",),
         ("service",),
+        ("fleet",),
         ("cli",),
         ("__init__", "__main__"),
     ],

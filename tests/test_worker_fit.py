@@ -11,7 +11,6 @@ import onnxruntime as ort
 import pytest
 from harness import write_config
 
-from worker import cli
 from worker.cli import main
 from worker.config import load_config
 from worker.errors import ConfigError, ModelError
@@ -28,7 +27,7 @@ def _stop_after_start_line(monkeypatch: pytest.MonkeyPatch) -> None:
     def stop(*_: object) -> None:
         raise ConfigError("stopped by the test")
 
-    monkeypatch.setattr(cli, "prepare", stop)
+    monkeypatch.setattr("worker.fleet.loading.prepare", stop)
 
 
 def _config(tmp_path: Path, providers: str, url: str = UNREACHABLE, extra: str = "") -> Path:

@@ -34,10 +34,10 @@ from worker.config import (
 from worker.config.keys import describe
 from worker.config.served import load_served
 from worker.errors import WorkerError
+from worker.fleet.fleet import Fleet
 from worker.ops.faults import FaultPoints
 from worker.ops.logs import configure_logging
-from worker.ops.metrics import Metrics, MetricsServer
-from worker.service import Worker, prepare
+from worker.ops.metrics import MetricsServer
 
 __all__ = ["main"]
 
@@ -144,6 +144,10 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
     raise _StoppedStarting(signal.Signals(signum).name)
 
 
+def _reload_while_starting(_signum: int, _frame: object) -> None:
+    log.warning("SIGHUP while starting: the config is read once the worker serves; send it again")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
@@ -152,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _stop_while_starting) for sig in _STOP_SIGNALS}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, _reload_while_starting)
     try:
         return _main(args)
     except _StoppedStarting as stop:
@@ -172,32 +177,24 @@ def _main(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         log.error("%s", exc)
         return 2
-    if len(served.models) > 1:
-        log.error(
-            "%s lists %d models ([[models]]): a worker serves one model per process for now. Run "
-            "one worker per model, each with a config of its own ([model], or one [[models]] "
-            "entry).",
-            args.config,
-            len(served.models),
-        )
-        return 2
-    config = served.models[0]
     try:  # the fault-injection suite's variables, read here at the edge (worker/ops/faults.py)
         faults = FaultPoints.from_env(os.environ)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    metrics = Metrics()
-    serving: list[Worker] = []
+    fleet = Fleet(
+        served, name, burst=args.burst, faults=faults, read_config=lambda: load_served(args.config)
+    )
+    config = served.models[0]  # the worker-wide tables are the same in every model's
     server = None
     if config.metrics.port and not args.check:
         # Up before warmup, so /healthz answers and /readyz says "not ready" while warming.
         try:
             server = MetricsServer(
-                metrics,
-                lambda: bool(serving) and serving[0].ready.is_set() and serving[0].healthy(),
+                fleet.metrics,  # type: ignore[arg-type]  # a registry is all it serves
+                fleet.ready,
                 config.metrics.port,
-                problem=lambda: serving[0].health_problem() if serving else None,
+                problem=fleet.health_problem,
                 host=config.metrics.host,
             )
         except OSError as exc:
@@ -217,36 +214,30 @@ def _main(args: argparse.Namespace) -> int:
             return 2
         server.start()
     try:
-        return _serve(args, config, name, metrics, faults, serving)
+        return _serve(args, config, fleet)
     finally:
         if server is not None:
             server.close()
 
 
-def _serve(
-    args: argparse.Namespace,
-    config: WorkerConfig,
-    name: str,
-    metrics: Metrics,
-    faults: FaultPoints | None,
-    serving: list[Worker],
-) -> int:
+def _serve(args: argparse.Namespace, config: WorkerConfig, fleet: Fleet) -> int:
     if not args.check:  # --check never touches Redis
         _log_redis_url(config.redis)
-    log.info(
-        "loading the model",
-        extra={
-            "fields": {"worker": name, "model": config.model.name, "path": str(config.model.path)}
-        },
-    )
+
+    def loading(model: WorkerConfig) -> None:
+        fields = {"worker": fleet.name, "model": model.model.name, "path": str(model.model.path)}
+        log.info("loading the model", extra={"fields": fields})
+
     try:
-        prepared = prepare(config, name)
+        prepared = fleet.prepare(loading)
     except WorkerError as exc:
         log.error("%s", exc)
         return 2
-    log.info("validation record", extra={"fields": _record_summary(prepared.record)})
+    for each in prepared:
+        log.info("validation record", extra={"fields": _record_summary(each.record)})
     if args.check:
-        print(json.dumps(prepared.record, indent=2))
+        records = [each.record for each in prepared]
+        print(json.dumps(records[0] if len(records) == 1 else records, indent=2))
         return 0
     # A read timeout well above the longest blocking read (block_ms, 0.5 s): a master whose host
     # vanished without a reset (a partition) is noticed, and the cluster followed, in 30 s.
@@ -257,14 +248,13 @@ def _serve(
         socket_keepalive=True,
         health_check_interval=30,
     )
-    worker = Worker(prepared, client, burst=args.burst, metrics=metrics, faults=faults)
-    worker.abandon = _exit_abandoning
-    serving.append(worker)
+    fleet.abandon = _exit_abandoning
     for sig in _STOP_SIGNALS:
-        signal.signal(sig, lambda *_: worker.request_stop())
+        signal.signal(sig, lambda *_: fleet.request_stop())
+    signal.signal(signal.SIGHUP, lambda *_: fleet.request_reload())
     log.info("froze %d start-up objects out of the garbage collector", _freeze_start_up())
     try:
-        worker.run()
+        fleet.run(client)
     except Misconfigured as exc:
         log.error("%s", exc)
         return 2
@@ -275,7 +265,7 @@ def _serve(
         log.error("Redis at %s failed: %s", redact_url(config.redis.url), exc)
         return 1
     finally:
-        worker.topology.close()
+        fleet.close()
         client.close()
     return 0
 

@@ -1,0 +1,285 @@
+"""Several models in one worker (contract section 8): each answered right, a session budget with
+load on demand, one device for all, and new versions swapped in on SIGHUP without a restart."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import redis
+from eventually import eventually
+from harness import PREFIX, direct_run, send, wait_reply
+
+from producer.protocol.codec import decode_reply
+from producer.protocol.keys import reply_key, worker_key
+from tools import synthetic
+from worker.config.served import load_served
+from worker.fleet.fleet import Fleet
+from worker.ops.metrics import MetricsServer
+
+MODELS = {  # name: (synthetic model, its inputs for ``rows`` rows)
+    "demo": (lambda: synthetic.demo(7), lambda g, n: {"features": g.normal(size=(n, 16))}),
+    "demo2": (lambda: synthetic.demo(8), lambda g, n: {"features": g.normal(size=(n, 16))}),
+    "tiny": (synthetic.tiny, lambda g, n: {"x": g.normal(size=(n, 128))}),
+    "multi": (
+        synthetic.multi_io,
+        lambda g, n: {"a": g.normal(size=(n, 3)), "b": g.integers(-9, 9, size=(n, 2))},
+    ),
+}
+
+
+def _inputs(name: str, rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+    made = MODELS[name][1](rng, rows)
+    return {k: v.astype(np.float32 if v.dtype.kind == "f" else np.int64) for k, v in made.items()}
+
+
+def _entry(name: str, file: str, version: str = "1") -> str:
+    return f"""
+[[models]]
+name = "{name}"
+path = "{file}"
+version = "{version}"
+providers = ["cpu"]
+[models.batching]
+max_batch_size = 16
+max_wait_ms = 5
+[models.warmup]
+runs = 1
+"""
+
+
+def _write(where: Path, url: str, entries: list[str], budget: int = 0) -> Path:
+    config = where / "worker.toml"
+    head = f'[redis]\nurl = "{url}"\nprefix = "{PREFIX}"\n\n'
+    head += f"[worker]\nmax_loaded_models = {budget}\n"
+    config.write_text(head + "".join(entries))
+    return config
+
+
+def _models(where: Path, names: list[str]) -> dict[str, Path]:
+    paths = {}
+    for name in names:
+        paths[name] = where / f"{name}.onnx"
+        onnx.save(MODELS[name][0](), paths[name])
+    return paths
+
+
+@contextlib.contextmanager
+def running_fleet(config: Path, name: str = "w1") -> Iterator[Fleet]:
+    served = load_served(config)
+    fleet = Fleet(served, name, read_config=lambda: load_served(config))
+    fleet.prepare()
+    client = redis.Redis.from_url(served.models[0].redis.url)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            fleet.run(client)
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    eventually(fleet.ready, timeout_s=60, what="every model ready")
+    try:
+        yield fleet
+    finally:
+        fleet.request_stop()
+        thread.join(timeout=30)
+        fleet.close()
+        client.close()
+    assert not thread.is_alive(), "the worker did not stop"
+    assert not failure, failure
+
+
+def _record(rconn: redis.Redis, model: str, name: str = "w1") -> dict:
+    """The worker's record of ``model`` ({} in the moment a swap replaces it)."""
+    raw = rconn.get(worker_key(PREFIX, model, name))
+    return {} if raw is None else json.loads(raw)
+
+
+def _version(rconn: redis.Redis) -> str | None:
+    return _record(rconn, "demo").get("model", {}).get("version")
+
+
+def test_four_models_in_one_worker_each_answered_right_under_a_budget_of_two(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    names = ["demo", "demo2", "tiny", "multi"]
+    paths = _models(tmp_path, names)
+    config = _write(tmp_path, redis_url, [_entry(n, paths[n].name) for n in names], budget=2)
+    rng = np.random.default_rng(3)
+    with running_fleet(config) as fleet:
+        # At start, the first two in config order are held and the others released
+        assert fleet.budget.held == ["demo", "demo2"]
+        eventually(lambda: _record(rconn, "tiny")["session"]["loaded"] is False, what="record")
+        server = MetricsServer(fleet.metrics, fleet.ready, 0, host="127.0.0.1")  # type: ignore[arg-type]
+        server.start()
+        try:
+            for turn in range(12):  # round-robin: every request after the first two evicts one
+                name = names[turn % 4]
+                inputs = _inputs(name, rng, 1 + turn % 3)
+                reply = wait_reply(rconn, send(rconn, name, f"{name}-{turn}", inputs))
+                assert reply.ok, reply.error
+                assert reply.model.name == name
+                expected = direct_run(paths[name], inputs)
+                for out, value in expected.items():
+                    np.testing.assert_allclose(reply.outputs[out], value, rtol=1e-5, atol=1e-6)
+                assert len(fleet.budget.held) <= 2
+            import urllib.request
+
+            text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read().decode()
+        finally:
+            server.close()
+        eventually(
+            lambda: _record(rconn, "demo")["session"]["loads"] >= 3, what="the record's loads"
+        )
+        assert _record(rconn, "demo")["session"]["evictions"] >= 2
+    for name in names:  # one family, a series per model
+        assert f'redbatch_model_loaded{{model="{name}"}}' in text
+        assert f'redbatch_requests_total{{code="OK",model="{name}"}} 3.0' in text
+    process = [line for line in text.splitlines() if line.startswith("process_cpu_seconds_total")]
+    assert len(process) == 1  # the process's series given once, without a model
+
+
+def test_a_backlog_on_one_model_does_not_hold_up_another(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    names = ["tiny", "demo"]
+    paths = _models(tmp_path, names)
+    config = _write(tmp_path, redis_url, [_entry(n, paths[n].name) for n in names])
+    rng = np.random.default_rng(4)
+    backlog = 4000
+    with running_fleet(config):
+        pipe = rconn.pipeline(transaction=False)
+        body = _inputs("tiny", rng, 1)
+        for i in range(backlog):
+            send(pipe, "tiny", f"t{i}", body)
+        pipe.execute()
+        # A request to the other model is answered while most of the backlog still waits
+        reply = wait_reply(rconn, send(rconn, "demo", "d0", _inputs("demo", rng, 1)))
+        assert reply.ok, reply.error
+        left = rconn.xlen(f"{PREFIX}:{{tiny}}:requests")
+        answered = sum(
+            rconn.exists(reply_key(PREFIX, "tiny", f"t{i}")) for i in range(0, backlog, 50)
+        )
+        assert answered < backlog // 50 // 2, (answered, left)
+        wait_reply(rconn, f"t{backlog - 1}", timeout_s=60)
+
+
+def test_a_new_version_is_swapped_in_under_load_and_each_reply_names_what_ran_it(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    paths = _models(tmp_path, ["demo", "demo2"])
+    config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "1")])
+    rng = np.random.default_rng(5)
+    sent: dict[str, dict[str, np.ndarray]] = {}
+    swapped = threading.Event()
+    with running_fleet(config) as fleet:
+
+        def load() -> None:
+            i = 0
+            while not swapped.is_set() or (i < len(sent) + 200 and i < 3000):
+                inputs = _inputs("demo", rng, 1 + i % 4)
+                sent[send(rconn, "demo", f"s{i}", inputs)] = inputs
+                i += 1
+                if i % 50 == 0:
+                    time.sleep(0.005)  # a steady stream, not one burst
+
+        sender = threading.Thread(target=load)
+        sender.start()
+        eventually(lambda: len(sent) > 300, what="load under way")
+        _write(tmp_path, redis_url, [_entry("demo", "demo2.onnx", "2")])
+        fleet.request_reload()
+        eventually(lambda: _version(rconn) == "2", what="version 2 serving")
+        swapped.set()
+        sender.join()
+        versions: dict[str, int] = {"1": 0, "2": 0}
+        for rid, inputs in sent.items():
+            key = reply_key(PREFIX, "demo", rid)
+            eventually(lambda key=key: rconn.exists(key), timeout_s=30, what=f"reply {rid}")
+            assert rconn.llen(key) == 1  # answered once
+            reply = decode_reply(rconn.lindex(key, 0))
+            assert reply.ok, reply.error
+            version = reply.model.version
+            versions[version] += 1
+            expected = direct_run(paths["demo" if version == "1" else "demo2"], inputs)
+            np.testing.assert_allclose(reply.outputs["probs"], expected["probs"], rtol=1e-5)
+    assert versions["1"] > 0
+    assert versions["2"] > 0
+
+
+def test_a_version_that_cannot_load_leaves_the_old_one_serving(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    _models(tmp_path, ["demo"])
+    (tmp_path / "broken.onnx").write_bytes(b"not a model")
+    config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "1")])
+    rng = np.random.default_rng(6)
+    with running_fleet(config) as fleet:
+        _write(tmp_path, redis_url, [_entry("demo", "broken.onnx", "2")])
+        fleet.request_reload()
+        eventually(lambda: "reload" in _record(rconn, "demo"), what="the reload's verdict")
+        why = _record(rconn, "demo")["reload"]["error"]
+        assert "version '2'" in why
+        assert "broken.onnx" in why
+        assert "version '1' serves on" in why
+        reply = wait_reply(rconn, send(rconn, "demo", "after", _inputs("demo", rng, 2)))
+        assert reply.ok, reply.error
+        assert reply.model.version == "1"
+
+
+def test_models_added_and_removed_on_reload(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    _models(tmp_path, ["demo", "tiny"])
+    config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx")])
+    rng = np.random.default_rng(7)
+    with running_fleet(config) as fleet:
+        _write(tmp_path, redis_url, [_entry("tiny", "tiny.onnx")])
+        fleet.request_reload()
+        eventually(lambda: set(fleet.slots) == {"tiny"}, what="demo dropped, tiny added")
+        eventually(fleet.ready, what="tiny ready")
+        assert wait_reply(rconn, send(rconn, "tiny", "t", _inputs("tiny", rng, 1))).ok
+        assert rconn.get(worker_key(PREFIX, "demo", "w1")) is None  # its record removed
+
+
+def test_a_file_replaced_under_a_released_model_is_refused_per_request_not_served(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    paths = _models(tmp_path, ["demo", "tiny", "demo2"])
+    config = _write(
+        tmp_path, redis_url, [_entry("demo", "demo.onnx"), _entry("tiny", "tiny.onnx")], budget=1
+    )
+    rng = np.random.default_rng(8)
+    with running_fleet(config):
+        assert wait_reply(rconn, send(rconn, "tiny", "t1", _inputs("tiny", rng, 1))).ok
+        paths["demo"].write_bytes(paths["demo2"].read_bytes())  # released, then replaced
+        reply = wait_reply(rconn, send(rconn, "demo", "d1", _inputs("demo", rng, 1)))
+        assert reply.error is not None
+        assert reply.error.code == "INTERNAL"
+        assert reply.error.retryable
+        assert "changed since it was loaded" in reply.error.message
+        assert "SIGHUP" in reply.error.message
+        assert wait_reply(rconn, send(rconn, "tiny", "t2", _inputs("tiny", rng, 1))).ok
+        eventually(lambda: _record(rconn, "demo")["session"]["error"], what="the load's error")
+
+
+@pytest.mark.parametrize("budget", [1, 3])
+def test_check_prints_every_models_record(tmp_path: Path, budget: int, capsys) -> None:
+    from worker.cli import main
+
+    names = ["demo", "tiny", "multi"]
+    _models(tmp_path, names)
+    config = _write(tmp_path, "redis://127.0.0.1:1/0", [_entry(n, f"{n}.onnx") for n in names])
+    config.write_text(config.read_text().replace("= 0", f"= {budget}", 1))
+    assert main(["--config", str(config), "--check"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["model"]["name"] for r in records] == names
