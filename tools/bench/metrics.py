@@ -45,8 +45,9 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 # The worker's own timings (its /metrics histograms)
 
 
-def scrape(urls: Sequence[str]) -> dict[str, float]:
-    """Every sample of the workers' /metrics, by name and labels, summed over ``urls``."""
+def scrape(urls: Sequence[str], by_model: bool = False) -> dict[str, float]:
+    """Every sample of the workers' /metrics, by name and labels, summed over ``urls`` (and
+    over the models a worker serves, unless ``by_model``: keys then hold ``model=NAME``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples: dict[str, float] = {}
@@ -58,7 +59,9 @@ def scrape(urls: Sequence[str]) -> dict[str, float]:
             raise BenchError(f"cannot read worker metrics at {url}: {exc}") from exc
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(s.labels.items()) if by_model or k != "model"
+                )
                 name = f"{s.name}{{{labels}}}" if labels else s.name
                 samples[name] = samples.get(name, 0.0) + s.value
     return samples
