@@ -71,7 +71,27 @@ def _identity(worker: WorkerInfo, now_s: float) -> list[str]:
     return [
         *under("    ", f"{state}, version {version} (sha256 {sha}), {providers}", hang=2),
         *under("    ", f"onnxruntime {ort}, {where}, started {started}, heartbeat {beat}", hang=2),
+        *_session(worker),
     ]
+
+
+def _session(worker: WorkerInfo) -> list[str]:
+    """``    session held: loaded 3 times, released 2, last load 325 ms, 70.1 MiB`` for a worker
+    of several models under a budget (contract section 8); nothing for an older worker."""
+    if not isinstance(worker.get("session"), dict):
+        return []
+    held = "held" if worker.get("session", "loaded") else "released (loads on its next request)"
+    loads, evictions = worker.get("session", "loads"), worker.get("session", "evictions")
+    load_ms, held_bytes = worker.get("session", "load_ms"), worker.get("session", "held_bytes")
+    text = f"session {held}: loaded {show(loads)} times, released {show(evictions)}"
+    if isinstance(load_ms, int | float):
+        text += f", last load {load_ms:,.0f} ms"
+    if isinstance(held_bytes, int) and held_bytes > 0:
+        text += f", {held_bytes / 2**20:,.1f} MiB"
+    lines = under("    ", printable(text), hang=2)
+    if worker.get("session", "error"):
+        lines += under("    load failed: ", printable(str(worker.get("session", "error"))))
+    return lines
 
 
 def _details(worker: WorkerInfo) -> list[str]:
@@ -79,6 +99,8 @@ def _details(worker: WorkerInfo) -> list[str]:
     lines = under("  ", printable(worker.name) + ":")
     if worker.get("error"):
         lines += under("    ", printable(str(worker.get("error"))), hang=2)
+    if worker.get("reload", "error"):  # a SIGHUP whose new version did not load
+        lines += under("    reload failed: ", printable(str(worker.get("reload", "error"))))
     for label, text in record_lines(worker.record):
         lines += under("    " + label, printable(text))
     return lines

@@ -281,6 +281,11 @@ class WorkerTable:
     max_loaded_models: int = setting(
         0, INT, "Model sessions held at once; 0: every model the config lists.", min=0, max=1024
     )
+    shared_arena: bool = setting(
+        True,
+        BOOL,
+        "With several models: their sessions share one CPU memory arena (one run at a time).",
+    )
 
 
 @dataclass(frozen=True, slots=True)

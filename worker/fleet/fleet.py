@@ -29,6 +29,7 @@ from worker.fleet.reload import plan
 from worker.fleet.slot import Slot
 from worker.model.device import Device
 from worker.model.held import Budget, HeldModel
+from worker.model.session import share_cpu_arena
 from worker.ops.metrics import Metrics
 from worker.ops.record import utc_now
 from worker.service import Worker
@@ -79,6 +80,8 @@ class Fleet:
     ) -> list[Prepared]:
         """Load, check and warm every model in config order; sessions past the budget are
         released once prepared (contract section 8), so at most one more than it is held."""
+        if len(self.served.models) > 1 and self.served.worker.shared_arena:
+            share_cpu_arena()
         for config in self.served.models:
             on_model(config)
             prepared = prepare_held(config, self.name, self.budget, self.device)

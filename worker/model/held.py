@@ -118,9 +118,10 @@ class HeldModel:
         if self._failed is not None and time.monotonic() - self._failed[0] < RETRY_LOAD_S:
             raise ModelUnavailable(self._failed[1])
 
-    def _do_load(self) -> OnnxModel:
+    def _do_load(self, started: float) -> OnnxModel:
+        """Load; ``started`` is when making room for it began (a release is part of the
+        wait a load causes, so it is part of the time reported)."""
         before = _resident_bytes()
-        started = time.perf_counter()
         try:
             session = self._load()
         except Exception as exc:  # a file gone or changed, out of memory, the runtime's own
@@ -191,9 +192,10 @@ class Budget:
             if session is not None:
                 return session
             model._check_retry()
+            started = time.perf_counter()
             with self._lock:
                 self._make_room(keep=model.name, room_for=1)
-            session = model._do_load()
+            session = model._do_load(started)
             with self._lock:
                 self._used[model.name] = model
         return session

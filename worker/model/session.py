@@ -32,6 +32,7 @@ __all__ = [
     "check_sha256",
     "preload_cuda_libraries",
     "read_model_file",
+    "share_cpu_arena",
 ]
 
 log = logging.getLogger(__name__)
@@ -240,8 +241,33 @@ class OnnxModel:
         return list(self._session.run(output_names, feeds))
 
 
+@dataclass(slots=True)
+class _ProcessArena:
+    shared: bool = False  # sessions allocate CPU memory from one arena of the process's
+
+
+_ARENA = _ProcessArena()
+
+
+def share_cpu_arena() -> None:
+    """Have every session made from now on take its CPU memory from one arena of the process,
+    not an arena each: a worker serving several models runs one at a time (the device's turns),
+    so one arena sized for the largest run serves them all, where arenas of their own each keep
+    their peak (docs/operations.md, "Several models in one worker"). Idempotent."""
+    if _ARENA.shared:
+        return
+    ort = import_onnxruntime()
+    cpu = ort.OrtMemoryInfo(
+        "Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT
+    )
+    ort.create_and_register_allocator(cpu, ort.OrtArenaCfg(0, -1, -1, -1))  # the defaults
+    _ARENA.shared = True
+
+
 def _session_options(ort: Any, config: ModelConfig) -> Any:
     options = ort.SessionOptions()
+    if _ARENA.shared:
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.log_severity_level = 3
     options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = config.inter_op_threads
