@@ -216,24 +216,71 @@ def test_a_new_version_is_swapped_in_under_load_and_each_reply_names_what_ran_it
     assert versions["2"] > 0
 
 
-def test_a_version_that_cannot_load_leaves_the_old_one_serving(
-    tmp_path: Path, redis_url: str, rconn: redis.Redis
+def test_a_version_that_cannot_load_leaves_the_old_one_serving_and_reload_says_why(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from producer.cli.main import main as redbatch
+
     _models(tmp_path, ["demo"])
     (tmp_path / "broken.onnx").write_bytes(b"not a model")
     config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "1")])
     rng = np.random.default_rng(6)
-    with running_fleet(config) as fleet:
+    with running_fleet(config):
         _write(tmp_path, redis_url, [_entry("demo", "broken.onnx", "2")])
-        fleet.request_reload()
-        eventually(lambda: "reload" in _record(rconn, "demo"), what="the reload's verdict")
-        why = _record(rconn, "demo")["reload"]["error"]
-        assert "version '2'" in why
-        assert "broken.onnx" in why
-        assert "version '1' serves on" in why
+        # The operator command, by the worker's name: the ask goes through Redis
+        assert redbatch(["reload", "--model", "demo", "w1", "--redis-url", redis_url]) == 1
+        out = capsys.readouterr().out
+        assert "w1 read its config again" in out
+        assert "not applied: version '2' of 'demo' not loaded" in out
+        assert "broken.onnx" in out
+        assert "version '1' serves on" in out
+        assert _record(rconn, "demo")["reload"]["errors"]
         reply = wait_reply(rconn, send(rconn, "demo", "after", _inputs("demo", rng, 2)))
         assert reply.ok, reply.error
         assert reply.model.version == "1"
+        # Fixed, and asked again: the new version serves
+        _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "3")])
+        assert redbatch(["reload", "--model", "demo", "w1", "--redis-url", redis_url]) == 0
+        assert "changed demo@3" in capsys.readouterr().out
+        reply = wait_reply(rconn, send(rconn, "demo", "fixed", _inputs("demo", rng, 2)))
+        assert reply.model.version == "3"
+    assert redbatch(["reload", "--model", "demo", "w1", "--redis-url", redis_url]) == 1
+    assert "no live worker named 'w1'" in capsys.readouterr().out
+
+
+def test_sighup_to_the_worker_process_swaps_the_version(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _models(tmp_path, ["demo", "demo2"])
+    config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "1")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", "hup"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        eventually(lambda: _record(rconn, "demo", "hup"), timeout_s=60, what="worker up")
+        _write(tmp_path, redis_url, [_entry("demo", "demo2.onnx", "2")])
+        os.kill(proc.pid, signal.SIGHUP)
+        eventually(
+            lambda: _record(rconn, "demo", "hup").get("model", {}).get("version") == "2",
+            timeout_s=30,
+            what="version 2",
+        )
+        reply = wait_reply(
+            rconn, send(rconn, "demo", "h1", _inputs("demo", np.random.default_rng(1), 1))
+        )
+        assert reply.model.version == "2"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"model swapped" in err
 
 
 def test_models_added_and_removed_on_reload(

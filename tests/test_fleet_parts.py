@@ -14,7 +14,7 @@ from eventually import eventually
 from tools.synthetic import save
 from worker.config.served import ServedConfig, parse_served
 from worker.errors import ModelUnavailable
-from worker.fleet.reload import plan
+from worker.fleet.plan import plan
 from worker.model.device import Device
 from worker.model.held import Budget, HeldModel
 

@@ -482,3 +482,39 @@ def test_tls_without_trusting_the_ca_fails(tls_server: LocalRedis) -> None:
     with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
         client.ping()
     client.close()
+
+
+def test_operator_reloads_a_worker_process_of_the_worker_role_by_name(
+    tmp_path: Path, server: LocalRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import subprocess
+    import sys
+
+    from eventually import eventually
+
+    # Given a worker process that logs in as the doc's worker user
+    config = write_config(tmp_path, MODEL, url(server, "worker"))
+    operator = redis.Redis.from_url(url(server, "operator"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "--config", str(config), "--name", "w-reload"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        key = worker_key("redbatch", MODEL, "w-reload")
+        eventually(lambda: operator.get(key), timeout_s=60, what="the worker's record")
+        # When its config names a new version and the operator user asks it, by name
+        config.write_text(config.read_text().replace('version = "7"', 'version = "8"'))
+        base = ["--redis-url", url(server, "operator")]
+        assert redbatch_main([*base, "reload", "--model", MODEL, "w-reload"]) == 0
+        # Then the new version serves, and the producer user's requests say so
+        assert "changed demo@8" in capsys.readouterr().out
+        with Client(MODEL, url(server, "producer")) as client:
+            handle = client.submit({"features": X})
+            assert client.wait(handle, timeout_s=20).model.version == "8"
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+        operator.close()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"cannot reach this worker" not in err  # the role's GETDEL is allowed

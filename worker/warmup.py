@@ -185,6 +185,7 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
         warmup["pipeline"] = warm_up_pipeline(
             pipeline, intake, model, config.warmup.runs, config.batching.max_batch_size
         )
+    model.shrink_arena(schema.synthetic_feeds(schema.fixed_batch or 1))  # shared arena only
     record = build_record(name, config, model, model_file, schema, warmup)
     if handler is not None:
         record["pipeline"] = handler.record()

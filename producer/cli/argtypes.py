@@ -112,6 +112,13 @@ def model_name(text: str) -> str:
     return text
 
 
+def worker_name(text: str) -> str:
+    """A worker (consumer) name as the contract allows it."""
+    if not keys.is_valid_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not match [A-Za-z0-9_.:-]{{1,128}}")
+    return text
+
+
 def prefix(text: str) -> str:
     """A key prefix: non-empty, without the braces of hash tags or spaces."""
     if not keys.is_valid_prefix(text):

@@ -3,7 +3,8 @@
 This module is argparse, the shared connection options and the dispatch; each command keeps its
 options and its reports in a module of its own: ``producer.cli.run`` (``run``, whose job is
 ``producer.jobs.job``'s), ``producer.cli.status`` (``status`` and ``status --watch``),
-``producer.cli.replay`` (``replay``) and ``producer.cli.shards`` (``shards``). Exit codes
+``producer.cli.replay`` (``replay``), ``producer.cli.shards`` (``shards``) and
+``producer.cli.reload`` (``reload``). Exit codes
 (``producer.cli.argtypes``): 0 every row succeeded, 1 some rows failed, 2 the command could not
 run as asked (bad option, missing file, Redis unreachable), 130 interrupted (Ctrl-C; ``run``
 still writes the rows answered by then). ``status``, ``replay`` and ``shards`` give up within
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import redis
 
 from producer.cli import argtypes
+from producer.cli import reload as reloadcmd
 from producer.cli import replay as replaycmd
 from producer.cli import run as runcmd
 from producer.cli import shards as shardcmd
@@ -69,6 +71,7 @@ examples:
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
   redbatch replay --model demo --from-dead --new-ids --delete
   redbatch shards place --model demo --count 3
+  redbatch reload --model demo gpu-box-1-4242-a1b2c3
 """
 
 _STATUS_HELP = """\
@@ -211,6 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     shardcmd.add_arguments(shards_cmd, lambda p: _add_connection_options(p, top=False))
+
+    reload_cmd = commands.add_parser(
+        "reload",
+        help="have a worker read its config again (new model versions without a restart)",
+        description=reloadcmd.HELP,
+        formatter_class=formatter,
+    )
+    reloadcmd.add_arguments(reload_cmd)
+    _add_connection_options(reload_cmd, top=False)
+    reload_cmd.set_defaults(handler=reloadcmd.run_command)
 
     return parser
 

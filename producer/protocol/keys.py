@@ -22,6 +22,7 @@ __all__ = [
     "is_valid_tag",
     "model_of",
     "parse_handle",
+    "reload_key",
     "reply_key",
     "request_stream",
     "retiring_key",
@@ -188,6 +189,14 @@ def worker_key(prefix: str, model: str, name: str) -> str:
     _check_model(model)
     _check_name(name)
     return f"{prefix}:{{{model}}}:worker:{name}"
+
+
+def reload_key(prefix: str, model: str, name: str) -> str:
+    """``P:{M}:reload:NAME``, an operator's ask that worker NAME read its config again (as on
+    SIGHUP); the worker takes it with ``GETDEL`` and answers in its record's ``reload``."""
+    _check_model(model)
+    _check_name(name)
+    return f"{prefix}:{{{model}}}:reload:{name}"
 
 
 def staging_key(prefix: str, tag: str, name: str, serial: str) -> str:

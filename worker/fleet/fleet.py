@@ -5,33 +5,34 @@ Each model keeps what it would have alone (keys, shards, lanes, limits, pipeline
 record, metrics); what the models share is the process: the device takes one run at a time by
 class, then in turn (``worker.model.device``), and the budget holds at most
 ``max_loaded_models`` sessions (``worker.model.held``). One model is the common case, and takes
-the same path. On SIGHUP the config is read again and applied on a thread of its own
-(``worker.fleet.reload``), so a stop signal is heard while a new version loads.
+the same path. On SIGHUP, or ``redbatch reload`` (an ask in Redis, taken about once a second),
+the config is read again and applied on a thread of its own (``worker.fleet.reload``), so a stop
+signal is heard while a new version loads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
+from producer.protocol.keys import reload_key
 from producer.redisio.topology import Topology
 from worker.config import WorkerConfig
 from worker.config.served import ServedConfig
-from worker.errors import WorkerError
 from worker.events import Events
 from worker.fleet.exposition import FleetMetrics
 from worker.fleet.loading import prepare_held
-from worker.fleet.reload import plan
+from worker.fleet.reload import Reload
 from worker.fleet.slot import Slot
 from worker.model.device import Device
 from worker.model.held import Budget, HeldModel
 from worker.model.session import share_cpu_arena
 from worker.ops.metrics import Metrics
-from worker.ops.record import utc_now
 from worker.service import Worker
 from worker.warmup import Prepared
 
@@ -40,6 +41,7 @@ __all__ = ["Fleet"]
 log = logging.getLogger(__name__)
 
 _WAIT_S = 0.2  # how often the main thread looks at the slots (signals are heard between)
+_ASK_POLL_S = 1.0  # how often it takes redbatch reload's asks
 
 
 class Fleet:
@@ -68,10 +70,13 @@ class Fleet:
         self.abandon: Callable[[], None] | None = None
         self.topology: Topology | None = None
         self._client: redis.Redis | None = None
-        self._lock = threading.RLock()  # the slots, as reloads change them
+        self.lock = threading.RLock()  # the slots, as reloads change them
         self._wake = threading.Event()  # a slot ended, or a reload was asked
         self._reload_asked = threading.Event()
         self._reloading: threading.Thread | None = None
+        self._tokens: list[str] = []  # redbatch reload's asks, for the next pass to answer
+        self._asks_refused = False
+        self._next_ask_poll = 0.0
 
     # -- before Redis ---------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class Fleet:
         raises the first failure of any model's worker, after stopping the others."""
         self._client = client
         self.topology = Topology(client)
-        with self._lock:
+        with self.lock:
             for prepared in self.prepared:
                 self.slots[prepared.config.model.name] = self.new_slot(prepared)
             self.prepared = []  # the slots hold them now
@@ -105,9 +110,11 @@ class Fleet:
                 slot.start()
         failure: BaseException | None = None
         while True:
+            if not self.stop.is_set():
+                self._poll_asks()
             if self._reload_asked.is_set() and not self.stop.is_set():
                 self._start_reload()
-            with self._lock:
+            with self.lock:
                 slots = list(self.slots.values())
                 reloading = self._reloading is not None and self._reloading.is_alive()
             failed = next((s.failure for s in slots if s.failure is not None), None)
@@ -142,7 +149,7 @@ class Fleet:
         """First call: every model stops reading and answers what it read. Second call: give
         up on Redis now (``Worker.request_stop``)."""
         self.stop.set()
-        with self._lock:
+        with self.lock:
             slots = list(self.slots.values())
         for slot in slots:
             slot.stop()
@@ -154,136 +161,68 @@ class Fleet:
         self._wake.set()
 
     def _start_reload(self) -> None:
-        with self._lock:
+        with self.lock:
             if self._reloading is not None and self._reloading.is_alive():
                 return  # asked again while one runs: the next pass reads the newer file
             self._reload_asked.clear()
+            tokens, self._tokens = self._tokens, []
             self._reloading = threading.Thread(
-                target=self._reload, name="redbatch-reload", daemon=True
+                target=self._run_reload, args=(tokens,), name="redbatch-reload", daemon=True
             )
             self._reloading.start()
 
-    # -- reload (SIGHUP) ------------------------------------------------------------------
+    # -- reload (SIGHUP, redbatch reload) -------------------------------------------------
 
-    def _reload(self) -> None:
-        """Read the config again and apply it: removed models drained and dropped, changed ones
-        swapped, added ones served; a model that fails to load changes nothing of its own."""
+    def prepare_model(self, config: WorkerConfig) -> Prepared:
+        return prepare_held(config, self.name, self.budget, self.device)
+
+    def _run_reload(self, tokens: list[str]) -> None:
         if self.read_config is None:
-            log.warning("SIGHUP: this worker has no config file to read again")
+            log.warning("reload asked, but this worker has no config file to read again")
             return
-        try:
-            served = self.read_config()
-        except WorkerError as exc:
-            log.error("reload: config not applied, every model serves on as it was: %s", exc)
-            self._tell(None, f"config not applied: {exc}")
-            return
-        with self._lock:
-            current = {
-                name: (slot.prepared.config, slot.prepared.record["model"]["sha256"])
-                for name, slot in self.slots.items()
-            }
-        change = plan(current, served)
-        if change.restart_only:
-            log.warning(
-                "reload: %s changed; the worker-wide tables take effect at a restart",
-                ", ".join(change.restart_only),
-            )
-        self.budget.set_limit(change.max_loaded_models)
-        log.info("reload", extra={"fields": change.summary()})
-        for name in change.removed:
-            self._retire(name)
-        for config in change.changed:
-            self._swap(config)
-        for config in change.added:
-            self._add(config)
+        Reload(self, self.read_config, tokens).run()
 
-    def _load(self, config: WorkerConfig, instead_of: Slot | None) -> Prepared | None:
-        """A new version prepared beside what serves; None (and why, in the log and the old
-        version's record) when it cannot load or warm up."""
-        try:
-            return prepare_held(config, self.name, self.budget, self.device)
-        except WorkerError as exc:
-            keeps = (
-                f"; version {instead_of.config_version!r} serves on"
-                if instead_of is not None
-                else ""
-            )
-            why = f"version {config.model.version!r} of {config.model.name!r} not loaded: {exc}"
-            log.error("reload: %s%s", why, keeps)
-            self._tell(instead_of, why + keeps)
-            return None
-
-    def _swap(self, config: WorkerConfig) -> None:
-        """The old version stops reading and answers what it read; the new one, loaded and
-        warmed already, reads from that moment on under the same consumer name."""
-        old = self.slots[config.model.name]
-        prepared = self._load(config, old)
-        if prepared is None or self.stop.is_set():
+    def _poll_asks(self) -> None:
+        """Take ``redbatch reload``'s asks (``P:{M}:reload:NAME``, GETDEL) of every model
+        served, about once a second, on the main thread."""
+        now = time.monotonic()
+        if self._asks_refused or self.topology is None or now < self._next_ask_poll:
             return
-        old.swapping = True
-        old.stop()
-        old.join()
-        new = self.new_slot(prepared, old.metrics)
-        self.budget.forget(old.held)
-        self.budget.admit(new.held)
-        with self._lock:
-            if self.stop.is_set():
-                return  # stopped meanwhile: the old slot, done, ends the fleet
-            self.slots[config.model.name] = new
-            new.start()
-        log.info(
-            "model swapped",
-            extra={
-                "fields": {
-                    "model": config.model.name,
-                    "from": old.config_version,
-                    "to": config.model.version,
-                }
-            },
-        )
-
-    def _add(self, config: WorkerConfig) -> None:
-        prepared = self._load(config, None)
-        if prepared is None or self.stop.is_set():
-            return
-        slot = self.new_slot(prepared)
-        self.budget.admit(slot.held)
-        with self._lock:
-            if self.stop.is_set():
+        self._next_ask_poll = now + _ASK_POLL_S
+        prefix = self.served.models[0].redis.prefix
+        with self.lock:
+            names = list(self.slots)
+        for model in names:
+            try:
+                token = self.topology.client(model).getdel(reload_key(prefix, model, self.name))
+            except redis.exceptions.NoPermissionError as exc:
+                log.warning(
+                    "redbatch reload cannot reach this worker: its ACL user may not GETDEL "
+                    "%s (%s); SIGHUP still works (docs/security.md)",
+                    reload_key(prefix, model, self.name),
+                    exc,
+                )
+                self._asks_refused = True
                 return
-            self.slots[config.model.name] = slot
-            slot.start()
-        log.info("model added", extra={"fields": {"model": config.model.name}})
-
-    def _retire(self, name: str) -> None:
-        """Stop reading the model's lanes, answer what was read, then drop it."""
-        slot = self.slots[name]
-        slot.stop()
-        slot.join()
-        self.budget.forget(slot.held)
-        with self._lock:
-            if slot.failure is None:
-                del self.slots[name]  # a failure stays, for run() to raise
-        log.info("model removed", extra={"fields": {"model": name}})
-
-    def _tell(self, slot: Slot | None, why: str) -> None:
-        """Put a reload's failure in the record of ``slot`` (None: every model's)."""
-        with self._lock:
-            slots = [slot] if slot is not None else list(self.slots.values())
-        for each in slots:
-            each.worker.registry.update(reload={"error": why, "at": utc_now()})
-            each.worker.registry.beat_soon()
+            except (redis.RedisError, OSError):
+                return  # an outage: the workers say so, and the next poll tries again
+            if token:
+                with self.lock:
+                    self._tokens.append(
+                        token.decode("utf-8", "replace") if isinstance(token, bytes) else token
+                    )
+                self.request_reload()
 
     # -- health ---------------------------------------------------------------------------
 
     def ready(self) -> bool:
         """/readyz: every model warm and reading (or swapping in a new version)."""
-        with self._lock:
+        with self.lock:
             slots = list(self.slots.values())
         return bool(slots) and all(slot.ready() for slot in slots)
 
     def health_problem(self) -> str | None:
-        with self._lock:
+        with self.lock:
             slots = list(self.slots.values())
         for slot in slots:
             problem = slot.worker.health_problem()
@@ -292,7 +231,7 @@ class Fleet:
         return None
 
     def served_counts(self) -> dict[str, dict[str, int]]:
-        with self._lock:
+        with self.lock:
             return {name: slot.worker.served for name, slot in self.slots.items()}
 
     def close(self) -> None:
@@ -303,5 +242,5 @@ class Fleet:
         self._wake.set()
 
     def _registries(self) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             return {name: slot.metrics.registry for name, slot in self.slots.items()}

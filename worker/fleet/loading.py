@@ -38,6 +38,7 @@ def prepare_held(config: WorkerConfig, name: str, budget: Budget, device: Device
             )
         fresh = OnnxModel(config.model, config.batching.max_batch_size)
         warm_up(fresh, prepared.schema, config.warmup.runs, fresh.buckets)
+        fresh.shrink_arena(prepared.schema.synthetic_feeds(prepared.schema.fixed_batch or 1))
         return fresh
 
     held = HeldModel(

@@ -1,77 +1,164 @@
-"""What a config read again on SIGHUP changes: models added, removed and changed (contract
-section 8), worked out before anything is touched.
+"""A config read again, applied to a running fleet (contract section 8), on a thread of its own.
 
-A model is changed when its settings differ or its file's bytes do (the same path, a new file):
-either way it is loaded and warmed as a new version beside the old, then swapped in. The
-worker-wide tables (``[redis]``, ``[metrics]``, ``[scheduling]``) hold the process's connections,
-port and scheduler: a change to them is reported as needing a restart, and not applied.
+Removed models stop reading, answer what they read and are dropped. A changed model's new
+version is loaded and warmed beside the old one first; then the old one stops reading and
+answers what it read, and the new one reads from that moment on under the same consumer name,
+so no request is lost or answered twice, and each reply names the version that ran it. A model
+that fails to load changes nothing: the old version serves on. What was done, and what was not
+and why, goes into every model's record (``reload``), where ``redbatch reload`` reads it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from worker.config import WorkerConfig
-from worker.config.served import WORKER_WIDE, ServedConfig
+from worker.config.served import ServedConfig
 from worker.errors import WorkerError
-from worker.model.session import read_model_file
+from worker.fleet.plan import plan
+from worker.fleet.slot import Slot
+from worker.model.held import Budget
+from worker.ops.metrics import Metrics
+from worker.ops.record import utc_now
+from worker.warmup import Prepared
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Reload"]
+
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    added: tuple[WorkerConfig, ...]
-    removed: tuple[str, ...]
-    changed: tuple[WorkerConfig, ...]
-    restart_only: tuple[str, ...]  # the worker-wide tables that changed: "[redis]", ...
-    max_loaded_models: int
+class Serving(Protocol):
+    """What a reload changes of the fleet (``worker.fleet.fleet.Fleet``)."""
 
-    @property
-    def empty(self) -> bool:
-        return not (self.added or self.removed or self.changed)
+    slots: dict[str, Slot]
+    budget: Budget
+    stop: threading.Event
+    lock: threading.RLock
 
-    def summary(self) -> dict[str, list[str]]:
-        return {
-            "added": [c.model.name for c in self.added],
-            "removed": list(self.removed),
-            "changed": [f"{c.model.name}@{c.model.version}" for c in self.changed],
+    def new_slot(self, prepared: Prepared, metrics: Metrics | None = None) -> Slot: ...
+
+    def prepare_model(self, config: WorkerConfig) -> Prepared: ...
+
+
+class Reload:
+    """One pass: read the config, work out the changes, apply them, say what happened."""
+
+    def __init__(
+        self, fleet: Serving, read_config: Callable[[], ServedConfig], tokens: list[str]
+    ) -> None:
+        self.fleet = fleet
+        self.read_config = read_config
+        self.tokens = tokens  # the ``redbatch reload`` asks this pass answers
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        summary: dict[str, list[str]] = {}
+        try:
+            served = self.read_config()
+        except WorkerError as exc:
+            log.error("reload: config not applied, every model serves on as it was: %s", exc)
+            self.errors.append(f"config not applied: {exc}")
+        else:
+            summary = self._apply(served)
+        self._answer(summary)
+
+    def _apply(self, served: ServedConfig) -> dict[str, list[str]]:
+        fleet = self.fleet
+        with fleet.lock:
+            current = {
+                name: (slot.prepared.config, slot.prepared.record["model"]["sha256"])
+                for name, slot in fleet.slots.items()
+            }
+        change = plan(current, served)
+        if change.restart_only:
+            log.warning(
+                "reload: %s changed; the worker-wide tables take effect at a restart",
+                ", ".join(change.restart_only),
+            )
+            self.errors.append(f"{', '.join(change.restart_only)} changed: applied at a restart")
+        fleet.budget.set_limit(change.max_loaded_models)
+        log.info("reload", extra={"fields": change.summary()})
+        for name in change.removed:
+            self._retire(name)
+        for config in change.changed:
+            self._swap(config)
+        for config in change.added:
+            self._add(config)
+        return change.summary()
+
+    def _load(self, config: WorkerConfig, instead_of: Slot | None) -> Prepared | None:
+        """A version prepared beside what serves; None (and why) when it cannot load."""
+        try:
+            return self.fleet.prepare_model(config)
+        except WorkerError as exc:
+            keeps = (
+                f"; version {instead_of.config_version!r} serves on"
+                if instead_of is not None
+                else ""
+            )
+            why = f"version {config.model.version!r} of {config.model.name!r} not loaded: {exc}"
+            log.error("reload: %s%s", why, keeps)
+            self.errors.append(why + keeps)
+            return None
+
+    def _swap(self, config: WorkerConfig) -> None:
+        fleet = self.fleet
+        old = fleet.slots[config.model.name]
+        prepared = self._load(config, old)
+        if prepared is None or fleet.stop.is_set():
+            return
+        old.swapping = True  # still ready, as far as /readyz goes
+        old.stop()
+        old.join()
+        new = fleet.new_slot(prepared, old.metrics)
+        fleet.budget.forget(old.held)
+        fleet.budget.admit(new.held)
+        with fleet.lock:
+            if fleet.stop.is_set():
+                return  # stopped meanwhile: the old slot, done, ends the fleet
+            fleet.slots[config.model.name] = new
+            new.start()
+        fields = {"model": config.model.name, "from": old.config_version, "to": new.config_version}
+        log.info("model swapped", extra={"fields": fields})
+
+    def _add(self, config: WorkerConfig) -> None:
+        fleet = self.fleet
+        prepared = self._load(config, None)
+        if prepared is None or fleet.stop.is_set():
+            return
+        slot = fleet.new_slot(prepared)
+        fleet.budget.admit(slot.held)
+        with fleet.lock:
+            if fleet.stop.is_set():
+                return
+            fleet.slots[config.model.name] = slot
+            slot.start()
+        log.info("model added", extra={"fields": {"model": config.model.name}})
+
+    def _retire(self, name: str) -> None:
+        fleet = self.fleet
+        slot = fleet.slots[name]
+        slot.stop()
+        slot.join()
+        fleet.budget.forget(slot.held)
+        with fleet.lock:
+            if slot.failure is None:
+                del fleet.slots[name]  # a failure stays, for the fleet to raise
+        log.info("model removed", extra={"fields": {"model": name}})
+
+    def _answer(self, summary: dict[str, Any]) -> None:
+        """Every model's record says what this pass did (``redbatch reload`` waits for it)."""
+        answer = {
+            "tokens": self.tokens,
+            "at": utc_now(),
+            "changes": summary,
+            "errors": self.errors,
         }
-
-
-def plan(current: Mapping[str, tuple[WorkerConfig, str]], served: ServedConfig) -> Plan:
-    """``current``: each model served now, by name, with the sha256 of the file it runs."""
-    now = next(iter(current.values()))[0] if current else None
-    restart_only: list[str] = []
-    if now is not None:
-        new = served.models[0]
-        restart_only = [f"[{t}]" for t in WORKER_WIDE if getattr(new, t) != getattr(now, t)]
-    added, changed = [], []
-    for listed in served.models:
-        config = listed  # the worker-wide tables stay as they are until a restart
-        if now is not None:
-            config = dataclasses.replace(listed, **{t: getattr(now, t) for t in WORKER_WIDE})
-        held = current.get(config.model.name)
-        if held is None:
-            added.append(config)
-        elif config != held[0] or _sha256(config) != held[1]:
-            changed.append(config)
-    names = {c.model.name for c in served.models}
-    removed = tuple(name for name in current if name not in names)
-    return Plan(
-        tuple(added),
-        removed,
-        tuple(changed),
-        tuple(restart_only),
-        served.worker.max_loaded_models,
-    )
-
-
-def _sha256(config: WorkerConfig) -> str | None:
-    """The file's hash now; None when it cannot be read (the load then says why)."""
-    try:
-        return read_model_file(config.model.path).sha256
-    except (WorkerError, OSError):
-        return None
+        with self.fleet.lock:
+            slots = list(self.fleet.slots.values())
+        for slot in slots:
+            slot.worker.registry.update(reload=answer)
+            slot.worker.registry.beat_soon()

@@ -235,6 +235,17 @@ class OnnxModel:
         """The rows a batch of ``rows`` runs as: its bucket when runs are bound, else ``rows``."""
         return self._runner.padded_rows(rows) if self._runner is not None else rows
 
+    def shrink_arena(self, feeds: dict[str, np.ndarray]) -> None:
+        """With the process's shared CPU arena (``share_cpu_arena``): one small run that hands
+        the arena's free chunks back to the system. Warmup runs at the largest sizes; the
+        arena they grew would stay at that peak for every model after it. Nothing otherwise."""
+        if not _ARENA.shared:
+            return
+        options = self._ort.RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        names = [o.name for o in self.outputs]
+        self._session.run(names, feeds, options)
+
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         if self._runner is not None:
             return self._runner.run(feeds, output_names)
