@@ -742,9 +742,11 @@ def test_dashboard_reads_the_stream_gauges_per_shard() -> None:
                     assert re.search(r"max(?: by \((shard|class)\))? \($|max\($", head), expr
                     continue
                 inner = "shard, class, tenant" if name in _LANE_GAUGES else "shard"
-                assert head.endswith(f"max by ({inner}) ("), (panel["title"], expr)
+                # by model too, in the panels per model (a shard is one model's)
+                inner = rf"(model, )?{inner}"
+                assert re.search(rf"max by \({inner}\) \($", head), (panel["title"], expr)
                 assert re.fullmatch(
-                    rf"(sum(?: by \((shard|class|class, tenant)\))? ?\()?max by \({inner}\) \(",
+                    rf"(sum(?: by \((shard|class|class, tenant|model)\))? ?\()?max by \({inner}\) \(",
                     head,
                 ), expr
         if expr.startswith("sum by (shard) (max by (shard, class, tenant) (redbatch_backlog{"):

@@ -22,6 +22,7 @@ from producer.protocol.keys import reply_key, worker_key
 from tools import synthetic
 from worker.config.served import load_served
 from worker.fleet.fleet import Fleet
+from worker.fleet.watch import ConfigWatch
 from worker.ops.metrics import MetricsServer
 
 MODELS = {  # name: (synthetic model, its inputs for ``rows`` rows)
@@ -72,9 +73,10 @@ def _models(where: Path, names: list[str]) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def running_fleet(config: Path, name: str = "w1") -> Iterator[Fleet]:
+def running_fleet(config: Path, name: str = "w1", watch_s: float = 0.0) -> Iterator[Fleet]:
     served = load_served(config)
-    fleet = Fleet(served, name, read_config=lambda: load_served(config))
+    watch = ConfigWatch(config, watch_s) if watch_s else None
+    fleet = Fleet(served, name, read_config=lambda: load_served(config), watch=watch)
     fleet.prepare()
     client = redis.Redis.from_url(served.models[0].redis.url)
     failure: list[BaseException] = []
@@ -330,3 +332,22 @@ def test_check_prints_every_models_record(tmp_path: Path, budget: int, capsys) -
     assert main(["--config", str(config), "--check"]) == 0
     records = json.loads(capsys.readouterr().out)
     assert [r["model"]["name"] for r in records] == names
+
+
+def test_a_changed_config_file_is_applied_when_watched(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    # As a Kubernetes ConfigMap changes: the file is replaced in place, and no signal comes
+    _models(tmp_path, ["demo", "demo2"])
+    config = _write(tmp_path, redis_url, [_entry("demo", "demo.onnx", "1")])
+    with running_fleet(config, watch_s=0.05):
+        config.write_text(config.read_text())  # unchanged bytes: nothing happens
+        staged = tmp_path / "staged.toml"
+        new = _entry("demo", "demo2.onnx", "2")
+        staged.write_text(config.read_text().split("[[models]]")[0] + new.lstrip())
+        staged.replace(config)  # an atomic swap, as the kubelet's
+        eventually(lambda: _version(rconn) == "2", what="version 2 serving")
+        reply = wait_reply(
+            rconn, send(rconn, "demo", "w1", _inputs("demo", np.random.default_rng(2), 1))
+        )
+        assert reply.model.version == "2"

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -35,6 +36,7 @@ from worker.config.keys import describe
 from worker.config.served import load_served
 from worker.errors import WorkerError
 from worker.fleet.fleet import Fleet
+from worker.fleet.watch import ConfigWatch
 from worker.ops.faults import FaultPoints
 from worker.ops.logs import configure_logging
 from worker.ops.metrics import MetricsServer
@@ -53,7 +55,9 @@ examples:
 The config file is TOML; configs/reference.toml documents every key, and --help-config lists
 them with their defaults and bounds. REDIS_URL in the environment overrides redis.url; the
 worker logs, once at start, the URL it serves (password hidden) and where that came from.
-SIGTERM or SIGINT stops reading, answers every request already read and exits 0. When Redis
+SIGTERM or SIGINT stops reading, answers every request already read and exits 0. SIGHUP (or
+`redbatch reload --model M NAME`) reads the config again: models added or removed, and a changed
+model's new version loaded beside the old and swapped in without losing a request. When Redis
 refuses or cannot be reached, it waits 3 s for a step forward (a second signal: none), then
 exits 0 with a WARNING naming the requests it left pending, for another worker to claim.
 Exit status 2: a wrong config, or a misconfigured connection (TLS to a plain port or the
@@ -182,8 +186,14 @@ def _main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    watch_s = served.worker.watch_config_s
     fleet = Fleet(
-        served, name, burst=args.burst, faults=faults, read_config=lambda: load_served(args.config)
+        served,
+        name,
+        burst=args.burst,
+        faults=faults,
+        read_config=lambda: load_served(args.config),
+        watch=ConfigWatch(Path(args.config), watch_s) if watch_s > 0 else None,
     )
     config = served.models[0]  # the worker-wide tables are the same in every model's
     server = None

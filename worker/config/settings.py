@@ -286,6 +286,14 @@ class WorkerTable:
         BOOL,
         "With several models: their sessions share one CPU memory arena (one run at a time).",
     )
+    watch_config_s: float = setting(
+        0.0,
+        NUMBER,
+        "Read the config file again when its bytes change, looking this often (a mounted "
+        "ConfigMap changes in place); 0: only on SIGHUP or redbatch reload.",
+        min=0.0,
+        max=3600.0,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from worker.fleet.exposition import FleetMetrics
 from worker.fleet.loading import prepare_held
 from worker.fleet.reload import Reload
 from worker.fleet.slot import Slot
+from worker.fleet.watch import ConfigWatch
 from worker.model.device import Device
 from worker.model.held import Budget, HeldModel
 from worker.model.session import share_cpu_arena
@@ -55,12 +56,14 @@ class Fleet:
         burst: bool = False,
         faults: Events | None = None,
         read_config: Callable[[], ServedConfig] | None = None,
+        watch: ConfigWatch | None = None,
     ) -> None:
         self.served = served
         self.name = name
         self.burst = burst
         self.faults = faults
         self.read_config = read_config
+        self.watch = watch  # [worker] watch_config_s: a changed file reloads as SIGHUP does
         self.device = Device()
         self.budget = Budget(served.worker.max_loaded_models)
         self.prepared: list[Prepared] = []
@@ -112,6 +115,9 @@ class Fleet:
         while True:
             if not self.stop.is_set():
                 self._poll_asks()
+                if self.watch is not None and self.watch.changed():
+                    log.info("the config file changed: reading it again")
+                    self.request_reload()
             if self._reload_asked.is_set() and not self.stop.is_set():
                 self._start_reload()
             with self.lock:
