@@ -745,10 +745,8 @@ def test_dashboard_reads_the_stream_gauges_per_shard() -> None:
                 # by model too, in the panels per model (a shard is one model's)
                 inner = rf"(model, )?{inner}"
                 assert re.search(rf"max by \({inner}\) \($", head), (panel["title"], expr)
-                assert re.fullmatch(
-                    rf"(sum(?: by \((shard|class|class, tenant|model)\))? ?\()?max by \({inner}\) \(",
-                    head,
-                ), expr
+                outer = r"(sum(?: by \((shard|class|class, tenant|model)\))? ?\()?"
+                assert re.fullmatch(rf"{outer}max by \({inner}\) \(", head), expr
         if expr.startswith("sum by (shard) (max by (shard, class, tenant) (redbatch_backlog{"):
             per_shard.append((panel["title"], target["legendFormat"]))
         if re.search(r"\bby \((le, )?class\)", expr):

@@ -351,3 +351,40 @@ def test_a_changed_config_file_is_applied_when_watched(
             rconn, send(rconn, "demo", "w1", _inputs("demo", np.random.default_rng(2), 1))
         )
         assert reply.model.version == "2"
+
+
+def test_status_shows_every_model_a_worker_serves_held_or_not(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from producer.cli.main import main as redbatch
+
+    _models(tmp_path, ["demo", "tiny"])
+    config = _write(
+        tmp_path, redis_url, [_entry("demo", "demo.onnx"), _entry("tiny", "tiny.onnx")], budget=1
+    )
+    with running_fleet(config):
+        assert wait_reply(
+            rconn, send(rconn, "tiny", "t", _inputs("tiny", np.random.default_rng(3), 1))
+        ).ok
+        eventually(
+            lambda: _record(rconn, "demo").get("session", {}).get("loaded") is False,
+            what="demo released",
+        )
+        eventually(
+            lambda: _record(rconn, "tiny").get("session", {}).get("loaded") is True,
+            what="tiny held",
+        )
+        base = ["--redis-url", redis_url]
+        assert redbatch([*base, "status", "--worker", "w1"]) == 0
+        text = capsys.readouterr().out
+        assert "Worker w1 serves 2 models" in text
+        rows = {line.split()[0]: line.split() for line in text.splitlines()[2:4]}
+        assert rows["demo"][3] == "released"
+        assert rows["tiny"][3] == "held"
+        assert redbatch([*base, "status", "--worker", "w1", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert {m["model"]: m["session"]["loaded"] for m in listed} == {"demo": False, "tiny": True}
+        assert redbatch([*base, "status", "--model", "demo"]) == 0
+        assert "session released (loads on its next request)" in capsys.readouterr().out
+    assert redbatch([*base, "status", "--worker", "w1"]) == 1
+    assert "no live worker named 'w1'" in capsys.readouterr().out

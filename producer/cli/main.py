@@ -68,6 +68,7 @@ examples:
   redbatch status
   redbatch status --model demo
   redbatch status --model demo --watch
+  redbatch status --worker gpu-box-1-4242-a1b2c3
   REDIS_URL=redis://:secret@cache:6379/0 redbatch status --model demo --json
   redbatch replay --model demo --from-dead --new-ids --delete
   redbatch shards place --model demo --count 3
@@ -188,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         type=argtypes.model_name,
         help="the model to show in full (default: list every model)",
+    )
+    stat.add_argument(
+        "--worker",
+        type=argtypes.worker_name,
+        metavar="NAME",
+        help="show every model worker NAME serves: version, session held or released, loads",
     )
     stat.add_argument("--json", action="store_true", help="print JSON instead of tables")
     stat.add_argument(

@@ -22,7 +22,7 @@ import redis
 from producer.cli import argtypes
 from producer.cli.argtypes import EXIT_FAILED, EXIT_OK
 from producer.cli.reach import open_redis
-from producer.ops import models, nomodel, status
+from producer.ops import models, nomodel, status, workerview
 from producer.ops import report as status_report
 from producer.ops.status import DEFAULT_DEAD_LIMIT
 from producer.ops.watch import DEFAULT_INTERVAL_S, render
@@ -174,6 +174,10 @@ def run_status(args: argparse.Namespace) -> int:
     stray = watch_only_options(args)
     if stray:
         raise UsageError(f"{' and '.join(stray)} go with --watch; add --watch or leave them out.")
+    if getattr(args, "worker", None) is not None:
+        if args.watch or args.model is not None:
+            raise UsageError("--worker shows one worker's models; leave out --model and --watch.")
+        return run_worker(args)
     if args.watch:
         return run_watch(args)
     if getattr(args, "model", None) is None:
@@ -198,6 +202,21 @@ def run_status(args: argparse.Namespace) -> int:
         print(status_report.format_status(report, redis_url=where))
     blocked = any(note.blocking for note in report.damage)
     return EXIT_FAILED if blocked or unknown else EXIT_OK
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """``redbatch status --worker NAME``: the models one worker serves; exits 1 when no live
+    worker has that name."""
+    conn = open_redis(args)
+    try:
+        records = workerview.gather_worker(conn, args.prefix, args.worker, retry_s=args.retry_s)
+    finally:
+        conn.close()
+    if args.json:
+        print(json.dumps(workerview.worker_to_json(records), indent=2))
+    else:
+        print(workerview.format_worker(args.worker, args.prefix, records))
+    return EXIT_OK if records else EXIT_FAILED
 
 
 def run_overview(args: argparse.Namespace) -> int:
