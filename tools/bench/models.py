@@ -10,6 +10,8 @@ Three parts, each on a private Redis, with worker processes started as operators
 - ``backlog``: one worker serving ``heavy`` and ``demo``; a ``demo`` caller alone, then behind a
   backlog of ``--backlog-rows`` rows on ``heavy``: its p99 against
   max(3 x idle p99, idle p99 + 3 x heavy's mean batch run), measured while the backlog drains.
+- ``swap``: a ``demo`` caller in a closed loop while SIGHUP swaps in a new version: every request
+  answered, its latency around the swap, and how long from the signal to version 2's answers.
 
 The four models are the bundled examples' two pipelines (``orientation``: image bytes;
 ``minilm``: sentences), the synthetic ``heavy`` (4 Gemm of 2048) and ``demo``. Fetch the
@@ -301,6 +303,66 @@ def backlog(workdir: Path, url: str, entries: dict[str, str], rows: int) -> dict
     return result
 
 
+def swap(workdir: Path, url: str, seconds: float) -> dict[str, Any]:
+    """A closed-loop ``demo`` caller while SIGHUP swaps in version 2 (another file): every
+    request answered, the caller's latency around the swap, and when version 2 first answered."""
+    import signal
+    import threading
+
+    import onnx
+
+    from tools import synthetic
+
+    demo8 = workdir / "demo8.onnx"
+    onnx.save(synthetic.demo(8), demo8)
+    entry = _entries(workdir)["demo"]
+    proc = Proc(workdir, url, {"demo": entry})
+    seen: list[tuple[float, float, str]] = []  # (sent at, latency ms, version)
+    done = threading.Event()
+
+    def caller() -> None:
+        rng = np.random.default_rng(3)
+        with Client("demo", url, prefix=PREFIX) as client:
+            while not done.is_set():
+                t0 = time.perf_counter()
+                handle = client.submit(_inputs("demo", rng))
+                result = client.wait(handle, timeout_s=60)
+                result.raise_for_error()
+                seen.append((t0, (time.perf_counter() - t0) * 1000.0, result.model.version))
+
+    thread = threading.Thread(target=caller)
+    try:
+        thread.start()
+        time.sleep(seconds / 2)
+        text = proc.config.read_text()
+        proc.config.write_text(
+            text.replace(str(workdir / "demo.onnx"), str(demo8)).replace(
+                'version = "1"', 'version = "2"'
+            )
+        )
+        hup = time.perf_counter()
+        proc.proc.send_signal(signal.SIGHUP)
+        time.sleep(seconds / 2)
+        done.set()
+        thread.join()
+    finally:
+        done.set()
+        proc.stop()
+    before = [ms for t, ms, _ in seen if t < hup - 0.5]
+    around = [ms for t, ms, _ in seen if hup - 0.05 <= t <= hup + 2.0]
+    first_v2 = min((t + ms / 1000.0 for t, ms, v in seen if v == "2"), default=float("nan"))
+    result = {
+        "requests": len(seen),
+        "versions": {v: sum(1 for *_, w in seen if w == v) for v in ("1", "2")},
+        "before_p99_ms": round(percentiles(before)["p99"], 2),
+        "around_swap_max_ms": round(max(around, default=0.0), 2),
+        "signal_to_first_v2_ms": round((first_v2 - hup) * 1000.0, 1),
+        "v1_after_first_v2": sum(1 for t, ms, v in seen if v == "1" and t > first_v2),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def _backlog(url: str) -> int:
     import redis
 
@@ -329,10 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m tools.bench.models",
         description="Several models in one worker: memory, load on demand, one model's backlog.",
     )
-    parser.add_argument("--parts", default="rss,evict,backlog", help="which parts, in order")
+    parser.add_argument("--parts", default="rss,evict,backlog,swap", help="which parts, in order")
     parser.add_argument("--rounds", type=int, default=2, help="rss rounds (alternating)")
     parser.add_argument("--turns", type=int, default=6, help="evict: rounds over the models")
     parser.add_argument("--backlog-rows", type=int, default=100_000)
+    parser.add_argument("--swap-s", type=float, default=8.0, help="swap: seconds of the caller")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
@@ -347,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[part] = evict(workdir, url, entries, args.turns)
             elif part == "backlog":
                 results[part] = backlog(workdir, url, entries, args.backlog_rows)
+            elif part == "swap":
+                results[part] = swap(workdir, url, args.swap_s)
             else:
                 parser.error(f"unknown part {part!r}")
     if args.json:

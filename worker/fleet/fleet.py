@@ -194,6 +194,8 @@ class Fleet:
         now = time.monotonic()
         if self._asks_refused or self.topology is None or now < self._next_ask_poll:
             return
+        if not self.ready():  # not before every model has reached Redis (it may refuse)
+            return
         self._next_ask_poll = now + _ASK_POLL_S
         prefix = self.served.models[0].redis.prefix
         with self.lock:
