@@ -474,7 +474,7 @@ class Worker:
         to the writer, which finishes the batch in one round trip while the next one runs (or here,
         when no next one waits)."""
         if isinstance(self.model, HeldModel):  # its turn on the device goes by the batch's class
-            self.model.rank = min(class_rank(item) for item in batch)
+            self.model.batch_rank = lambda: min(class_rank(item) for item in batch)
         answered = self.answers.answer(batch)
         self.events.point("after_inference")
         self.writer.submit(answered, here=self._write_here(answered.runs))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 __all__ = ["Device"]
@@ -31,23 +31,31 @@ class Device:
     @contextmanager
     def turn(self, rank: int) -> Iterator[None]:
         """Hold the device for one run of a batch whose highest class has ``rank``."""
-        with self._cond:
-            if not self._busy and not self._waiting:  # the common case: nobody else runs
-                self._busy = True
-            else:
-                ticket = (rank, next(self._tickets))
-                heapq.heappush(self._waiting, ticket)
-                while self._busy or self._waiting[0] != ticket:
-                    self._cond.wait()
-                heapq.heappop(self._waiting)
-                self._busy = True
+        self.acquire(lambda: rank)
         try:
             yield
         finally:
-            with self._cond:
-                self._busy = False
-                if self._waiting:
-                    self._cond.notify_all()
+            self.release()
+
+    def acquire(self, rank: Callable[[], int]) -> None:
+        """Wait for a turn; ``rank()`` (the batch's highest class) is asked only when another
+        run holds the device or waits: alone, a turn costs a lock and a flag."""
+        with self._cond:
+            if not self._busy and not self._waiting:
+                self._busy = True
+                return
+            ticket = (rank(), next(self._tickets))
+            heapq.heappush(self._waiting, ticket)
+            while self._busy or self._waiting[0] != ticket:
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self._busy = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy = False
+            if self._waiting:
+                self._cond.notify_all()
 
     @property
     def waiting(self) -> int:

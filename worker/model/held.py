@@ -81,7 +81,8 @@ class HeldModel:
         self._load = load
         self._budget = budget
         self._device = device
-        self.rank = 1  # the class rank of the batch about to run (set by the worker)
+        # The batch about to run (set by the worker): its highest class is its rank at the device
+        self.batch_rank: Callable[[], int] = lambda: 1
         self.on_change: Callable[[HeldState], None] = lambda state: None
         self._loads = 1
         self._evictions = 0
@@ -95,8 +96,11 @@ class HeldModel:
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         session = self._budget.hold(self)
-        with self._device.turn(self.rank):
+        self._device.acquire(self.batch_rank)
+        try:
             return session.run(feeds, output_names)
+        finally:
+            self._device.release()
 
     @property
     def loaded(self) -> bool:
@@ -181,6 +185,10 @@ class Budget:
 
     def hold(self, model: HeldModel) -> OnnxModel:
         """The model's session, loaded (and warmed) first when it is not held."""
+        if not self.limit:  # no budget: nothing is released, so no order to keep
+            session = model._held()
+            if session is not None:
+                return session
         with self._lock:
             session = model._held()
             if session is not None:
