@@ -223,10 +223,17 @@ def rss(workdir: Path, url: str, entries: dict[str, str], rounds: int) -> dict[s
 def evict(workdir: Path, url: str, entries: dict[str, str], turns: int) -> dict[str, Any]:
     """Budget 2, the four models in turn: each request loads its model first."""
     rng = np.random.default_rng(1)
-    held = Proc(workdir, url, entries)  # everything held: each model's latency when loaded
+    # Everything held: each model's latency when loaded, taken as below (a scrape of /metrics
+    # before and after each request), so the two differ by the loads alone
+    held = Proc(workdir, url, entries)
     try:
         with _clients(url, list(entries)) as clients:
-            idle = {m: _latencies(c, m, rng, 30) for m, c in clients.items()}
+            idle: dict[str, list[float]] = {m: [] for m in entries}
+            for _ in range(max(turns, 8)):
+                for model, client in clients.items():
+                    scrape([held.metrics], by_model=True)
+                    idle[model] += _latencies(client, model, rng, 1)
+                    scrape([held.metrics], by_model=True)
     finally:
         held.stop()
     proc = Proc(workdir, url, entries, budget=2)

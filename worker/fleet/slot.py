@@ -77,4 +77,3 @@ class Slot:
     def _held_changed(self, state: HeldState) -> None:
         self.metrics.held_seen(state)
         self.worker.registry.update(session=state.as_record())
-        self.worker.registry.beat_soon()  # status shows loads as they happen
