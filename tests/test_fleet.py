@@ -198,10 +198,23 @@ def test_a_new_version_is_swapped_in_under_load_and_each_reply_names_what_ran_it
         sender = threading.Thread(target=load)
         sender.start()
         eventually(lambda: len(sent) > 300, what="load under way")
+        readiness: list[bool] = []
+
+        def watch_ready() -> None:  # /readyz's answer, all through the swap
+            while not swapped.is_set():
+                readiness.append(fleet.ready())
+                time.sleep(0.0005)
+
+        watcher = threading.Thread(target=watch_ready)
+        watcher.start()
         _write(tmp_path, redis_url, [_entry("demo", "demo2.onnx", "2")])
         fleet.request_reload()
         eventually(lambda: _version(rconn) == "2", what="version 2 serving")
+        eventually(lambda: fleet.slots["demo"].worker.ready.is_set(), what="v2 reads")  # noqa: PLW0108 (the slot is replaced)
         swapped.set()
+        watcher.join()
+        assert readiness
+        assert all(readiness)  # ready all through: reading stops only for a moment
         sender.join()
         versions: dict[str, int] = {"1": 0, "2": 0}
         for rid, inputs in sent.items():

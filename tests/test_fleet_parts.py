@@ -3,8 +3,10 @@ what a config read again changes."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import tomllib
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,18 @@ def test_the_budget_releases_the_least_recently_used_and_loads_on_demand() -> No
     assert budget.held == ["b", "a"]
     assert c.state().evictions == 1
     assert a.state().loads == 2
+
+
+def test_a_released_session_is_freed() -> None:
+    budget, device, loads = Budget(1), Device(), []
+    a, b = (_held(n, budget, device, loads) for n in "ab")
+    budget.start(a)
+    budget.start(b)  # released at start
+    first = weakref.ref(a._held())  # type: ignore[arg-type]
+    b.run({}, [])  # a is released for b
+    gc.collect()
+    assert first() is None  # nothing of the worker keeps it (its memory goes with it)
+    assert a.padded_rows(5) == 5  # and the model still answers what it needs without it
 
 
 def test_a_model_that_cannot_load_fails_its_runs_and_is_not_retried_at_once() -> None:

@@ -110,10 +110,11 @@ class Reload:
         prepared = self._load(config, old)
         if prepared is None or fleet.stop.is_set():
             return
-        old.swapping = True  # still ready, as far as /readyz goes
+        old.handing_over = True  # still ready, as far as /readyz goes
         old.stop()
         old.join()
         new = fleet.new_slot(prepared, old.metrics)
+        new.taking_over = True  # ready, as far as /readyz goes, until it reads
         fleet.budget.forget(old.held)
         fleet.budget.admit(new.held)
         with fleet.lock:

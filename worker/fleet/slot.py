@@ -35,7 +35,10 @@ class Slot:
         self.worker = make(prepared, self.metrics)
         self.failure: BaseException | None = None
         self.done = threading.Event()
-        self.swapping = False  # a new version is taking over: not ready, not failed
+        # A swap (worker.fleet.reload): the old version hands over (drains), the new one takes
+        # over (starts); /readyz stays 200 through it, as reading stops only for a moment
+        self.handing_over = False
+        self.taking_over = False
         self._on_end = on_end
         self._thread = threading.Thread(target=self._run, name=f"model-{self.name}", daemon=True)
         held = self.held
@@ -63,7 +66,14 @@ class Slot:
         return self.done.wait(timeout)
 
     def ready(self) -> bool:
-        return self.swapping or (self.worker.ready.is_set() and self.worker.healthy())
+        """/readyz for this model: warm, reading and healthy; or one version handing over to
+        the next (the old one draining, the new one starting), which reads again in a moment."""
+        if self.handing_over:
+            return True
+        if self.worker.ready.is_set():
+            self.taking_over = False  # the new version reads: from now on it answers for itself
+            return self.worker.healthy()
+        return self.taking_over
 
     def _run(self) -> None:
         try:

@@ -75,8 +75,7 @@ class HeldModel:
         self.name = name
         self.inputs: tuple[TensorSpec, ...] = session.inputs
         self.outputs: tuple[TensorSpec, ...] = session.outputs
-        self.buckets = session.buckets
-        self._padded_rows = session.padded_rows
+        self.buckets = session.buckets  # the config's: every session of the model has them
         self._session: OnnxModel | None = session
         self._load = load
         self._budget = budget
@@ -91,8 +90,9 @@ class HeldModel:
         self._failed: tuple[float, str] | None = None  # (monotonic time, why)
 
     def padded_rows(self, rows: int) -> int:
-        # Buckets are the config's (fixed for the model's life): any session pads alike.
-        return self._padded_rows(rows)
+        """As the session pads (``OnnxModel.padded_rows``), held or not: no reference to a
+        session outlives its release, or its memory would."""
+        return next((size for size in self.buckets if size >= rows), rows)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         session = self._budget.hold(self)
