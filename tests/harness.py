@@ -12,12 +12,16 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import redis
+from eventually import eventually
 
 from producer.protocol.codec import Reply, decode_reply, encode_request
 from producer.protocol.keys import reply_key, request_stream
 from tools.localredis import TlsFiles
 from tools.synthetic import save
 from worker.config import load_config
+from worker.config.served import load_served
+from worker.fleet.fleet import Fleet
+from worker.fleet.watch import ConfigWatch
 from worker.ops.metrics import Metrics
 from worker.service import Prepared, Worker, prepare
 
@@ -105,6 +109,45 @@ def running_worker(
         thread.join(timeout=30)
         client.close()
     assert not thread.is_alive(), "worker did not stop"
+    assert not failure, failure
+
+
+@contextlib.contextmanager
+def running_fleet(
+    config_path: Path,
+    name: str = "w1",
+    watch_s: float = 0.0,
+    environ: Mapping[str, str] | None = None,
+) -> Iterator[Fleet]:
+    """A real worker process's models (``worker.fleet``), in a background thread, as the CLI
+    runs them: every model of ``config_path`` prepared, served, stopped (gracefully) on exit.
+    ``watch_s``: ``[worker] watch_config_s``; ``environ`` instead of os.environ (REDIS_URL)."""
+    served = load_served(config_path, environ)
+    watch = ConfigWatch(config_path, watch_s) if watch_s else None
+    fleet = Fleet(served, name, read_config=lambda: load_served(config_path, environ), watch=watch)
+    fleet.prepare()
+    client = redis.Redis.from_url(served.models[0].redis.url)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            fleet.run(client)
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name=f"fleet-{name}", daemon=True)
+    thread.start()
+    # Several models, no one event: poll /readyz's answer (or the thread's end)
+    eventually(lambda: fleet.ready() or not thread.is_alive(), 120, "every model ready")
+    assert thread.is_alive(), f"worker failed to start: {failure}"
+    try:
+        yield fleet
+    finally:
+        fleet.request_stop()
+        thread.join(timeout=60)
+        fleet.close()
+        client.close()
+    assert not thread.is_alive(), "the worker did not stop"
     assert not failure, failure
 
 

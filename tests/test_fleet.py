@@ -3,11 +3,9 @@ load on demand, one device for all, and new versions swapped in on SIGHUP withou
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +13,11 @@ import onnx
 import pytest
 import redis
 from eventually import eventually
-from harness import PREFIX, direct_run, send, wait_reply
+from harness import PREFIX, direct_run, running_fleet, send, wait_reply
 
 from producer.protocol.codec import decode_reply
 from producer.protocol.keys import reply_key, worker_key
 from tools import synthetic
-from worker.config.served import load_served
-from worker.fleet.fleet import Fleet
-from worker.fleet.watch import ConfigWatch
 from worker.ops.metrics import MetricsServer
 
 MODELS = {  # name: (synthetic model, its inputs for ``rows`` rows)
@@ -70,35 +65,6 @@ def _models(where: Path, names: list[str]) -> dict[str, Path]:
         paths[name] = where / f"{name}.onnx"
         onnx.save(MODELS[name][0](), paths[name])
     return paths
-
-
-@contextlib.contextmanager
-def running_fleet(config: Path, name: str = "w1", watch_s: float = 0.0) -> Iterator[Fleet]:
-    served = load_served(config)
-    watch = ConfigWatch(config, watch_s) if watch_s else None
-    fleet = Fleet(served, name, read_config=lambda: load_served(config), watch=watch)
-    fleet.prepare()
-    client = redis.Redis.from_url(served.models[0].redis.url)
-    failure: list[BaseException] = []
-
-    def serve() -> None:
-        try:
-            fleet.run(client)
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    eventually(fleet.ready, timeout_s=60, what="every model ready")
-    try:
-        yield fleet
-    finally:
-        fleet.request_stop()
-        thread.join(timeout=30)
-        fleet.close()
-        client.close()
-    assert not thread.is_alive(), "the worker did not stop"
-    assert not failure, failure
 
 
 def _record(rconn: redis.Redis, model: str, name: str = "w1") -> dict:

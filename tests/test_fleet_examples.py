@@ -4,15 +4,12 @@ CLI and the client as if each model had a worker of its own."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import redis
-from eventually import eventually
-from harness import direct_run
+from harness import direct_run, running_fleet
 from test_examples import IMAGE_CONFIG, TEXT_CONFIG, _direct, models  # noqa: F401 (a fixture)
 from test_run_pipeline import SENTENCES, assert_rows_match, pages, read_rows
 
@@ -20,7 +17,6 @@ from examples.common.reference import DirectRun
 from producer import Client
 from producer.cli.main import main
 from tools.localredis import LocalRedis
-from worker.config.served import load_served
 from worker.fleet.fleet import Fleet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,22 +29,9 @@ def fleet(redis_server: LocalRedis, models: Path) -> Iterator[Fleet]:  # noqa: F
 
     if not (ROOT / "models" / "demo.onnx").exists():
         save("demo", ROOT / "models" / "demo.onnx")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("REDIS_URL", redis_server.url)
-        served = load_served(CONFIG)
-    fleet = Fleet(served, "several")
-    fleet.prepare()
-    client = redis.Redis.from_url(redis_server.url)
-    thread = threading.Thread(target=fleet.run, args=(client,), daemon=True)
-    thread.start()
-    eventually(fleet.ready, timeout_s=120, what="every model ready")
-    try:
-        yield fleet
-    finally:
-        fleet.request_stop()
-        thread.join(timeout=60)
-        fleet.close()
-        client.close()
+    environ = {"REDIS_URL": redis_server.url}  # overrides the config's redis.url
+    with running_fleet(CONFIG, "several", environ=environ) as serving:
+        yield serving
 
 
 def _run(url: str, *args: str) -> int:
