@@ -3,6 +3,7 @@ what a config read again changes."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import tomllib
@@ -183,3 +184,47 @@ def _sha(path: Path) -> str:
     from worker.model.session import read_model_file
 
     return read_model_file(path).sha256
+
+
+class _Gpu:
+    """A device of ``total`` bytes where each live fake session takes ``each``."""
+
+    def __init__(self, total: int, each: int) -> None:
+        self.total, self.each, self.sessions = total, each, 0
+
+    def free(self) -> int:
+        return self.total - self.sessions * self.each
+
+
+def test_on_a_gpu_the_budget_also_releases_sessions_until_the_next_load_fits() -> None:
+    gpu = _Gpu(total=100, each=40)
+
+    class _OnGpu(_Session):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            gpu.sessions += 1
+
+        def __del__(self) -> None:
+            gpu.sessions -= 1
+
+    budget, device = Budget(2), Device()
+    models = []
+    for name in "abc":
+        first = _OnGpu(name)
+        load = functools.partial(_OnGpu, name)
+        held = HeldModel(name, first, load, budget, device, device_memory=gpu.free, device_bytes=40)  # type: ignore[arg-type]
+        models.append(held)
+        del first
+    a, b, c = models
+    for model in models:
+        budget.start(model)  # a and b held, c released: two sessions of 40 on a device of 100
+    budget.set_limit(0)  # a reload lifts the count limit: memory alone bounds it now
+    gc.collect()
+    assert gpu.free() == 20
+    c.run({}, [])  # 20 free < 40 x 1.25: a, least recently used, goes first
+    gc.collect()
+    assert not a.loaded
+    assert b.loaded
+    assert c.loaded
+    assert gpu.free() == 20
+    assert c.state().device_bytes == 40  # measured again on this load

@@ -8,10 +8,13 @@ replaced on disk is never served under the old version's name; SIGHUP loads it a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 
 from worker.config import WorkerConfig
 from worker.errors import ModelError
+from worker.model import gpu
 from worker.model.device import Device
 from worker.model.held import Budget, HeldModel
 from worker.model.session import OnnxModel, read_model_file
@@ -20,12 +23,26 @@ from worker.warmup import Prepared, prepare, warm_up
 __all__ = ["prepare_held"]
 
 
+def _device_memory(config: WorkerConfig) -> Callable[[], int | None] | None:
+    """The free memory of the CUDA device the model's config asks for first, if it does."""
+    first = config.model.providers[0] if config.model.providers else None
+    if first is None or first.name != "cuda":
+        return None
+    return functools.partial(gpu.free_bytes, int(first.options.get("device_id", 0) or 0))
+
+
 def prepare_held(config: WorkerConfig, name: str, budget: Budget, device: Device) -> Prepared:
     """``prepare`` (load, check, warm up, record), with the session a ``HeldModel``."""
     started = time.perf_counter()
+    probe = _device_memory(config)
+    free_before = probe() if probe is not None else None
     prepared = prepare(config, name)
     session = prepared.model
     assert isinstance(session, OnnxModel)
+    if "CUDAExecutionProvider" not in session.providers[:1]:
+        probe = None  # on the CPU (CUDA listed, but not started): no device memory to bound
+    free_after = probe() if probe is not None else None
+    took = free_before - free_after if free_before is not None and free_after is not None else 0
     sha256 = prepared.record["model"]["sha256"]
 
     def load() -> OnnxModel:
@@ -42,6 +59,13 @@ def prepare_held(config: WorkerConfig, name: str, budget: Budget, device: Device
         return fresh
 
     held = HeldModel(
-        config.model.name, session, load, budget, device, time.perf_counter() - started
+        config.model.name,
+        session,
+        load,
+        budget,
+        device,
+        time.perf_counter() - started,
+        device_memory=probe,
+        device_bytes=max(took, 0),
     )
     return dataclasses.replace(prepared, model=held)

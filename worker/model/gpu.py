@@ -13,7 +13,7 @@ import ctypes
 import sys
 from pathlib import Path
 
-__all__ = ["present"]
+__all__ = ["free_bytes", "present"]
 
 _CUDA_SUCCESS = 0
 
@@ -44,3 +44,32 @@ def _driver_device_count() -> int:
             return 0
         return count.value
     return 0
+
+
+def free_bytes(device_id: int = 0) -> int | None:
+    """Free memory on CUDA device ``device_id`` now, from the driver (``cuMemGetInfo`` in the
+    device's primary context, the one ONNX Runtime's sessions use); None without a driver or
+    device. What the session budget checks before loading a model on the GPU."""
+    try:
+        driver = ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return None
+    device, context = ctypes.c_int(0), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    if driver.cuInit(0) != _CUDA_SUCCESS:
+        return None
+    if driver.cuDeviceGet(ctypes.byref(device), device_id) != _CUDA_SUCCESS:
+        return None
+    if driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) != _CUDA_SUCCESS:
+        return None
+    try:
+        if driver.cuCtxPushCurrent_v2(context) != _CUDA_SUCCESS:
+            return None
+        try:
+            if driver.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != _CUDA_SUCCESS:
+                return None
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        driver.cuDevicePrimaryCtxRelease_v2(device)
+    return int(free.value)

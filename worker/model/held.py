@@ -27,12 +27,15 @@ from worker.errors import ModelUnavailable
 from worker.model.device import Device
 from worker.model.session import OnnxModel, TensorSpec
 
-__all__ = ["RETRY_LOAD_S", "Budget", "HeldModel", "HeldState"]
+__all__ = ["DEVICE_MARGIN", "RETRY_LOAD_S", "Budget", "HeldModel", "HeldState"]
 
 log = logging.getLogger(__name__)
 
 #: After a load failed, how long batches are answered with that failure before a new try.
 RETRY_LOAD_S = 5.0
+#: On a GPU, a load goes ahead once the device's free memory holds this many times what the
+#: model's session took last time (its arena grows with the batches it runs).
+DEVICE_MARGIN = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class HeldState:
     load_s: float  # the last load's, warmup included
     held_bytes: int  # the process's resident memory the last load added (approximate)
     error: str | None = None  # the last load's failure, while it stands
+    device_bytes: int = 0  # GPU memory the last load took (CUDA; 0 elsewhere)
 
     def as_record(self) -> dict[str, object]:
         return {
@@ -53,6 +57,7 @@ class HeldState:
             "evictions": self.evictions,
             "load_ms": round(self.load_s * 1000.0, 3),
             "held_bytes": self.held_bytes,
+            "device_bytes": self.device_bytes,
             "error": self.error,
         }
 
@@ -71,6 +76,8 @@ class HeldModel:
         budget: Budget,
         device: Device,
         load_s: float = 0.0,
+        device_memory: Callable[[], int | None] | None = None,
+        device_bytes: int = 0,
     ) -> None:
         self.name = name
         self.inputs: tuple[TensorSpec, ...] = session.inputs
@@ -88,6 +95,9 @@ class HeldModel:
         self._load_s = load_s
         self._held_bytes = 0
         self._failed: tuple[float, str] | None = None  # (monotonic time, why)
+        # On a GPU: the device's free memory now, and what this model's session took of it
+        self.device_memory = device_memory
+        self.device_bytes = device_bytes
 
     def padded_rows(self, rows: int) -> int:
         """As the session pads (``OnnxModel.padded_rows``), held or not: no reference to a
@@ -109,7 +119,13 @@ class HeldModel:
     def state(self) -> HeldState:
         failed = self._failed[1] if self._failed is not None else None
         return HeldState(
-            self.loaded, self._loads, self._evictions, self._load_s, self._held_bytes, failed
+            self.loaded,
+            self._loads,
+            self._evictions,
+            self._load_s,
+            self._held_bytes,
+            failed,
+            self.device_bytes,
         )
 
     # -- for the budget ---------------------------------------------------------------------
@@ -126,6 +142,7 @@ class HeldModel:
         """Load; ``started`` is when making room for it began (a release is part of the
         wait a load causes, so it is part of the time reported)."""
         before = _resident_bytes()
+        free_before = self.device_memory() if self.device_memory is not None else None
         try:
             session = self._load()
         except Exception as exc:  # a file gone or changed, out of memory, the runtime's own
@@ -140,6 +157,9 @@ class HeldModel:
         self._failed = None
         self._load_s = time.perf_counter() - started
         self._held_bytes = max(_resident_bytes() - before, 0)
+        free_after = self.device_memory() if self.device_memory is not None else None
+        if free_before is not None and free_after is not None:
+            self.device_bytes = max(free_before - free_after, 0)
         self._loads += 1
         self._session = session
         log.info(
@@ -203,6 +223,7 @@ class Budget:
             started = time.perf_counter()
             with self._lock:
                 self._make_room(keep=model.name, room_for=1)
+                self._fit_on_device(model)
             session = model._do_load(started)
             with self._lock:
                 self._used[model.name] = model
@@ -232,6 +253,26 @@ class Budget:
                 return
             if name != keep:
                 self._used.pop(name)._release()
+
+    def _fit_on_device(self, model: HeldModel) -> None:
+        """On a GPU: release the least recently used sessions until the device's free memory
+        holds what ``model`` took when it last loaded, with ``DEVICE_MARGIN`` to spare (the
+        count is not the only bound: models differ in size). Loads anyway when nothing more
+        can go; the runtime then says whether it fits."""
+        probe, need = model.device_memory, model.device_bytes * DEVICE_MARGIN
+        if probe is None or not need:
+            return
+        for name in list(self._used):
+            free = probe()
+            if free is None or free >= need:
+                return
+            if name != model.name:
+                released = self._used.pop(name)
+                log.info(
+                    "releasing a session for GPU memory",
+                    extra={"fields": {"model": released.name, "for": model.name, "free": free}},
+                )
+                released._release()
 
 
 def _resident_bytes() -> int:

@@ -265,6 +265,9 @@ class Metrics(Events):
         self.held_bytes = Gauge(
             "redbatch_model_held_bytes", "Resident memory the last load added.", registry=r
         )
+        self.device_bytes = Gauge(
+            "redbatch_model_device_bytes", "GPU memory the last load took (CUDA).", registry=r
+        )
         self.loaded.set(1)
         self._seen_held = (1, 0)
 
@@ -277,6 +280,7 @@ class Metrics(Events):
         self.loaded.set(1 if state.loaded else 0)
         self.load_time.set(state.load_s)
         self.held_bytes.set(state.held_bytes)
+        self.device_bytes.set(state.device_bytes)
 
     def _zero_known_labels(self) -> None:
         """Export every known label at 0 from the start: a series that first appears at 1 hides
