@@ -367,3 +367,38 @@ def test_status_shows_every_model_a_worker_serves_held_or_not(
         assert "session released (loads on its next request)" in capsys.readouterr().out
     assert redbatch([*base, "status", "--worker", "w1"]) == 1
     assert "no live worker named 'w1'" in capsys.readouterr().out
+
+
+def test_released_and_replaced_sessions_are_freed_even_with_start_up_frozen(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    import gc
+    import weakref
+
+    _models(tmp_path, ["demo", "tiny", "demo2"])
+    config = _write(
+        tmp_path, redis_url, [_entry("demo", "demo.onnx"), _entry("tiny", "tiny.onnx")], budget=1
+    )
+    rng = np.random.default_rng(9)
+    with running_fleet(config) as fleet:
+        demo = weakref.ref(fleet.slots["demo"].held._held())  # type: ignore[arg-type]
+        gc.freeze()  # as the CLI does after start-up: nothing of it is collected by cycles
+        try:
+            # An eviction: tiny's load releases demo's session
+            assert wait_reply(rconn, send(rconn, "tiny", "t1", _inputs("tiny", rng, 1))).ok
+            assert demo() is None
+            # A swap: the old version's session goes once it has drained
+            tiny = weakref.ref(fleet.slots["tiny"].held._held())  # type: ignore[arg-type]
+            _write(
+                tmp_path,
+                redis_url,
+                [_entry("demo", "demo.onnx"), _entry("tiny", "demo2.onnx", "2")],
+                budget=1,
+            )
+            fleet.request_reload()
+            eventually(
+                lambda: _record(rconn, "tiny").get("model", {}).get("version") == "2", what="v2"
+            )
+            assert tiny() is None
+        finally:
+            gc.unfreeze()

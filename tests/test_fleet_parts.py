@@ -16,6 +16,7 @@ from eventually import eventually
 
 from tools.synthetic import save
 from worker.config.served import ServedConfig, parse_served
+from worker.config.settings import WorkerTable
 from worker.errors import ModelUnavailable
 from worker.fleet.plan import plan
 from worker.model.device import Device
@@ -162,11 +163,13 @@ def test_a_reload_plan_names_what_was_added_removed_and_changed(tmp_path: Path) 
         _entry("a") + _entry("b", batch=16) + _entry("d"),
         wide="[scheduling]\nmax_lanes = 8\n",
     )
-    change = plan(current, after)
+    worker_now = WorkerTable(max_loaded_models=2, shared_arena=False)
+    change = plan(current, after, worker_now)
     assert [c.model.name for c in change.added] == ["d"]
     assert change.removed == ("c",)
     assert [c.model.name for c in change.changed] == ["b"]
-    assert change.restart_only == ("[scheduling]",)
+    assert change.restart_only == ("[scheduling]", "[worker] shared_arena")
+    assert change.max_loaded_models == 0  # the budget applies at once
     # the worker-wide tables stay as they were, in what is applied
     assert change.changed[0].scheduling == before.models[0].scheduling
 

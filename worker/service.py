@@ -28,7 +28,7 @@ import redis
 
 from producer.protocol.replies import ReplyEncoder
 from producer.redisio.connection import redact_url
-from producer.redisio.memory import MemoryReading
+from producer.redisio.memory import MemoryReading, fuller
 from producer.redisio.shards import read_shards
 from producer.redisio.topology import Topology
 from worker.answer.answerer import Answerer
@@ -106,6 +106,7 @@ class Worker:
         self.events: Events = Fanout(self.metrics, self.progress, *([faults] if faults else []))
         self.finished = threading.Event()  # set when run() returns or raises
         self._gave_up = False
+        self._stop_timed = False  # request_stop's grace is counting
         # Called when a stop that gave up on Redis still cannot end (the CLI exits the process)
         self.abandon: Callable[[], None] | None = None
         model_client = self.topology.client(cfg.model.name)
@@ -130,6 +131,8 @@ class Worker:
             events=self.events,
         )
         self.stuck: Stuck = RunClock(cfg.delivery.max_run_s, self.progress)
+        if isinstance(self.model, HeldModel):  # the hung-run clock starts with the run itself,
+            self.model.on_turn = self.stuck.run_started  # not with a load or a wait for a turn
         self.shards = ShardMap(cfg.model.name)
         self.lanes = Lanes(
             self.topology,
@@ -254,7 +257,7 @@ class Worker:
             labels = (lane.tag, lane.cls, lane.tenant or "")
             self.metrics.stream_seen(stats, time.time() * 1000.0, *labels)
             seen.add(labels)
-            fullest = _fuller(fullest, stats.memory)
+            fullest = fuller(fullest, stats.memory)
         if failed is None:  # a lane not sampled for an outage keeps its last values
             self.metrics.keep_lanes(seen)
         self.metrics.memory_seen(fullest)
@@ -295,12 +298,18 @@ class Worker:
     def request_stop(self) -> None:
         """First call: stop reading and finish what is held, giving up on Redis after
         ``STOP_GRACE_S`` without a step forward. Second call: give up on Redis now."""
-        if self.stop.is_set():
+        if self._stop_timed:
             self._give_up(True)
             return
-        self.progress.moved()  # the grace counts from the signal
-        self.stop.set()
+        self._stop_timed = True
+        self.stop_reading()  # the grace counts from the signal
         GiveUpAfter(self.progress, STOP_GRACE_S, self._give_up, self.finished, self.abandon).start()
+
+    def stop_reading(self) -> None:
+        """Stop reading and finish what is held, however long Redis takes: a new version takes
+        over (``worker.fleet.reload``), and the process is not stopping."""
+        self.progress.moved()
+        self.stop.set()
 
     def _give_up(self, first: bool) -> None:
         """Stop waiting for Redis: end the retries and cut the calls in flight (a paused Redis
@@ -486,10 +495,3 @@ class Worker:
         A longer run means the model is the bottleneck, and no batch may wait on a write."""
         ran_s = sum(seconds for _, seconds in runs)
         return ran_s < self.writer.typical_s and self.queue.empty() and not self.batcher.holding
-
-
-def _fuller(a: MemoryReading | None, b: MemoryReading | None) -> MemoryReading | None:
-    """The reading with less headroom (on a cluster each shard's node has its own memory)."""
-    if a is None or b is None:
-        return a or b
-    return b if (b.used_fraction or 0.0) > (a.used_fraction or 0.0) else a

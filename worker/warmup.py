@@ -20,6 +20,7 @@ from worker.answer.run import run_batch
 from worker.config import WorkerConfig
 from worker.errors import ModelError, Rejected
 from worker.items import Admitted, Refused
+from worker.model.device import Device, Turned
 from worker.model.held import HeldModel
 from worker.model.schema import Schema, ValidRequest
 from worker.model.session import Model, OnnxModel, check_sha256, read_model_file
@@ -164,9 +165,10 @@ class Prepared:
         return self.intake or self.schema
 
 
-def prepare(config: WorkerConfig, name: str) -> Prepared:
+def prepare(config: WorkerConfig, name: str, turns: Device | None = None) -> Prepared:
     """Load the handler and the model, derive their schemas, warm both up and build the
-    validation record."""
+    validation record; with ``turns``, each warmup run takes a turn on that device (other
+    models serve on it meanwhile)."""
     handler = None
     if config.pipeline is not None:  # first: a handler that cannot load costs no model load
         handler = load_handler(config.pipeline, config.source)
@@ -176,16 +178,26 @@ def prepare(config: WorkerConfig, name: str) -> Prepared:
     if config.model.sha256:  # hashed, then loaded by path: hash again to close the gap
         check_sha256(read_model_file(config.model.path), config.model.sha256)
     schema = Schema(model.inputs, model.outputs, config)
-    warmup = warm_up(model, schema, config.warmup.runs, model.buckets)
+    runs: Model = model if turns is None else Turned(model, turns)
+    warmup = warm_up(runs, schema, config.warmup.runs, model.buckets)
     pipeline = intake = None
     if handler is not None:
         intake = raw_schema(handler, schema, config)
         pool = HookPool(handler.config.threads, handler.config.timeout_s)
         pipeline = Pipeline(handler, schema, pool)
-        warmup["pipeline"] = warm_up_pipeline(
-            pipeline, intake, model, config.warmup.runs, config.batching.max_batch_size
-        )
-    model.shrink_arena(schema.synthetic_feeds(schema.fixed_batch or 1))  # shared arena only
+        try:
+            warmup["pipeline"] = warm_up_pipeline(
+                pipeline, intake, runs, config.warmup.runs, config.batching.max_batch_size
+            )
+        except BaseException:
+            pool.close()  # a version that fails here is dropped: its threads go with it
+            raise
+    shrink = schema.synthetic_feeds(schema.fixed_batch or 1)
+    if turns is None:
+        model.shrink_arena(shrink)  # shared arena only
+    else:
+        with turns.turn(1):
+            model.shrink_arena(shrink)
     record = build_record(name, config, model, model_file, schema, warmup)
     if handler is not None:
         record["pipeline"] = handler.record()

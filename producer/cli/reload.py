@@ -14,10 +14,12 @@ import argparse
 import json
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from producer.cli import argtypes
 from producer.cli.reach import open_redis
+from producer.ops.workerview import gather_worker
 from producer.protocol.keys import reload_key, worker_key
 from producer.redisio.topology import Topology
 
@@ -71,7 +73,13 @@ def run_command(args: argparse.Namespace) -> int:
             return 1
         token = secrets.token_hex(8)
         client.set(reload_key(args.prefix, args.model, args.worker), token, ex=_ASK_TTL_S)
-        answer = _answer(client, record_key, token, args.wait_s)
+        answer = _answer(
+            client,
+            record_key,
+            token,
+            args.wait_s,
+            lambda: gather_worker(conn, args.prefix, args.worker),
+        )
     finally:
         topology.close()
         conn.close()
@@ -89,13 +97,18 @@ def run_command(args: argparse.Namespace) -> int:
     return 1 if answer.get("errors") else 0
 
 
-def _answer(client: Any, record_key: str, token: str, wait_s: float) -> dict[str, Any] | None:
-    """The worker's ``reload`` answer to ``token``, once its record holds it."""
+def _answer(
+    client: Any, record_key: str, token: str, wait_s: float, others: Callable[[], list[Any]]
+) -> dict[str, Any] | None:
+    """The worker's ``reload`` answer to ``token``, once its record holds it; when the record
+    is gone (the reload removed this model, or the worker stopped), from the worker's records
+    of its other models (``others``)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         raw = client.get(record_key)
-        if raw is not None:
-            reload = json.loads(raw).get("reload") or {}
+        records = [json.loads(raw)] if raw is not None else others()
+        for record in records:
+            reload = record.get("reload") or {}
             if token in (reload.get("tokens") or []):
                 return dict(reload)
         time.sleep(_POLL_S)
@@ -110,3 +123,5 @@ def _print(worker: str, answer: dict[str, Any]) -> None:
     print(f"{worker} read its config again: {'; '.join(done)}")
     for error in answer.get("errors") or []:
         print(f"  not applied: {error}")
+    for change in answer.get("restart") or []:
+        print(f"  {change} changed: that takes effect when the worker restarts")

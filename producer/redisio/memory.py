@@ -28,6 +28,7 @@ __all__ = [
     "MemoryReading",
     "MemoryWatch",
     "check_watermark",
+    "fuller",
     "info_memory",
     "info_memory_async",
     "parse_info_memory",
@@ -65,6 +66,13 @@ class MemoryReading:
     def headroom_bytes(self) -> int | None:
         """Bytes left before ``maxmemory`` (negative past it); None without a limit."""
         return self.max_bytes - self.used_bytes if self.max_bytes > 0 else None
+
+
+def fuller(a: MemoryReading | None, b: MemoryReading | None) -> MemoryReading | None:
+    """The reading with less headroom (on a cluster each shard's node has its own memory)."""
+    if a is None or b is None:
+        return a or b
+    return b if (b.used_fraction or 0.0) > (a.used_fraction or 0.0) else a
 
 
 def parse_info_memory(text: bytes | str | dict[str, object]) -> MemoryReading:

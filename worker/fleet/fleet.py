@@ -24,6 +24,7 @@ from producer.protocol.keys import reload_key
 from producer.redisio.topology import Topology
 from worker.config import WorkerConfig
 from worker.config.served import ServedConfig
+from worker.config.settings import WorkerTable
 from worker.events import Events
 from worker.fleet.exposition import FleetMetrics
 from worker.fleet.loading import prepare_held
@@ -68,6 +69,7 @@ class Fleet:
         self.budget = Budget(served.worker.max_loaded_models)
         self.prepared: list[Prepared] = []
         self.slots: dict[str, Slot] = {}
+        self.model_metrics: dict[str, Metrics] = {}  # each model's series, from its first load
         self.metrics = FleetMetrics(self._registries)
         self.stop = threading.Event()
         self.abandon: Callable[[], None] | None = None
@@ -92,6 +94,8 @@ class Fleet:
             share_cpu_arena()
         for config in self.served.models:
             on_model(config)
+            # its series from now on: /metrics says "not ready" while it loads and warms up
+            self.model_metrics[config.model.name] = Metrics()
             prepared = prepare_held(config, self.name, self.budget, self.device)
             assert isinstance(prepared.model, HeldModel)
             self.budget.start(prepared.model)
@@ -127,7 +131,8 @@ class Fleet:
             if failed is not None and failure is None:
                 failure = failed
                 self.request_stop()
-            if all(s.done.is_set() for s in slots) and not reloading:
+            # (a reload under way when the process stops is left: it starts nothing after)
+            if all(s.done.is_set() for s in slots) and (not reloading or self.stop.is_set()):
                 break
             self._wake.wait(_WAIT_S)
             self._wake.clear()
@@ -135,7 +140,16 @@ class Fleet:
             raise failure
 
     def new_slot(self, prepared: Prepared, metrics: Metrics | None = None) -> Slot:
+        name = prepared.config.model.name
+        with self.lock:
+            metrics = metrics or self.model_metrics.get(name) or Metrics()
+            self.model_metrics[name] = metrics
         return Slot(prepared, self._make_worker, self._wake.set, metrics)
+
+    def forget_metrics(self, name: str) -> None:
+        """A model dropped: its series go from /metrics."""
+        with self.lock:
+            self.model_metrics.pop(name, None)
 
     def _make_worker(self, prepared: Prepared, metrics: Metrics) -> Worker:
         assert self._client is not None
@@ -154,11 +168,15 @@ class Fleet:
     def request_stop(self) -> None:
         """First call: every model stops reading and answers what it read. Second call: give
         up on Redis now (``Worker.request_stop``)."""
+        second = self.stop.is_set()
         self.stop.set()
         with self.lock:
             slots = list(self.slots.values())
         for slot in slots:
-            slot.stop()
+            if second:
+                slot.give_up()
+            else:
+                slot.stop()
         self._wake.set()
 
     def request_reload(self) -> None:
@@ -181,6 +199,10 @@ class Fleet:
 
     def prepare_model(self, config: WorkerConfig) -> Prepared:
         return prepare_held(config, self.name, self.budget, self.device)
+
+    def plan_base(self) -> WorkerTable:
+        """The ``[worker]`` table in effect (a reload reports changes to it for a restart)."""
+        return self.served.worker
 
     def _run_reload(self, tokens: list[str]) -> None:
         if self.read_config is None:
@@ -251,4 +273,4 @@ class Fleet:
 
     def _registries(self) -> dict[str, Any]:
         with self.lock:
-            return {name: slot.metrics.registry for name, slot in self.slots.items()}
+            return {name: metrics.registry for name, metrics in self.model_metrics.items()}

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from worker.config import WorkerConfig
 from worker.errors import ModelError
 from worker.model import gpu
-from worker.model.device import Device
+from worker.model.device import Device, Turned
 from worker.model.held import Budget, HeldModel
+from worker.model.schema import Schema
 from worker.model.session import OnnxModel, read_model_file
 from worker.warmup import Prepared, prepare, warm_up
 
@@ -36,14 +37,31 @@ def prepare_held(config: WorkerConfig, name: str, budget: Budget, device: Device
     started = time.perf_counter()
     probe = _device_memory(config)
     free_before = probe() if probe is not None else None
-    prepared = prepare(config, name)
+    prepared = prepare(config, name, turns=device)
     session = prepared.model
     assert isinstance(session, OnnxModel)
     if "CUDAExecutionProvider" not in session.providers[:1]:
         probe = None  # on the CPU (CUDA listed, but not started): no device memory to bound
     free_after = probe() if probe is not None else None
     took = free_before - free_after if free_before is not None and free_after is not None else 0
-    sha256 = prepared.record["model"]["sha256"]
+    held = HeldModel(
+        config.model.name,
+        session,
+        _loader(config, prepared.schema, prepared.record["model"]["sha256"], device),
+        budget,
+        device,
+        time.perf_counter() - started,
+        device_memory=probe,
+        device_bytes=max(took, 0),
+    )
+    return dataclasses.replace(prepared, model=held)
+
+
+def _loader(
+    config: WorkerConfig, schema: Schema, sha256: str, device: Device
+) -> Callable[[], OnnxModel]:
+    """How the model is loaded again on demand. It holds nothing of the first session (nor of
+    the ``Prepared`` that held it): what a release lets go must not stay reachable from here."""
 
     def load() -> OnnxModel:
         found = read_model_file(config.model.path).sha256
@@ -54,18 +72,9 @@ def prepare_held(config: WorkerConfig, name: str, budget: Budget, device: Device
                 "the worker SIGHUP (redbatch reload) to serve the new file as a new version"
             )
         fresh = OnnxModel(config.model, config.batching.max_batch_size)
-        warm_up(fresh, prepared.schema, config.warmup.runs, fresh.buckets)
-        fresh.shrink_arena(prepared.schema.synthetic_feeds(prepared.schema.fixed_batch or 1))
+        warm_up(Turned(fresh, device), schema, config.warmup.runs, fresh.buckets)
+        with device.turn(1):
+            fresh.shrink_arena(schema.synthetic_feeds(schema.fixed_batch or 1))
         return fresh
 
-    held = HeldModel(
-        config.model.name,
-        session,
-        load,
-        budget,
-        device,
-        time.perf_counter() - started,
-        device_memory=probe,
-        device_bytes=max(took, 0),
-    )
-    return dataclasses.replace(prepared, model=held)
+    return load

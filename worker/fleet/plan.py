@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from worker.config import WorkerConfig
 from worker.config.served import WORKER_WIDE, ServedConfig
+from worker.config.settings import WorkerTable
 from worker.errors import WorkerError
 from worker.model.session import read_model_file
 
@@ -26,7 +27,7 @@ class Plan:
     added: tuple[WorkerConfig, ...]
     removed: tuple[str, ...]
     changed: tuple[WorkerConfig, ...]
-    restart_only: tuple[str, ...]  # the worker-wide tables that changed: "[redis]", ...
+    restart_only: tuple[str, ...]  # what changed for a restart: "[redis]", "[worker] KEY"
     max_loaded_models: int
 
     @property
@@ -41,13 +42,25 @@ class Plan:
         }
 
 
-def plan(current: Mapping[str, tuple[WorkerConfig, str]], served: ServedConfig) -> Plan:
-    """``current``: each model served now, by name, with the sha256 of the file it runs."""
+def plan(
+    current: Mapping[str, tuple[WorkerConfig, str]],
+    served: ServedConfig,
+    worker: WorkerTable | None = None,
+) -> Plan:
+    """``current``: each model served now, by name, with the sha256 of the file it runs;
+    ``worker``: the ``[worker]`` table in effect (its ``max_loaded_models`` applies at once,
+    its other keys at a restart)."""
     now = next(iter(current.values()))[0] if current else None
     restart_only: list[str] = []
     if now is not None:
         new = served.models[0]
         restart_only = [f"[{t}]" for t in WORKER_WIDE if getattr(new, t) != getattr(now, t)]
+    if worker is not None:
+        restart_only += [
+            f"[worker] {key}"
+            for key in ("shared_arena", "watch_config_s")
+            if getattr(served.worker, key) != getattr(worker, key)
+        ]
     added, changed = [], []
     for listed in served.models:
         config = listed  # the worker-wide tables stay as they are until a restart

@@ -39,6 +39,7 @@ class Slot:
         # over (starts); /readyz stays 200 through it, as reading stops only for a moment
         self.handing_over = False
         self.taking_over = False
+        self._stopping = False
         self._on_end = on_end
         self._thread = threading.Thread(target=self._run, name=f"model-{self.name}", daemon=True)
         held = self.held
@@ -59,8 +60,23 @@ class Slot:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop reading; what was read is answered before ``done`` is set."""
+        """The process stops: stop reading; what was read is answered before ``done`` is set,
+        giving up on Redis after the worker's grace (``Worker.request_stop``). Once only: a
+        second stop of the process is ``give_up``."""
+        if not self._stopping:
+            self._stopping = True
+            self.worker.request_stop()
+
+    def give_up(self) -> None:
+        """The process's second stop signal: give up on Redis now."""
+        self.stop()
         self.worker.request_stop()
+
+    def hand_over(self) -> None:
+        """A new version takes over (or the model is dropped): stop reading and answer what was
+        read, however long Redis takes, while the process goes on (``Worker.stop_reading``)."""
+        self.handing_over = True  # still ready, as far as /readyz goes
+        self.worker.stop_reading()
 
     def join(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

@@ -15,8 +15,11 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["Device"]
+import numpy as np
+
+__all__ = ["Device", "Turned"]
 
 
 class Device:
@@ -62,3 +65,18 @@ class Device:
         """Runs waiting for a turn now."""
         with self._cond:
             return len(self._waiting)
+
+
+class Turned:
+    """A session whose runs take turns on ``device`` (class normal): warmup runs, and the
+    shrinking run after them, of a model loaded while others serve."""
+
+    def __init__(self, session: Any, device: Device) -> None:
+        self.session = session
+        self.inputs = session.inputs
+        self.outputs = session.outputs
+        self._device = device
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        with self._device.turn(1):
+            return list(self.session.run(feeds, output_names))

@@ -89,6 +89,7 @@ class HeldModel:
         self._device = device
         # The batch about to run (set by the worker): its highest class is its rank at the device
         self.batch_rank: Callable[[], int] = lambda: 1
+        self.on_turn: Callable[[], None] = lambda: None  # the run starts (the hung-run clock)
         self.on_change: Callable[[HeldState], None] = lambda state: None
         self._loads = 1
         self._evictions = 0
@@ -98,6 +99,9 @@ class HeldModel:
         # On a GPU: the device's free memory now, and what this model's session took of it
         self.device_memory = device_memory
         self.device_bytes = device_bytes
+        # Runs between taking the session and ending (this model's thread alone changes it):
+        # the budget releases others first, so a session waiting for its turn stays held
+        self._pins = 0
 
     def padded_rows(self, rows: int) -> int:
         """As the session pads (``OnnxModel.padded_rows``), held or not: no reference to a
@@ -105,12 +109,16 @@ class HeldModel:
         return next((size for size in self.buckets if size >= rows), rows)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
-        session = self._budget.hold(self)
-        self._device.acquire(self.batch_rank)
+        session = self._budget.hold(self)  # pinned: not released while this run needs it
         try:
-            return session.run(feeds, output_names)
+            self._device.acquire(self.batch_rank)
+            try:
+                self.on_turn()
+                return session.run(feeds, output_names)
+            finally:
+                self._device.release()
         finally:
-            self._device.release()
+            self._budget.unpin(self)
 
     @property
     def loaded(self) -> bool:
@@ -169,6 +177,12 @@ class HeldModel:
         self.on_change(self.state())
         return session
 
+    def close(self) -> None:
+        """Let the session go for good (no counts, no listener): the model is dropped."""
+        self._session = None
+        self.on_change = lambda state: None
+        self.on_turn = lambda: None
+
     def _release(self, evicted: bool = True) -> None:
         self._session = None  # a run in progress keeps its own reference until it ends
         self._evictions += evicted
@@ -204,7 +218,19 @@ class Budget:
             self._make_room(keep=model.name, room_for=0)
 
     def hold(self, model: HeldModel) -> OnnxModel:
-        """The model's session, loaded (and warmed) first when it is not held."""
+        """The model's session, loaded (and warmed) first when it is not held; pinned until
+        ``unpin``."""
+        model._pins += 1
+        try:
+            return self._hold(model)
+        except BaseException:
+            model._pins -= 1
+            raise
+
+    def unpin(self, model: HeldModel) -> None:
+        model._pins -= 1
+
+    def _hold(self, model: HeldModel) -> OnnxModel:
         if not self.limit:  # no budget: nothing is released, so no order to keep
             session = model._held()
             if session is not None:
@@ -230,10 +256,13 @@ class Budget:
         return session
 
     def forget(self, model: HeldModel) -> None:
-        """A model dropped from the worker (or replaced by a new version): not counted."""
+        """A model dropped from the worker (or replaced by a new version): not counted, and its
+        session let go now (a worker's objects live in cycles, some frozen out of the cyclic
+        collector at start: the session must not wait for them to be collected)."""
         with self._lock:
             if self._used.get(model.name) is model:
                 del self._used[model.name]
+        model.close()
 
     def set_limit(self, limit: int) -> None:
         with self._lock:
@@ -246,12 +275,15 @@ class Budget:
             return [name for name, model in self._used.items() if model.loaded]
 
     def _make_room(self, keep: str, room_for: int) -> None:
+        """Release the least recently used sessions past the limit; one a run waits to use
+        stays (the limit is then exceeded until that run ends: never a session freed under a
+        batch, nor one loaded again at once)."""
         if not self.limit:
             return
         for name in list(self._used):
             if len(self._used) + room_for <= self.limit:
                 return
-            if name != keep:
+            if name != keep and not self._used[name]._pins:
                 self._used.pop(name)._release()
 
     def _fit_on_device(self, model: HeldModel) -> None:
@@ -266,7 +298,7 @@ class Budget:
             free = probe()
             if free is None or free >= need:
                 return
-            if name != model.name:
+            if name != model.name and not self._used[name]._pins:
                 released = self._used.pop(name)
                 log.info(
                     "releasing a session for GPU memory",

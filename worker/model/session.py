@@ -244,7 +244,10 @@ class OnnxModel:
         options = self._ort.RunOptions()
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         names = [o.name for o in self.outputs]
-        self._session.run(names, feeds, options)
+        try:
+            self._session.run(names, feeds, options)
+        except Exception as exc:  # the runtime's errors are untyped
+            raise ModelError(f"the run that shrinks the shared arena failed: {exc}") from exc
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
         if self._runner is not None:
