@@ -457,7 +457,7 @@ def test_cli_malformed_redis_url_exits_2_before_the_model_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
 
-    def no_prepare(*args: object) -> None:
+    def no_prepare(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("worker.fleet.loading.prepare", no_prepare)

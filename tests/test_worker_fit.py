@@ -24,7 +24,7 @@ FALLBACK = "worker.model.fallback"
 def _stop_after_start_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """End main() where the model would load: the start line is written by then."""
 
-    def stop(*_: object) -> None:
+    def stop(*_: object, **__: object) -> None:
         raise ConfigError("stopped by the test")
 
     monkeypatch.setattr("worker.fleet.loading.prepare", stop)
