@@ -241,6 +241,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--providers. The bare and asyncio ceilings stay plain session.run (default off)",
     )
     add(
+        "--intra-op-threads",
+        type=argtypes.positive_int,
+        default=0,
+        metavar="N",
+        help="started workers' [model] intra_op_threads (default 0: one per core); 1 leaves the "
+        "other cores to Redis, the callers and the worker's own threads on a small box",
+    )
+    add(
         "--producers", type=argtypes.positive_int, default=1, metavar="N", help="producer processes"
     )
     add("--timeout-s", type=_seconds, default=30.0, metavar="S", help="per reply (default 30)")
@@ -397,6 +405,7 @@ def _options(args: argparse.Namespace) -> Options:
         quiet_s=args.quiet_s,
         providers=args.providers,
         binding=args.binding,
+        intra_op_threads=args.intra_op_threads,
         rounds=args.rounds,
         shards=args.shards,
         cluster=args.cluster,

@@ -78,6 +78,7 @@ class Options:
     quiet_s: float = 0.0
     providers: tuple[str, ...] = ("cpu",)  # the workers' and the bare and asyncio ceilings'
     binding: str = "off"  # the workers' [model.cuda] io_binding / cuda_graph; ceilings unbound
+    intra_op_threads: int = 0  # the workers' [model] intra_op_threads (0: the runtime's default)
     rounds: int = 0  # times each ratio target's ceiling and phase are measured again, paired
     shards: int = 1  # the custom load's model: shards placed on distinct masters (--shards)
     cluster: bool = False  # a private local cluster instead of a single Redis (--cluster)
@@ -105,10 +106,12 @@ class Workers:
         model_file: Callable[[str], Path],
         providers: Sequence[str] = ("cpu",),
         binding: str = "off",
+        threads: int = 0,
     ) -> None:
         self.url, self.workdir, self.model_file = url, workdir, model_file
         self.providers = tuple(providers)
         self.binding = binding
+        self.threads = threads
         self.current: WorkerProcess | None = None
 
     def get(self, setup: WorkerSetup) -> WorkerProcess:
@@ -117,7 +120,9 @@ class Workers:
         self.stop()
         say(f"starting a worker: {setup.model}, max_batch_size {setup.max_batch_size}")
         path = setup.model_path or self.model_file(setup.model)
-        worker = WorkerProcess(setup, path, self.url, self.workdir, self.providers, self.binding)
+        worker = WorkerProcess(
+            setup, path, self.url, self.workdir, self.providers, self.binding, self.threads
+        )
         self.current = worker.start()
         _say_fallback("the worker", self.providers, worker.record["runtime"]["providers"])
         return worker
@@ -137,7 +142,14 @@ class Phases:
         self.url = url
         self.workdir = workdir
         self._models: dict[str, Path] = {}
-        self.workers = Workers(url, workdir, self.model_file, options.providers, options.binding)
+        self.workers = Workers(
+            url,
+            workdir,
+            self.model_file,
+            options.providers,
+            options.binding,
+            options.intra_op_threads,
+        )
         self.max_throughput: dict[WorkerSetup, float] = {}
         self._loads: dict[str, tuple[WorkerSetup, dict[str, Any]]] = {}  # phase id: its setup
         self.shard_tags: dict[str, tuple[str, ...]] = {}  # model: its shard tags, when sharded

@@ -163,6 +163,7 @@ class WorkerProcess:
         workdir: Path,
         providers: Sequence[str] = ("cpu",),
         binding: str = "off",
+        threads: int = 0,
     ) -> None:
         self.setup = setup
         self.url = url
@@ -180,6 +181,7 @@ name = "{setup.served}"
 path = "{model_file}"
 version = "bench"
 providers = {json.dumps(list(providers))}
+intra_op_threads = {threads}
 {_binding_table(binding)}
 [batching]
 max_batch_size = {setup.max_batch_size}
