@@ -402,3 +402,75 @@ def test_released_and_replaced_sessions_are_freed_even_with_start_up_frozen(
             assert tiny() is None
         finally:
             gc.unfreeze()
+
+
+def test_a_worker_of_two_models_killed_mid_stream_loses_nothing_and_answers_once(
+    tmp_path: Path, redis_url: str, rconn: redis.Redis
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # Given two worker processes, each serving demo and tiny, a short claim_idle_ms
+    paths = _models(tmp_path, ["demo", "tiny"])
+    fast_claim = "[models.delivery]\nclaim_idle_ms = 500\n"
+    config = _write(
+        tmp_path,
+        redis_url,
+        [_entry("demo", "demo.onnx") + fast_claim, _entry("tiny", "tiny.onnx") + fast_claim],
+    )
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "--config", str(config), "--name", name],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    victim, survivor = start("wA"), start("wB")
+    try:
+        for name in ("wA", "wB"):
+            for model in ("demo", "tiny"):
+                eventually(lambda m=model, n=name: _record(rconn, m, n), 60, f"{name} {model}")
+        # When requests to both models stream in and one worker is SIGKILLed among them
+        rng = np.random.default_rng(10)
+        sent: dict[str, tuple[str, dict[str, np.ndarray]]] = {}
+        held = 0
+        for i in range(1200):
+            model = "demo" if i % 2 else "tiny"
+            inputs = _inputs(model, rng, 1 + i % 3)
+            sent[send(rconn, model, f"k{i}", inputs)] = (model, inputs)
+            # killed, from the 400th on, at a moment it holds requests read and not answered
+            if i >= 400 and not held and (held := _held_by(rconn, "wA")):
+                os.kill(victim.pid, signal.SIGKILL)
+        # Then every request is answered exactly once, right, by the workers between them
+        for rid, (model, inputs) in sent.items():
+            key = reply_key(PREFIX, model, rid)
+            eventually(lambda key=key: rconn.exists(key), timeout_s=60, what=f"reply {rid}")
+            assert rconn.llen(key) == 1
+            reply = decode_reply(rconn.lindex(key, 0))
+            assert reply.ok, reply.error
+            expected = direct_run(paths[model], inputs)
+            for out, value in expected.items():
+                np.testing.assert_allclose(reply.outputs[out], value, rtol=1e-5, atol=1e-6)
+        assert victim.wait(10) == -signal.SIGKILL
+        assert held > 0  # what it held was claimed and answered by the other
+        assert _held_by(rconn, "wA") == 0
+    finally:
+        for proc in (victim, survivor):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    assert survivor.returncode == 0
+
+
+def _held_by(rconn: redis.Redis, consumer: str) -> int:
+    """Entries read by ``consumer`` and not yet answered, over both models' streams."""
+    held = 0
+    for model in ("demo", "tiny"):
+        summary = rconn.xpending(f"{PREFIX}:{{{model}}}:requests", "workers")
+        for entry in summary.get("consumers") or []:
+            name = entry["name"].decode() if isinstance(entry["name"], bytes) else entry["name"]
+            held += int(entry["pending"]) if name == consumer else 0
+    return held
