@@ -260,16 +260,9 @@ class Fleet:
                 return problem if len(slots) == 1 else f"model {slot.name!r}: {problem}"
         return None
 
-    def served_counts(self) -> dict[str, dict[str, int]]:
-        with self.lock:
-            return {name: slot.worker.served for name, slot in self.slots.items()}
-
     def close(self) -> None:
         if self.topology is not None:
             self.topology.close()
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def _registries(self) -> dict[str, Any]:
         with self.lock:
